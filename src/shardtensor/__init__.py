@@ -1,0 +1,1 @@
+"""shardtensor: distributed tensors for PyTorch."""

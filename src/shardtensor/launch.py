@@ -1,0 +1,263 @@
+"""Local ranks without a launcher: a pool of worker processes that share one gloo world.
+
+Each worker initializes the default process group once and then runs tasks forever, so process
+groups, meshes and caches persist between tasks (which keeps tests fast). A task runs on every rank;
+results come back in rank order, failures come back as one `RankFailure` with every traceback.
+
+    >>> def body():
+    ...     import torch.distributed as dist
+    ...     return dist.get_rank()
+    >>> spawn(body, 2)  # doctest: +SKIP
+    [0, 1]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import importlib
+import multiprocessing
+import os
+import pickle
+import queue
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["LocalWorkers", "RankFailure", "RegisteredFunction", "register", "spawn"]
+
+_STARTUP_TIMEOUT = 120.0
+_POLL_INTERVAL = 0.05
+
+# Functions registered by name, so that a worker can find a function that its module replaces
+# (for example a test body that a pytest decorator wraps).
+_registry: dict[tuple[str, str], Callable] = {}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RegisteredFunction:
+    """A picklable reference to a function in `_registry`; importing its module registers it."""
+
+    module: str
+    qualname: str
+
+    def resolve(self) -> Callable:
+        importlib.import_module(self.module)
+        try:
+            return _registry[(self.module, self.qualname)]
+        except KeyError:
+            raise LookupError(
+                f"no function registered as {self.qualname!r} after importing module "
+                f"{self.module!r}; register it at import time with shardtensor.launch.register"
+            ) from None
+
+
+def register(function: Callable) -> RegisteredFunction:
+    """Register `function` under (module, qualname) and return a picklable reference to it."""
+    _registry[(function.__module__, function.__qualname__)] = function
+    return RegisteredFunction(function.__module__, function.__qualname__)
+
+
+class RankFailure(RuntimeError):
+    """A task failed on some ranks: `failures` maps rank -> traceback, `timed_out` lists silent ranks."""
+
+    def __init__(self, failures: dict[int, str], timed_out: list[int], answered: list[int]):
+        self.failures = failures
+        self.timed_out = timed_out
+        self.answered = answered
+        super().__init__(_rank_failure_message(failures, timed_out, answered))
+
+
+def _rank_failure_message(failures: dict[int, str], timed_out: list[int], answered: list[int]) -> str:
+    lines = [f"task failed on rank(s) {sorted(failures)}" if failures else "task did not finish"]
+    if timed_out:
+        lines.append(
+            f"rank(s) {timed_out} did not answer (probably stuck in a collective waiting for a "
+            f"failed rank); ranks that answered: {answered}. The workers were killed and will "
+            "restart on the next run."
+        )
+    for rank in sorted(failures):
+        lines.append(f"\n----- rank {rank} -----\n{failures[rank].rstrip()}")
+    return "\n".join(lines)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _worker_main(rank, world_size, backend, port, timeout, tasks, results, parent_pid) -> None:
+    """Worker loop: initialize the default process group once, then run tasks until told to stop."""
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout),
+        )
+    except BaseException:
+        results.put(pickle.dumps((None, rank, False, traceback.format_exc())))
+        return
+    results.put(pickle.dumps((None, rank, True, "ready")))
+    while True:
+        try:
+            payload = tasks.get(timeout=1.0)
+        except queue.Empty:
+            if os.getppid() != parent_pid:  # the parent died: do not linger
+                return
+            continue
+        if payload is None:
+            return
+        task_id, function, args, kwargs, parent_path = pickle.loads(payload)
+        if sys.path != parent_path:
+            sys.path[:] = parent_path
+        try:
+            torch.manual_seed(0)
+            if isinstance(function, RegisteredFunction):
+                function = function.resolve()
+            answer = pickle.dumps((task_id, rank, True, function(*args, **kwargs)))
+        except BaseException:
+            answer = pickle.dumps((task_id, rank, False, traceback.format_exc()))
+        results.put(answer)
+
+
+class LocalWorkers:
+    """`world_size` local processes that share one default process group and run tasks on demand.
+
+    A failed or hung task kills the pool (no hang: SIGKILL) and the next `run` restarts it.
+    `timeout` is the process-group timeout and the default task timeout, in seconds; `grace` is how
+    long the other ranks may take to answer after one rank failed.
+    """
+
+    def __init__(self, world_size: int, *, backend: str = "gloo", timeout: float = 300.0, grace: float = 5.0):
+        if world_size < 1:
+            raise ValueError(f"LocalWorkers needs world_size >= 1, got {world_size}")
+        self.world_size = world_size
+        self.backend = backend
+        self.timeout = timeout
+        self.grace = grace
+        self._processes: list[multiprocessing.Process] = []
+        self._task_queues: list = []
+        self._results = None
+        self._ready = False
+        self._task_id = 0
+
+    def start(self) -> None:
+        """Spawn the workers without waiting for them (several pools can start concurrently)."""
+        if self._processes:
+            return
+        context = multiprocessing.get_context("spawn")
+        port = _free_port()
+        self._results = context.Queue()
+        self._task_queues = [context.Queue() for _ in range(self.world_size)]
+        for rank in range(self.world_size):
+            process = context.Process(
+                target=_worker_main,
+                args=(rank, self.world_size, self.backend, port, self.timeout,
+                      self._task_queues[rank], self._results, os.getpid()),
+                daemon=True,
+                name=f"shardtensor-rank{rank}",
+            )
+            process.start()
+            self._processes.append(process)
+
+    def _wait_ready(self) -> None:
+        self.start()
+        if self._ready:
+            return
+        try:
+            self._collect(None, _STARTUP_TIMEOUT)
+        except RankFailure:
+            self._kill()
+            raise
+        self._ready = True
+
+    def run(self, function: Callable | RegisteredFunction, *args: Any, timeout: float | None = None, **kwargs: Any) -> list:
+        """Run `function(*args, **kwargs)` on every rank; return the results in rank order."""
+        payload = pickle.dumps((self._task_id + 1, function, args, kwargs, list(sys.path)))
+        self._wait_ready()
+        self._task_id += 1
+        for task_queue in self._task_queues:
+            task_queue.put(payload)
+        return self._collect(self._task_id, self.timeout if timeout is None else timeout)
+
+    def _collect(self, task_id: int | None, timeout: float) -> list:
+        """Wait for one answer per rank; on failure or timeout raise `RankFailure`."""
+        results: dict[int, Any] = {}
+        failures: dict[int, str] = {}
+        deadline = time.monotonic() + timeout
+        while len(results) + len(failures) < self.world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                answer_task, rank, ok, value = pickle.loads(self._results.get(timeout=min(remaining, _POLL_INTERVAL)))
+            except queue.Empty:
+                for rank, process in enumerate(self._processes):
+                    if not process.is_alive() and rank not in results and rank not in failures:
+                        failures[rank] = f"worker process exited with code {process.exitcode}"
+                        deadline = min(deadline, time.monotonic() + self.grace)
+                continue
+            if answer_task != task_id:
+                continue  # a stale answer from an earlier task
+            if ok:
+                results[rank] = value
+            else:
+                failures[rank] = value
+                deadline = min(deadline, time.monotonic() + self.grace)
+        answered = sorted([*results, *failures])
+        timed_out = [rank for rank in range(self.world_size) if rank not in answered]
+        if timed_out:
+            self._kill()
+        if failures or timed_out:
+            raise RankFailure(failures, timed_out, answered)
+        return [results[rank] for rank in range(self.world_size)]
+
+    def _kill(self) -> None:
+        for process in self._processes:
+            if process.is_alive():
+                process.kill()
+        for process in self._processes:
+            process.join()
+        self._discard_queues()
+
+    def _discard_queues(self) -> None:
+        for channel in [*self._task_queues, self._results]:
+            if channel is not None:
+                channel.cancel_join_thread()
+                channel.close()
+        self._processes, self._task_queues, self._results = [], [], None
+        self._ready = False
+
+    def close(self) -> None:
+        """Stop the workers (politely, then by force after a few seconds)."""
+        for process, task_queue in zip(self._processes, self._task_queues):
+            if process.is_alive():
+                task_queue.put(None)
+        for process in self._processes:
+            process.join(timeout=5.0)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        self._discard_queues()
+
+    def __enter__(self) -> LocalWorkers:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+def spawn(function: Callable, nprocs: int, *args: Any, **kwargs: Any) -> list:
+    """Run `function(*args, **kwargs)` on `nprocs` fresh local ranks and return their results."""
+    with LocalWorkers(nprocs) as workers:
+        return workers.run(function, *args, **kwargs)

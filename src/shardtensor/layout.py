@@ -1,0 +1,303 @@
+"""Layout: which rank holds which slice of a global tensor. Pure arithmetic, no processes.
+
+A tensor dim sharded over mesh dims `(m1, ..., mk)` (its *shard order*, outermost first) is cut into
+`n_m1 * ... * n_mk` contiguous *pieces*, numbered lexicographically by the coordinates
+`(c_m1, ..., c_mk)`. `Layout.pieces[dim]` stores their lengths, so uneven and ragged sharding is
+exact data rather than a special case; the default pieces follow `torch.chunk` applied
+recursively (trailing pieces may be empty).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from .placement import Partial, Placement, Shard, normalize_placements
+
+__all__ = ["Layout", "chunk_sizes", "ShardSizes"]
+
+# What users may pass to describe shard sizes: "chunk", or {mesh_dim: sizes along that mesh dim}.
+ShardSizes = str | Mapping[int, Sequence[int]] | None
+
+
+def chunk_sizes(size: int, parts: int) -> tuple[int, ...]:
+    """Sizes of `torch.chunk(size, parts)`, padded with empty chunks to exactly `parts` entries."""
+    step = -(-size // parts) if size else 0
+    sizes = []
+    remaining = size
+    for _ in range(parts):
+        take = min(step, remaining)
+        sizes.append(take)
+        remaining -= take
+    return tuple(sizes)
+
+
+def _default_pieces(size: int, split_counts: Sequence[int]) -> tuple[int, ...]:
+    """Recursive chunking: the first count splits the dim, each later count splits every piece."""
+    pieces = (size,)
+    for parts in split_counts:
+        pieces = tuple(sub for piece in pieces for sub in chunk_sizes(piece, parts))
+    return pieces
+
+
+def _default_shard_order(placements: Sequence[Placement], ndim: int) -> tuple[tuple[int, ...], ...]:
+    order = [[] for _ in range(ndim)]
+    for mesh_dim, placement in enumerate(placements):
+        if isinstance(placement, Shard):
+            order[placement.dim].append(mesh_dim)
+    return tuple(tuple(mesh_dims) for mesh_dims in order)
+
+
+def _layout_error(layout_text: str, problem: str, allowed: str) -> ValueError:
+    return ValueError(f"{problem} (layout: {layout_text}); {allowed}")
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """Global shape, mesh shape, placements, shard order and exact piece sizes of a tensor.
+
+    Build one with `Layout.create`; fields are normalized tuples so that layouts hash and compare
+    cheaply. `shard_order[dim]` lists the mesh dims sharding `dim`, outermost first, and
+    `pieces[dim]` the lengths of its pieces (`(shape[dim],)` for an unsharded dim).
+    """
+
+    mesh_shape: tuple[int, ...]
+    placements: tuple[Placement, ...]
+    shape: tuple[int, ...]
+    shard_order: tuple[tuple[int, ...], ...]
+    pieces: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def create(
+        cls,
+        mesh_shape: Sequence[int],
+        placements: Sequence[Placement],
+        shape: Sequence[int],
+        *,
+        shard_sizes: ShardSizes = None,
+        shard_order: Sequence[Sequence[int]] | None = None,
+    ) -> Layout:
+        """Validate and build a layout.
+
+        `shard_sizes` is None or "chunk" (the `torch.chunk` default) or `{mesh_dim: sizes}` giving
+        the shard sizes along a mesh dim that alone shards its tensor dim (uneven, even empty,
+        shards). `shard_order` overrides the default order (ascending mesh dims) per tensor dim.
+
+        >>> Layout.create((2,), [Shard(0)], (5, 3)).local_shape((1,))
+        (2, 3)
+        """
+        mesh_shape = tuple(int(size) for size in mesh_shape)
+        shape = tuple(int(size) for size in shape)
+        placements = normalize_placements(placements, len(shape), len(mesh_shape))
+        order = _default_shard_order(placements, len(shape))
+        if shard_order is not None:
+            order = cls._checked_shard_order(shard_order, order, placements)
+        pieces = [
+            _default_pieces(shape[dim], [mesh_shape[mesh_dim] for mesh_dim in order[dim]])
+            for dim in range(len(shape))
+        ]
+        if shard_sizes not in (None, "chunk"):
+            cls._apply_shard_sizes(shard_sizes, mesh_shape, placements, shape, order, pieces)
+        return cls(mesh_shape, placements, shape, order, tuple(pieces))
+
+    @staticmethod
+    def _checked_shard_order(shard_order, default_order, placements) -> tuple[tuple[int, ...], ...]:
+        order = tuple(tuple(int(mesh_dim) for mesh_dim in mesh_dims) for mesh_dims in shard_order)
+        if len(order) != len(default_order) or any(
+            sorted(given) != list(default) for given, default in zip(order, default_order)
+        ):
+            raise ValueError(
+                f"shard_order {order} does not match placements {list(placements)}: each tensor dim must "
+                f"list exactly the mesh dims that shard it (default order: {default_order})"
+            )
+        return order
+
+    @staticmethod
+    def _apply_shard_sizes(shard_sizes, mesh_shape, placements, shape, order, pieces) -> None:
+        if isinstance(shard_sizes, str) or not isinstance(shard_sizes, Mapping):
+            raise ValueError(
+                f"shard_sizes={shard_sizes!r} is not understood; use 'chunk', or a mapping "
+                f"{{mesh_dim: sizes}} for mesh dims that shard a tensor dim alone"
+            )
+        for mesh_dim, sizes in shard_sizes.items():
+            if not isinstance(mesh_dim, int) or not 0 <= mesh_dim < len(mesh_shape):
+                raise ValueError(f"shard_sizes key {mesh_dim!r} is not a mesh dim of a mesh of shape {mesh_shape}")
+            placement = placements[mesh_dim]
+            if not isinstance(placement, Shard):
+                raise ValueError(
+                    f"shard_sizes gives sizes for mesh dim {mesh_dim}, whose placement is {placement!r}; "
+                    f"sizes are only meaningful for Shard placements"
+                )
+            dim = placement.dim
+            if len(order[dim]) != 1:
+                raise ValueError(
+                    f"tensor dim {dim} is sharded over mesh dims {order[dim]}; explicit shard_sizes are "
+                    f"supported for a tensor dim sharded by one mesh dim (use shard_sizes='infer' in "
+                    f"from_local for nested uneven sharding)"
+                )
+            sizes = tuple(int(size) for size in sizes)
+            if len(sizes) != mesh_shape[mesh_dim] or sum(sizes) != shape[dim] or min(sizes) < 0:
+                raise ValueError(
+                    f"shard_sizes[{mesh_dim}] = {list(sizes)} must have {mesh_shape[mesh_dim]} non-negative "
+                    f"entries (one per coordinate of mesh dim {mesh_dim}) summing to the size {shape[dim]} "
+                    f"of tensor dim {dim}"
+                )
+            pieces[dim] = sizes
+
+    @classmethod
+    def from_local_shapes(
+        cls,
+        mesh_shape: Sequence[int],
+        placements: Sequence[Placement],
+        local_shapes: Mapping[tuple[int, ...], Sequence[int]],
+        *,
+        shard_order: Sequence[Sequence[int]] | None = None,
+    ) -> Layout:
+        """Build the exact layout from every coordinate's local shape (as gathered from all ranks).
+
+        Raises a ValueError naming the coordinates whose shapes disagree, e.g. ranks that differ on a
+        dim that is not sharded, or two ranks holding the same piece with different sizes.
+        """
+        any_shape = next(iter(local_shapes.values()))
+        ndim = len(any_shape)
+        layout = cls.create(mesh_shape, placements, [0] * ndim, shard_order=shard_order)
+        pieces: list[list[int | None]] = [[None] * len(layout.pieces[dim]) for dim in range(ndim)]
+        for coordinate, local_shape in local_shapes.items():
+            if len(local_shape) != ndim:
+                raise ValueError(
+                    f"local tensors have different numbers of dims: {any_shape} and {tuple(local_shape)} "
+                    f"at mesh coordinate {coordinate}"
+                )
+            for dim in range(ndim):
+                index = layout.piece_index(dim, coordinate)
+                known = pieces[dim][index]
+                if known is not None and known != local_shape[dim]:
+                    raise ValueError(
+                        f"local shapes disagree on tensor dim {dim}: mesh coordinate {coordinate} holds "
+                        f"{local_shape[dim]} where another rank holding the same "
+                        f"{'piece' if layout.shard_order[dim] else 'replicated dim'} holds {known} "
+                        f"(placements {list(layout.placements)})"
+                    )
+                pieces[dim][index] = int(local_shape[dim])
+        exact = tuple(tuple(size or 0 for size in dim_pieces) for dim_pieces in pieces)
+        shape = tuple(sum(dim_pieces) for dim_pieces in exact)
+        return cls(layout.mesh_shape, layout.placements, shape, layout.shard_order, exact)
+
+    # ---- queries -------------------------------------------------------------------------------
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def mesh_ndim(self) -> int:
+        return len(self.mesh_shape)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def piece_index(self, dim: int, coordinate: Sequence[int]) -> int:
+        """Index into `pieces[dim]` of the piece held at a mesh coordinate."""
+        index = 0
+        for mesh_dim in self.shard_order[dim]:
+            index = index * self.mesh_shape[mesh_dim] + coordinate[mesh_dim]
+        return index
+
+    def local_shape(self, coordinate: Sequence[int]) -> tuple[int, ...]:
+        """Shape of the local shard held at a mesh coordinate."""
+        return tuple(self.pieces[dim][self.piece_index(dim, coordinate)] for dim in range(self.ndim))
+
+    def local_offset(self, coordinate: Sequence[int]) -> tuple[int, ...]:
+        """Global index of the first element of the local shard held at a mesh coordinate."""
+        return tuple(sum(self.pieces[dim][: self.piece_index(dim, coordinate)]) for dim in range(self.ndim))
+
+    def sizes_along(self, mesh_dim: int, dim: int, coordinate: Sequence[int]) -> list[int]:
+        """Sizes on tensor dim `dim` of the shards of the peers along `mesh_dim`, in coordinate order."""
+        peer = list(coordinate)
+        sizes = []
+        for position in range(self.mesh_shape[mesh_dim]):
+            peer[mesh_dim] = position
+            sizes.append(self.pieces[dim][self.piece_index(dim, peer)])
+        return sizes
+
+    def is_chunked(self) -> bool:
+        """True when every piece follows the `torch.chunk` default (no explicit uneven sizes)."""
+        return all(
+            pieces == _default_pieces(sum(pieces), [self.mesh_shape[m] for m in order])
+            for pieces, order in zip(self.pieces, self.shard_order)
+        )
+
+    def has_default_shard_order(self) -> bool:
+        return all(list(order) == sorted(order) for order in self.shard_order)
+
+    def partial_mesh_dims(self) -> tuple[int, ...]:
+        return tuple(mesh_dim for mesh_dim, p in enumerate(self.placements) if isinstance(p, Partial))
+
+    # ---- derived layouts -----------------------------------------------------------------------
+
+    def with_placements(
+        self, placements: Sequence[Placement], *, shard_order: Sequence[Sequence[int]] | None = None
+    ) -> Layout:
+        """The same tensor under other placements: a redistribute target.
+
+        Tensor dims whose shard order is unchanged keep their exact pieces; the others get the
+        `torch.chunk` default.
+        """
+        target = Layout.create(self.mesh_shape, placements, self.shape, shard_order=shard_order)
+        pieces = tuple(
+            old if old_order == new_order else new
+            for old, new, old_order, new_order in zip(self.pieces, target.pieces, self.shard_order, target.shard_order)
+        )
+        return Layout(self.mesh_shape, target.placements, self.shape, target.shard_order, pieces)
+
+    def transition(self, mesh_dim: int, placement: Placement) -> Layout:
+        """The layout after changing only `mesh_dim` to `placement` (one planner step).
+
+        A shard can leave a tensor dim only if `mesh_dim` is the innermost mesh dim splitting it (the
+        merged pieces are then contiguous); a new shard becomes the innermost split of its tensor dim,
+        each existing piece chunked by `torch.chunk`.
+        """
+        old = self.placements[mesh_dim]
+        if not isinstance(placement, Placement):
+            raise TypeError(f"{placement!r} is not a Placement")
+        order = [list(mesh_dims) for mesh_dims in self.shard_order]
+        pieces = list(self.pieces)
+        parts = self.mesh_shape[mesh_dim]
+        if isinstance(old, Shard) and old != placement:
+            if order[old.dim][-1] != mesh_dim:
+                raise _layout_error(
+                    str(self),
+                    f"mesh dim {mesh_dim} is not the innermost mesh dim sharding tensor dim {old.dim} "
+                    f"(shard order {tuple(order[old.dim])})",
+                    "unshard the inner mesh dims first",
+                )
+            order[old.dim].pop()
+            merged = pieces[old.dim]
+            pieces[old.dim] = tuple(sum(merged[i : i + parts]) for i in range(0, len(merged), parts))
+        if isinstance(placement, Shard) and old != placement:
+            if not 0 <= placement.dim < self.ndim:
+                raise _layout_error(str(self), f"{placement!r} is out of range", f"use 0 <= dim < {self.ndim}")
+            order[placement.dim].append(mesh_dim)
+            pieces[placement.dim] = tuple(
+                sub for piece in pieces[placement.dim] for sub in chunk_sizes(piece, parts)
+            )
+        placements = list(self.placements)
+        placements[mesh_dim] = placement
+        return Layout(
+            self.mesh_shape,
+            tuple(placements),
+            self.shape,
+            tuple(tuple(mesh_dims) for mesh_dims in order),
+            tuple(pieces),
+        )
+
+    def __str__(self) -> str:
+        text = f"[{', '.join(str(p) for p in self.placements)}] shape={self.shape} mesh={self.mesh_shape}"
+        if not self.has_default_shard_order():
+            text += f" order={self.shard_order}"
+        if not self.is_chunked():
+            text += f" pieces={self.pieces}"
+        return text
+

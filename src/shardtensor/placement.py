@@ -1,0 +1,128 @@
+"""Placements: how a tensor lies along one mesh dim.
+
+`Shard(dim)` splits tensor dim `dim` across the mesh dim, `Replicate()` keeps a full copy on every
+rank, and `Partial(reduce_op)` holds a summand (or max/min/... operand) whose reduction over the
+mesh dim is the value. Placements are small immutable values, so layouts built from them can be
+hashed and cached.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["Placement", "Shard", "Replicate", "Partial", "REDUCE_OPS", "normalize_placements"]
+
+REDUCE_OPS = ("sum", "avg", "max", "min", "product")
+
+
+class Placement:
+    """A placement along one mesh dim. Subclasses answer the three `is_*` questions."""
+
+    __slots__ = ()
+
+    def is_shard(self, dim: int | None = None) -> bool:
+        """True for `Shard`, and, when `dim` is given, only if it shards that tensor dim."""
+        return False
+
+    def is_replicate(self) -> bool:
+        return False
+
+    def is_partial(self, reduce_op: str | None = None) -> bool:
+        """True for `Partial`, and, when `reduce_op` is given, only for that reduce op."""
+        return False
+
+
+@dataclass(frozen=True, slots=True)
+class Shard(Placement):
+    """Tensor dim `dim` is split across the mesh dim; sizes follow `torch.chunk` unless given."""
+
+    dim: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dim, int) or isinstance(self.dim, bool):
+            raise TypeError(f"Shard(dim) takes an int tensor dim, got {self.dim!r} ({type(self.dim).__name__})")
+
+    def is_shard(self, dim: int | None = None) -> bool:
+        return dim is None or dim == self.dim
+
+    def __str__(self) -> str:
+        return f"S({self.dim})"
+
+    def __repr__(self) -> str:
+        return f"Shard(dim={self.dim})"
+
+
+@dataclass(frozen=True, slots=True)
+class Replicate(Placement):
+    """Every rank along the mesh dim holds the whole tensor dim."""
+
+    def is_replicate(self) -> bool:
+        return True
+
+    def __str__(self) -> str:
+        return "R"
+
+    def __repr__(self) -> str:
+        return "Replicate()"
+
+
+@dataclass(frozen=True, slots=True)
+class Partial(Placement):
+    """Each rank holds an operand; the value is their reduction (`reduce_op`) over the mesh dim."""
+
+    reduce_op: str = "sum"
+
+    def __post_init__(self) -> None:
+        if self.reduce_op not in REDUCE_OPS:
+            raise ValueError(
+                f"Partial(reduce_op={self.reduce_op!r}) is not supported; "
+                f"allowed reduce ops are {', '.join(REDUCE_OPS)}"
+            )
+
+    def is_partial(self, reduce_op: str | None = None) -> bool:
+        return reduce_op is None or reduce_op == self.reduce_op
+
+    def __str__(self) -> str:
+        return f"P({self.reduce_op})"
+
+    def __repr__(self) -> str:
+        return f"Partial(reduce_op={self.reduce_op!r})"
+
+
+def _placements_error(placements: object, ndim: int, mesh_ndim: int, problem: str) -> ValueError:
+    return ValueError(
+        f"{problem}. Given placements {placements!r} for a tensor of {ndim} dims on a mesh of "
+        f"{mesh_ndim} dims; give one Shard(dim) (-{ndim} <= dim < {ndim}), Replicate() or Partial() "
+        f"per mesh dim."
+    )
+
+
+def normalize_placements(placements: Sequence[Placement], ndim: int, mesh_ndim: int) -> tuple[Placement, ...]:
+    """Check placements against a tensor of `ndim` dims on a mesh of `mesh_ndim` dims.
+
+    Returns them as a tuple with negative shard dims made non-negative; raises a ValueError or
+    TypeError that names what was wrong otherwise.
+    """
+    if isinstance(placements, Placement) or not isinstance(placements, Sequence):
+        raise _placements_error(placements, ndim, mesh_ndim, "placements must be a sequence of Placement")
+    if len(placements) != mesh_ndim:
+        raise _placements_error(
+            placements, ndim, mesh_ndim, f"got {len(placements)} placements for {mesh_ndim} mesh dims"
+        )
+    normalized = []
+    for mesh_dim, placement in enumerate(placements):
+        if not isinstance(placement, Placement):
+            raise TypeError(
+                f"placements[{mesh_dim}] is {placement!r} ({type(placement).__name__}), not a Placement; "
+                f"use Shard(dim), Replicate() or Partial(reduce_op)"
+            )
+        if isinstance(placement, Shard):
+            if not -ndim <= placement.dim < ndim:
+                raise _placements_error(
+                    placements, ndim, mesh_ndim, f"placements[{mesh_dim}] = {placement!r} is out of range"
+                )
+            if placement.dim < 0:
+                placement = Shard(placement.dim + ndim)
+        normalized.append(placement)
+    return tuple(normalized)

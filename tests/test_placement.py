@@ -1,0 +1,42 @@
+"""Placement values: equality, text forms and validation."""
+
+import pytest
+
+from shardtensor.placement import Partial, Replicate, Shard, normalize_placements
+
+
+def test_text_forms():
+    assert [str(p) for p in (Shard(0), Replicate(), Partial("max"))] == ["S(0)", "R", "P(max)"]
+    assert [repr(p) for p in (Shard(1), Replicate(), Partial())] == [
+        "Shard(dim=1)", "Replicate()", "Partial(reduce_op='sum')"]
+
+
+def test_values_hash_and_compare():
+    assert {Shard(0), Shard(0), Replicate(), Replicate(), Partial(), Partial("sum")} == {
+        Shard(0), Replicate(), Partial()}
+    assert Shard(0) != Shard(1) and Partial("sum") != Partial("avg")
+
+
+def test_predicates():
+    assert Shard(1).is_shard() and Shard(1).is_shard(1) and not Shard(1).is_shard(0)
+    assert Replicate().is_replicate() and not Replicate().is_shard()
+    assert Partial("max").is_partial() and Partial("max").is_partial("max") and not Partial().is_partial("max")
+
+
+def test_bad_values():
+    with pytest.raises(ValueError, match="allowed reduce ops are sum, avg, max, min, product"):
+        Partial("mean")
+    with pytest.raises(TypeError, match="int tensor dim"):
+        Shard("0")
+
+
+def test_normalize_placements():
+    assert normalize_placements([Shard(-1), Replicate()], 3, 2) == (Shard(2), Replicate())
+    with pytest.raises(ValueError, match="got 1 placements for 2 mesh dims"):
+        normalize_placements([Shard(0)], 2, 2)
+    with pytest.raises(ValueError, match="out of range"):
+        normalize_placements([Shard(2)], 2, 1)
+    with pytest.raises(TypeError, match="not a Placement"):
+        normalize_placements(["S0"], 2, 1)
+    with pytest.raises(ValueError, match="sequence of Placement"):
+        normalize_placements(Shard(0), 2, 1)
