@@ -1,1 +1,33 @@
-"""shardtensor: distributed tensors for PyTorch."""
+"""shardtensor: distributed tensors for PyTorch, with `torch.distributed.tensor`'s public names.
+
+>>> from shardtensor import init_device_mesh, distribute_tensor, Shard  # doctest: +SKIP
+>>> mesh = init_device_mesh("cpu", (2,))  # doctest: +SKIP
+>>> distribute_tensor(torch.arange(4.0), mesh, [Shard(0)])  # doctest: +SKIP
+"""
+
+from .api import distribute_module, distribute_tensor, empty, full, ones, rand, randn, zeros
+from .dispatch import strict_mode
+from .dtensor import DTensor
+from .mesh import DeviceMesh, init_device_mesh
+from .placement import Partial, Placement, Replicate, Shard
+from .random import manual_seed
+
+__all__ = [
+    "DTensor",
+    "DeviceMesh",
+    "init_device_mesh",
+    "Shard",
+    "Replicate",
+    "Partial",
+    "Placement",
+    "distribute_tensor",
+    "distribute_module",
+    "zeros",
+    "ones",
+    "empty",
+    "full",
+    "rand",
+    "randn",
+    "manual_seed",
+    "strict_mode",
+]

@@ -252,20 +252,27 @@ class Layout:
         )
         return Layout(self.mesh_shape, target.placements, self.shape, target.shard_order, pieces)
 
-    def transition(self, mesh_dim: int, placement: Placement) -> Layout:
+    def transition(
+        self, mesh_dim: int, placement: Placement, *, pieces: Sequence[int] | None = None
+    ) -> Layout:
         """The layout after changing only `mesh_dim` to `placement` (one planner step).
 
         A shard can leave a tensor dim only if `mesh_dim` is the innermost mesh dim splitting it (the
         merged pieces are then contiguous); a new shard becomes the innermost split of its tensor dim,
-        each existing piece chunked by `torch.chunk`.
+        each existing piece chunked by `torch.chunk`, or cut into the given `pieces` (the new pieces of
+        that tensor dim, `mesh_shape[mesh_dim]` per existing piece). With `pieces`, `placement` may
+        equal the current Shard: the innermost split is then redrawn (a re-split).
         """
         old = self.placements[mesh_dim]
         if not isinstance(placement, Placement):
             raise TypeError(f"{placement!r} is not a Placement")
+        if pieces is not None and not isinstance(placement, Shard):
+            raise _layout_error(str(self), f"pieces={tuple(pieces)} given for {placement!r}", "pieces apply to a Shard")
+        changes = old != placement or pieces is not None
         order = [list(mesh_dims) for mesh_dims in self.shard_order]
-        pieces = list(self.pieces)
+        new_pieces = list(self.pieces)
         parts = self.mesh_shape[mesh_dim]
-        if isinstance(old, Shard) and old != placement:
+        if isinstance(old, Shard) and changes:
             if order[old.dim][-1] != mesh_dim:
                 raise _layout_error(
                     str(self),
@@ -274,15 +281,17 @@ class Layout:
                     "unshard the inner mesh dims first",
                 )
             order[old.dim].pop()
-            merged = pieces[old.dim]
-            pieces[old.dim] = tuple(sum(merged[i : i + parts]) for i in range(0, len(merged), parts))
-        if isinstance(placement, Shard) and old != placement:
+            merged = new_pieces[old.dim]
+            new_pieces[old.dim] = tuple(sum(merged[i : i + parts]) for i in range(0, len(merged), parts))
+        if isinstance(placement, Shard) and changes:
             if not 0 <= placement.dim < self.ndim:
                 raise _layout_error(str(self), f"{placement!r} is out of range", f"use 0 <= dim < {self.ndim}")
             order[placement.dim].append(mesh_dim)
-            pieces[placement.dim] = tuple(
-                sub for piece in pieces[placement.dim] for sub in chunk_sizes(piece, parts)
-            )
+            outer = new_pieces[placement.dim]
+            if pieces is None:
+                new_pieces[placement.dim] = tuple(sub for piece in outer for sub in chunk_sizes(piece, parts))
+            else:
+                new_pieces[placement.dim] = self._checked_split(outer, tuple(int(size) for size in pieces), parts)
         placements = list(self.placements)
         placements[mesh_dim] = placement
         return Layout(
@@ -290,8 +299,18 @@ class Layout:
             tuple(placements),
             self.shape,
             tuple(tuple(mesh_dims) for mesh_dims in order),
-            tuple(pieces),
+            tuple(new_pieces),
         )
+
+    @staticmethod
+    def _checked_split(outer: tuple[int, ...], pieces: tuple[int, ...], parts: int) -> tuple[int, ...]:
+        grouped = tuple(sum(pieces[i : i + parts]) for i in range(0, len(pieces), parts))
+        if len(pieces) != len(outer) * parts or grouped != outer or min(pieces, default=0) < 0:
+            raise ValueError(
+                f"pieces {pieces} do not split the pieces {outer} into {parts} non-negative parts each; "
+                f"give {len(outer) * parts} sizes whose consecutive groups of {parts} sum to {outer}"
+            )
+        return pieces
 
     def __str__(self) -> str:
         text = f"[{', '.join(str(p) for p in self.placements)}] shape={self.shape} mesh={self.mesh_shape}"

@@ -1,0 +1,313 @@
+"""`DeviceMesh`: an n-d array of global ranks over torch.distributed process groups.
+
+A mesh dim (`mesh_dim`, an int or a name) is an axis of that array; a rank's `coordinate` is its
+position in it. For every mesh dim the mesh keeps the process group of the ranks that share this
+rank's coordinate on the other mesh dims. Groups are created once per distinct rank set and shared
+by all meshes and sub-meshes (c10d needs every rank of the world to create groups in one order).
+
+    >>> mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))  # doctest: +SKIP
+    >>> mesh["tp"].get_local_rank(), mesh.get_coordinate()  # doctest: +SKIP
+    (0, [0])
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import socket
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["DeviceMesh", "init_device_mesh", "current_mesh"]
+
+_DEVICE_BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
+
+# One process group per distinct set of global ranks (sorted), shared by every mesh.
+_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+# The `with mesh:` stack; `current_mesh()` returns its innermost entry.
+_mesh_stack: list[DeviceMesh] = []
+
+
+def _timeout() -> datetime.timedelta:
+    return datetime.timedelta(seconds=float(os.environ.get("SHARDTENSOR_TIMEOUT", "300")))
+
+
+def _device_type_error(device_type) -> ValueError:
+    return ValueError(
+        f"device_type {device_type!r} is not supported; use one of {sorted(_DEVICE_BACKENDS)} "
+        "(the backend follows: gloo for 'cpu', nccl for 'cuda')"
+    )
+
+
+def _ensure_default_group(device_type: str) -> None:
+    """Initialize the default process group if needed: env:// under torchrun, else a world of 1."""
+    if dist.is_initialized():
+        return
+    backend = _DEVICE_BACKENDS[device_type]
+    if device_type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if os.environ.get("RANK") and os.environ.get("WORLD_SIZE"):
+        dist.init_process_group(backend, init_method="env://", timeout=_timeout())
+        return
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    dist.init_process_group(
+        backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1, timeout=_timeout()
+    )
+
+
+def _group_for(ranks: Sequence[int]) -> dist.ProcessGroup | None:
+    """The cached group over `ranks`; creates it (a collective call over the world) if new.
+
+    The whole world maps to the default group. One-rank groups are not created here (that would
+    cost a world-wide call for nothing): they are None until `DeviceMesh.get_group` asks for one.
+    """
+    key = tuple(sorted(ranks))
+    if key in _groups:
+        return _groups[key]
+    if len(key) == dist.get_world_size():
+        _groups[key] = dist.group.WORLD
+    elif len(key) == 1:
+        return None
+    else:
+        _groups[key] = dist.new_group(list(key), timeout=_timeout())
+    return _groups[key]
+
+
+def _rank_lines(mesh: torch.Tensor, mesh_dim: int) -> list[tuple[int, ...]]:
+    """Every line of ranks along `mesh_dim`, other coordinates in row-major order."""
+    lines = mesh.movedim(mesh_dim, -1).reshape(-1, mesh.shape[mesh_dim])
+    return [tuple(line) for line in lines.tolist()]
+
+
+class DeviceMesh:
+    """An n-d mesh of global ranks with one process group per mesh dim (for this rank's line).
+
+    Building a mesh is collective: every rank of the world must build it, in the same order as
+    other meshes, because it may create process groups.
+    """
+
+    def __init__(self, device_type: str, mesh, *, mesh_dim_names: tuple[str, ...] | None = None, _groups_by_dim=None):
+        if device_type not in _DEVICE_BACKENDS:
+            raise _device_type_error(device_type)
+        ranks = torch.as_tensor(mesh, dtype=torch.int64, device="cpu").detach().clone()
+        if ranks.ndim == 0 or ranks.numel() == 0:
+            raise ValueError(f"a DeviceMesh needs at least one rank in at least one dim, got mesh {mesh!r}")
+        flat = ranks.flatten().tolist()
+        if len(set(flat)) != len(flat):
+            raise ValueError(f"mesh {ranks.tolist()} lists a rank more than once; every rank may appear once")
+        names = None if mesh_dim_names is None else tuple(mesh_dim_names)
+        _check_names(names, ranks.ndim)
+        _ensure_default_group(device_type)
+        world_size = dist.get_world_size()
+        if min(flat) < 0 or max(flat) >= world_size:
+            raise ValueError(
+                f"mesh {ranks.tolist()} holds ranks outside the world of {world_size} ranks "
+                f"(allowed: 0..{world_size - 1})"
+            )
+        self.device_type = device_type
+        self.mesh = ranks
+        self.mesh_dim_names = names
+        self._rank = dist.get_rank()
+        position = (ranks == self._rank).nonzero()
+        self._coordinate = None if position.numel() == 0 else [int(c) for c in position[0].tolist()]
+        self._hash = hash((device_type, tuple(flat), tuple(ranks.shape), names))
+        if _groups_by_dim is None:
+            _groups_by_dim = [self._create_groups(mesh_dim) for mesh_dim in range(ranks.ndim)]
+        self._groups_by_dim = list(_groups_by_dim)
+        self._group_ranks = [self._line_through_me(mesh_dim) for mesh_dim in range(ranks.ndim)]
+
+    def _create_groups(self, mesh_dim: int) -> dist.ProcessGroup | None:
+        """Create all groups along `mesh_dim` (same order on every rank); return this rank's."""
+        mine = None
+        for line in _rank_lines(self.mesh, mesh_dim):
+            group = _group_for(line)
+            if self._rank in line:
+                mine = group
+        return mine
+
+    def _line_through_me(self, mesh_dim: int) -> tuple[int, ...] | None:
+        if self._coordinate is None:
+            return None
+        index = list(self._coordinate)
+        index[mesh_dim] = slice(None)
+        return tuple(self.mesh[tuple(index)].tolist())
+
+    # --- shape and coordinates ---------------------------------------------------------------
+    @property
+    def ndim(self) -> int:
+        return self.mesh.ndim
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.mesh.shape)
+
+    def size(self, mesh_dim: int | str | None = None) -> int:
+        """Number of ranks along `mesh_dim`, or in the whole mesh when None."""
+        if mesh_dim is None:
+            return self.mesh.numel()
+        return self.mesh.shape[self._mesh_dim_index(mesh_dim)]
+
+    def get_rank(self) -> int:
+        """This process's global rank."""
+        return self._rank
+
+    def get_coordinate(self) -> list[int] | None:
+        """This rank's coordinate in the mesh, or None when the rank is not in the mesh."""
+        return None if self._coordinate is None else list(self._coordinate)
+
+    def get_local_rank(self, mesh_dim: int | str | None = None) -> int:
+        """This rank's coordinate along `mesh_dim` (may be None only for a 1-D mesh)."""
+        mesh_dim = self._mesh_dim_index(mesh_dim, needed_for="get_local_rank")
+        if self._coordinate is None:
+            raise _not_in_mesh_error(self, "get_local_rank")
+        return self._coordinate[mesh_dim]
+
+    def group_ranks(self, mesh_dim: int | str) -> tuple[int, ...]:
+        """Global ranks along `mesh_dim` through this rank's coordinate, in coordinate order."""
+        ranks = self._group_ranks[self._mesh_dim_index(mesh_dim)]
+        if ranks is None:
+            raise _not_in_mesh_error(self, "group_ranks")
+        return ranks
+
+    # --- process groups ------------------------------------------------------------------------
+    def get_group(self, mesh_dim: int | str | None = None) -> dist.ProcessGroup:
+        """The process group along `mesh_dim` through this rank (may be None only for a 1-D mesh)."""
+        mesh_dim = self._mesh_dim_index(mesh_dim, needed_for="get_group")
+        if self._coordinate is None:
+            raise _not_in_mesh_error(self, "get_group")
+        if self._groups_by_dim[mesh_dim] is None:  # a one-rank group: only this rank takes part
+            key = (self._rank,)
+            if key not in _groups:
+                _groups[key] = dist.new_group([self._rank], timeout=_timeout(), use_local_synchronization=True)
+            self._groups_by_dim[mesh_dim] = _groups[key]
+        return self._groups_by_dim[mesh_dim]
+
+    def get_all_groups(self) -> list[dist.ProcessGroup]:
+        """The process group of every mesh dim, in mesh-dim order."""
+        return [self.get_group(mesh_dim) for mesh_dim in range(self.ndim)]
+
+    # --- names and slicing ---------------------------------------------------------------------
+    def _mesh_dim_index(self, mesh_dim: int | str | None, needed_for: str | None = None) -> int:
+        if mesh_dim is None:
+            if self.ndim != 1:
+                raise ValueError(
+                    f"{needed_for or 'this call'} needs a mesh_dim on a {self.ndim}-D mesh {self!r}; "
+                    f"pass an int in [0, {self.ndim}) or one of the names {self.mesh_dim_names}"
+                )
+            return 0
+        if isinstance(mesh_dim, str):
+            if self.mesh_dim_names is None or mesh_dim not in self.mesh_dim_names:
+                raise _unknown_name_error(self, mesh_dim)
+            return self.mesh_dim_names.index(mesh_dim)
+        if isinstance(mesh_dim, int) and -self.ndim <= mesh_dim < self.ndim:
+            return mesh_dim % self.ndim
+        raise IndexError(f"mesh_dim {mesh_dim!r} is out of range for the {self.ndim}-D mesh {self!r}")
+
+    def __getitem__(self, names: str | tuple[str, ...]) -> DeviceMesh:
+        """The sub-mesh over the named mesh dims (in the order given) through this rank."""
+        names = (names,) if isinstance(names, str) else tuple(names)
+        if not names or not all(isinstance(name, str) for name in names):
+            raise TypeError(f"slice a DeviceMesh by mesh dim names, e.g. mesh['tp'] or mesh['dp', 'tp']; got {names!r}")
+        if len(set(names)) != len(names):
+            raise ValueError(f"mesh dim names {names} repeat a name; name each mesh dim once")
+        kept = [self._mesh_dim_index(name) for name in names]
+        if self._coordinate is None:
+            raise _not_in_mesh_error(self, "slicing")
+        index = [slice(None) if mesh_dim in kept else self._coordinate[mesh_dim] for mesh_dim in range(self.ndim)]
+        remaining = [mesh_dim for mesh_dim in range(self.ndim) if mesh_dim in kept]
+        sub_ranks = self.mesh[tuple(index)].permute([remaining.index(mesh_dim) for mesh_dim in kept])
+        groups = [self._groups_by_dim[mesh_dim] for mesh_dim in kept]
+        return DeviceMesh(self.device_type, sub_ranks, mesh_dim_names=names, _groups_by_dim=groups)
+
+    # --- current-mesh stack, identity ------------------------------------------------------------
+    def __enter__(self) -> DeviceMesh:
+        _mesh_stack.append(self)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        _mesh_stack.pop()
+
+    def __eq__(self, other) -> bool:
+        if self is other:
+            return True
+        if not isinstance(other, DeviceMesh) or self._hash != other._hash:
+            return False
+        return (
+            self.device_type == other.device_type
+            and self.mesh_dim_names == other.mesh_dim_names
+            and self.shape == other.shape
+            and torch.equal(self.mesh, other.mesh)
+        )
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __repr__(self) -> str:
+        names = "" if self.mesh_dim_names is None else f", mesh_dim_names={self.mesh_dim_names!r}"
+        return f"DeviceMesh({self.device_type!r}, {self.mesh.tolist()}{names})"
+
+
+def _check_names(names: tuple[str, ...] | None, ndim: int) -> None:
+    if names is None:
+        return
+    if len(names) != ndim:
+        raise ValueError(
+            f"mesh_dim_names {names} has {len(names)} names but the mesh has {ndim} mesh dims; "
+            "give one name per mesh dim"
+        )
+    if not all(isinstance(name, str) and name for name in names):
+        raise TypeError(f"mesh_dim_names must be non-empty strings, got {names}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"mesh_dim_names {names} repeat a name; every mesh dim needs its own name")
+
+
+def _unknown_name_error(mesh: DeviceMesh, name: str) -> KeyError:
+    if mesh.mesh_dim_names is None:
+        hint = "this mesh has no mesh_dim_names; build it with mesh_dim_names=(...) or use int mesh dims"
+    else:
+        hint = f"known names: {mesh.mesh_dim_names}"
+    return KeyError(f"mesh dim name {name!r} is not in {mesh!r}; {hint}")
+
+
+def _not_in_mesh_error(mesh: DeviceMesh, what: str) -> RuntimeError:
+    return RuntimeError(
+        f"{what} needs this rank ({mesh.get_rank()}) to be in the mesh, but {mesh!r} does not hold it; "
+        "check mesh.get_coordinate() is not None before using the mesh on this rank"
+    )
+
+
+def init_device_mesh(
+    device_type: str, mesh_shape: Sequence[int], *, mesh_dim_names: Sequence[str] | None = None
+) -> DeviceMesh:
+    """A mesh of all ranks, `arange(world_size).view(mesh_shape)`; sets up the world if needed.
+
+    >>> init_device_mesh("cpu", (1,)).shape  # doctest: +SKIP
+    (1,)
+    """
+    if device_type not in _DEVICE_BACKENDS:
+        raise _device_type_error(device_type)
+    mesh_shape = tuple(int(size) for size in mesh_shape)
+    names = None if mesh_dim_names is None else tuple(mesh_dim_names)
+    _check_names(names, len(mesh_shape))
+    _ensure_default_group(device_type)
+    world_size = dist.get_world_size()
+    if math.prod(mesh_shape) != world_size:
+        raise ValueError(
+            f"mesh_shape {mesh_shape} holds {math.prod(mesh_shape)} ranks but the world has {world_size}; "
+            f"choose a shape whose sizes multiply to {world_size}"
+        )
+    ranks = torch.arange(world_size, dtype=torch.int64).view(mesh_shape)
+    return DeviceMesh(device_type, ranks, mesh_dim_names=names)
+
+
+def current_mesh() -> DeviceMesh:
+    """The innermost mesh entered with `with mesh:`."""
+    if not _mesh_stack:
+        raise RuntimeError("no current mesh: enter one with `with mesh:` or pass a mesh explicitly")
+    return _mesh_stack[-1]
+

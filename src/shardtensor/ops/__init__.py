@@ -1,0 +1,1 @@
+"""Sharding rules per op family, collected in one registry (`ops.registry.RULES`)."""

@@ -1,0 +1,487 @@
+"""Redistribute planner: the cheapest sequence of single-mesh-dim steps between two layouts.
+
+States are `Layout`s (placements, shard order and exact pieces). A step changes one mesh dim:
+
+    from -> to          collective        why
+    S(a) -> R           all_gather
+    S(a) -> S(b)        all_to_all        also S(a) -> S(a) with other pieces (a re-split)
+    R    -> S(b)        slice             local: keep this coordinate's piece
+    P    -> R           all_reduce
+    P    -> S(b)        reduce_scatter
+    R    -> P           make_partial      local, internal: only towards a Partial target
+    P(x) -> P(y)        -                 not direct: reduce first
+    any  -> any         relabel           on a mesh dim of size 1 the local tensor does not change
+    all mesh dims       batch_p2p         straight to the target, no Partial on either side: every
+                                          rank receives exactly the target elements it lacks
+
+Only the innermost mesh dim of a nested shard may move (`Layout.transition` checks it). A new split
+of a tensor dim whose shard order becomes a prefix of the target's takes the target's pieces, so
+explicit uneven targets are reached exactly.
+
+Cost model (alpha-beta, `CostModel`): a step costs `latency_us` per collective plus
+`bytes / bytes_per_us`, where bytes are the **most bytes any one rank receives in that step** (the
+rank that finishes last). Sizes are exact per rank, uneven and empty pieces included. `plan` runs an
+exact shortest path (A* with an admissible heuristic: latency plus missing bytes) and caches per
+(source, target, itemsize, cost model).
+"""
+
+from __future__ import annotations
+
+import functools
+import heapq
+import itertools
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+
+from ..layout import Layout
+from ..placement import Partial, Placement, Replicate, Shard
+
+__all__ = [
+    "CostModel",
+    "DEFAULT_COST_MODEL",
+    "Plan",
+    "Step",
+    "plan",
+    "lower_bound_bytes",
+    "received_bytes",
+    "LOCAL_STEPS",
+]
+
+ALL_GATHER = "all_gather"
+ALL_TO_ALL = "all_to_all"
+ALL_REDUCE = "all_reduce"
+REDUCE_SCATTER = "reduce_scatter"
+SLICE = "slice"
+MAKE_PARTIAL = "make_partial"
+RELABEL = "relabel"
+EXCHANGE = "batch_p2p"
+LOCAL_STEPS = frozenset({SLICE, MAKE_PARTIAL, RELABEL})
+
+# A search that expands this many layouts has gone wrong (typical plans expand a few dozen).
+_MAX_EXPANDED_STATES = 200_000
+
+
+@dataclass(frozen=True, slots=True)
+class CostModel:
+    """Alpha-beta constants, in microseconds: a collective costs `latency_us + bytes / bytes_per_us`.
+
+    A `batch_p2p` exchange over the whole mesh starts slower than one collective along a mesh dim
+    (`exchange_latency_us`: many messages, no collective algorithm), so it wins only when it saves
+    bytes or steps. `local_step_us` is the small cost of a step without communication, so that
+    among plans moving the same bytes the one with fewer steps wins. Override with e.g.
+    `CostModel(latency_us=5.0)`.
+    """
+
+    latency_us: float = 20.0
+    exchange_latency_us: float = 60.0
+    bytes_per_us: float = 1000.0
+    local_step_us: float = 0.01
+
+    def step_cost(self, collective: str, bytes_per_rank: int) -> float:
+        if collective in LOCAL_STEPS:
+            return self.local_step_us
+        latency = self.exchange_latency_us if collective == EXCHANGE else self.latency_us
+        return latency + bytes_per_rank / self.bytes_per_us
+
+
+DEFAULT_COST_MODEL = CostModel()
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One mesh dim changes placement. `bytes_per_rank` is the most bytes any rank receives.
+
+    A `batch_p2p` step changes every mesh dim at once: its `mesh_dim` is None and its placements
+    are the whole placement tuples.
+    """
+
+    mesh_dim: int | None
+    source_placement: Placement | tuple[Placement, ...]
+    target_placement: Placement | tuple[Placement, ...]
+    collective: str
+    group_size: int
+    bytes_per_rank: int
+    cost_us: float
+    before: Layout
+    after: Layout
+
+    def __str__(self) -> str:
+        if self.mesh_dim is None:
+            where = f"all mesh dims: [{', '.join(map(str, self.source_placement))}] -> "
+            where += f"[{', '.join(map(str, self.target_placement))}]"
+        else:
+            where = f"mesh dim {self.mesh_dim}: {self.source_placement} -> {self.target_placement}"
+        return (
+            f"{where}  "
+            f"{self.collective} (group {self.group_size}), {self.bytes_per_rank} bytes/rank, "
+            f"{self.cost_us:.2f} us"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """The steps from `source` to `target`, and what they cost against the lower bound."""
+
+    source: Layout
+    target: Layout
+    itemsize: int
+    steps: tuple[Step, ...]
+    lower_bound_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        """Sum over steps of the most bytes any rank receives in that step."""
+        return sum(step.bytes_per_rank for step in self.steps)
+
+    @property
+    def total_cost_us(self) -> float:
+        return sum(step.cost_us for step in self.steps)
+
+    @property
+    def collectives(self) -> tuple[str, ...]:
+        """The collectives the plan issues, in order (local steps left out)."""
+        return tuple(step.collective for step in self.steps if step.collective not in LOCAL_STEPS)
+
+    def __str__(self) -> str:
+        lines = [f"redistribute {self.source}  ->  [{', '.join(map(str, self.target.placements))}], "
+                 f"{self.itemsize}-byte items: {len(self.steps)} step(s)"]
+        lines += [f"  {number}. {step}" for number, step in enumerate(self.steps, 1)]
+        ratio = f" ({self.total_bytes / self.lower_bound_bytes:.2f}x)" if self.lower_bound_bytes else ""
+        lines.append(
+            f"  total {self.total_bytes} bytes/rank, {self.total_cost_us:.2f} us; "
+            f"lower bound {self.lower_bound_bytes} bytes/rank{ratio}"
+        )
+        return "\n".join(lines)
+
+
+# ---- per-rank geometry ---------------------------------------------------------------------------
+
+
+def _coordinates(mesh_shape: tuple[int, ...]):
+    return itertools.product(*(range(size) for size in mesh_shape))
+
+
+@functools.lru_cache(maxsize=65536)
+def _boxes(layout: Layout) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]:
+    """(offset, shape) of the local shard at every coordinate, in `itertools.product` order."""
+    starts = [tuple(itertools.accumulate(pieces, initial=0)) for pieces in layout.pieces]
+    boxes = []
+    for coordinate in _coordinates(layout.mesh_shape):
+        offset, shape = [], []
+        for dim in range(layout.ndim):
+            index = layout.piece_index(dim, coordinate)
+            offset.append(starts[dim][index])
+            shape.append(layout.pieces[dim][index])
+        boxes.append((tuple(offset), tuple(shape)))
+    return tuple(boxes)
+
+
+def _overlap(first, second) -> int:
+    """Number of elements in the intersection of two (offset, shape) boxes."""
+    count = 1
+    for start_a, size_a, start_b, size_b in zip(first[0], first[1], second[0], second[1]):
+        count *= max(0, min(start_a + size_a, start_b + size_b) - max(start_a, start_b))
+    return count
+
+
+def _changed_dims(first: Layout, second: Layout) -> tuple[int, ...]:
+    """Tensor dims cut differently by two layouts; on the others every rank holds the same range."""
+    return tuple(
+        dim
+        for dim in range(first.ndim)
+        if first.pieces[dim] != second.pieces[dim] or first.shard_order[dim] != second.shard_order[dim]
+    )
+
+
+def _most_missing(held: Layout, wanted: Layout) -> int:
+    """Max over ranks of the elements of its `wanted` shard that its `held` shard lacks."""
+    changed = _changed_dims(held, wanted)
+    most = 0
+    for (held_offset, held_shape), (offset, shape) in zip(_boxes(held), _boxes(wanted)):
+        numel = math.prod(shape)
+        kept = numel
+        for dim in changed:
+            if not kept:
+                break
+            stop = min(held_offset[dim] + held_shape[dim], offset[dim] + shape[dim])
+            kept = kept // shape[dim] * max(0, stop - max(held_offset[dim], offset[dim]))
+        most = max(most, numel - kept)
+    return most
+
+
+def received_bytes(collective: str, group_size: int, before_box, after_box, itemsize: int) -> int:
+    """Bytes one rank receives in a step, from its (offset, shape) boxes before and after.
+
+    Data movement (all_gather, all_to_all) receives what the rank does not hold yet; reduce_scatter
+    receives its piece from each of the other `group_size - 1` ranks; all_reduce is counted as the
+    bandwidth-optimal reduce_scatter + all_gather, `2 * (group_size - 1) / group_size` of the
+    tensor (rounded down, as `comm` records it).
+    """
+    if collective in LOCAL_STEPS:
+        return 0
+    after_numel = math.prod(after_box[1])
+    if collective in (ALL_GATHER, ALL_TO_ALL, EXCHANGE):
+        return (after_numel - _overlap(before_box, after_box)) * itemsize
+    if collective == REDUCE_SCATTER:
+        return (group_size - 1) * after_numel * itemsize
+    if collective == ALL_REDUCE:
+        return 2 * (group_size - 1) * after_numel * itemsize // group_size
+    raise ValueError(f"unknown collective {collective!r}")
+
+
+def _collective(source: Placement, target: Placement, group_size: int) -> str:
+    if group_size == 1:
+        return RELABEL
+    if isinstance(source, Replicate):
+        return SLICE if isinstance(target, Shard) else MAKE_PARTIAL
+    if isinstance(source, Shard):
+        return ALL_GATHER if isinstance(target, Replicate) else ALL_TO_ALL
+    return ALL_REDUCE if isinstance(target, Replicate) else REDUCE_SCATTER
+
+
+def _step_bytes(before: Layout, after: Layout, collective: str, group_size: int, itemsize: int) -> int:
+    """The most bytes any rank receives in one step."""
+    if collective in LOCAL_STEPS:
+        return 0
+    if collective in (ALL_GATHER, ALL_TO_ALL, EXCHANGE):
+        return _most_missing(before, after) * itemsize
+    return max(
+        received_bytes(collective, group_size, before_box, after_box, itemsize)
+        for before_box, after_box in zip(_boxes(before), _boxes(after))
+    )
+
+
+def _make_step(before: Layout, after: Layout, mesh_dim: int, itemsize: int, cost_model: CostModel) -> Step:
+    source, target = before.placements[mesh_dim], after.placements[mesh_dim]
+    group_size = before.mesh_shape[mesh_dim]
+    collective = _collective(source, target, group_size)
+    bytes_per_rank = _step_bytes(before, after, collective, group_size, itemsize)
+    return Step(
+        mesh_dim, source, target, collective, group_size, bytes_per_rank,
+        cost_model.step_cost(collective, bytes_per_rank), before, after,
+    )
+
+
+def _exchange_step(before: Layout, after: Layout, itemsize: int, cost_model: CostModel) -> Step:
+    bytes_per_rank = _most_missing(before, after) * itemsize
+    return Step(
+        None, before.placements, after.placements, EXCHANGE, math.prod(before.mesh_shape), bytes_per_rank,
+        cost_model.step_cost(EXCHANGE, bytes_per_rank), before, after,
+    )
+
+
+def _exchange_allowed(state: Layout, target: Layout) -> bool:
+    """An exchange moves elements, not operands: neither side may hold Partial mesh dims."""
+    return math.prod(state.mesh_shape) > 1 and not state.partial_mesh_dims() and not target.partial_mesh_dims()
+
+
+# ---- lower bound ---------------------------------------------------------------------------------
+
+
+def lower_bound_bytes(source: Layout, target: Layout, itemsize: int) -> int:
+    """Bytes that the busiest rank must receive in any plan from `source` to `target`.
+
+    For every rank with source box S and target box T (sets of global indices, Partial mesh dims
+    splitting nothing), and G the product of the sizes of the source's Partial mesh dims that the
+    target does not keep:
+      - G = 1: `|T| - |T ∩ S|`, the target elements the rank does not hold yet;
+      - G > 1: with U the union of the targets of the G ranks that differ from this one only on
+        those Partial mesh dims (their boxes are equal or disjoint), `(G-1)/G * |U|` (its share of
+        combining G operands of U, a bandwidth-optimal reduce_scatter) plus `|T| - min(|T|, |U|/G)`
+        (after that reduction a rank holds at most 1/G of U reduced). This gives the classic bounds:
+        `2(G-1)/G * |T|` for an all_reduce and `(G-1) * |T|` for a reduce_scatter.
+    The bound is the maximum over ranks times `itemsize`, rounded down. A plan's `total_bytes` sums
+    the busiest rank of each step, so it is never below this bound.
+    """
+    reduced = [
+        mesh_dim
+        for mesh_dim, placement in enumerate(source.placements)
+        if isinstance(placement, Partial) and target.placements[mesh_dim] != placement
+    ]
+    group = math.prod(source.mesh_shape[mesh_dim] for mesh_dim in reduced)
+    coordinates = list(_coordinates(source.mesh_shape))
+    target_boxes = _boxes(target)
+    group_targets: dict[tuple, set] = {}
+    for coordinate, target_box in zip(coordinates, target_boxes):
+        key = tuple(c for mesh_dim, c in enumerate(coordinate) if mesh_dim not in reduced)
+        group_targets.setdefault(key, set()).add(target_box)
+    most = Fraction(0)
+    for coordinate, source_box, target_box in zip(coordinates, _boxes(source), target_boxes):
+        held = _overlap(source_box, target_box)
+        target_numel = math.prod(target_box[1])
+        if group == 1:
+            need = Fraction(target_numel - held)
+        else:
+            key = tuple(c for mesh_dim, c in enumerate(coordinate) if mesh_dim not in reduced)
+            union = sum(math.prod(box[1]) for box in group_targets[key])
+            reduced_share = Fraction(union, group)
+            need = (group - 1) * reduced_share + target_numel - min(Fraction(target_numel), reduced_share)
+        most = max(most, need)
+    return math.floor(most * itemsize)
+
+
+# ---- search --------------------------------------------------------------------------------------
+
+
+def _target_pieces(state: Layout, target: Layout, mesh_dim: int, dim: int) -> tuple[int, ...] | None:
+    """The pieces of `dim` after `mesh_dim` newly splits it, when that split is one the target has.
+
+    When the resulting shard order of `dim` is a prefix of the target's, the new pieces are the
+    target's pieces grouped to that depth, provided they refine the current (outer) pieces.
+    """
+    order = tuple(other for other in state.shard_order[dim] if other != mesh_dim) + (mesh_dim,)
+    target_order = target.shard_order[dim]
+    if target_order[: len(order)] != order:
+        return None
+    inner = math.prod(target.mesh_shape[m] for m in target_order[len(order):])
+    final = target.pieces[dim]
+    grouped = tuple(sum(final[i : i + inner]) for i in range(0, len(final), inner))
+    parts = state.mesh_shape[mesh_dim]
+    outer_order = order[:-1]
+    outer = _group_to_depth(state, dim, outer_order)
+    if tuple(sum(grouped[i : i + parts]) for i in range(0, len(grouped), parts)) != outer:
+        return None
+    return grouped
+
+
+def _group_to_depth(state: Layout, dim: int, order: tuple[int, ...]) -> tuple[int, ...]:
+    """Pieces of `dim` when only the mesh dims `order` (a prefix of its shard order) split it."""
+    current = state.shard_order[dim]
+    inner = math.prod(state.mesh_shape[m] for m in current[len(order):])
+    pieces = state.pieces[dim]
+    return tuple(sum(pieces[i : i + inner]) for i in range(0, len(pieces), inner))
+
+
+def _moves(state: Layout, target: Layout, mesh_dim: int):
+    """Candidate (placement, pieces) moves for one mesh dim of `state`."""
+    current = state.placements[mesh_dim]
+    wanted = target.placements[mesh_dim]
+    if isinstance(current, Shard) and state.shard_order[current.dim][-1] != mesh_dim:
+        return
+    if not isinstance(current, Replicate):
+        yield Replicate(), None
+    for dim in range(state.ndim):
+        shard = Shard(dim)
+        if shard == current:
+            pieces = _target_pieces(state, target, mesh_dim, dim)
+            if pieces is not None and pieces != state.pieces[dim]:
+                yield shard, pieces
+        else:
+            yield shard, _target_pieces(state, target, mesh_dim, dim)
+    if isinstance(current, Replicate) and isinstance(wanted, Partial):
+        yield wanted, None
+
+
+def _neighbors(state: Layout, target: Layout):
+    """(mesh dim, layout after) for every step from `state`; mesh dim None for an exchange."""
+    for mesh_dim in range(state.mesh_ndim):
+        for placement, pieces in _moves(state, target, mesh_dim):
+            yield mesh_dim, state.transition(mesh_dim, placement, pieces=pieces)
+    if _exchange_allowed(state, target):
+        yield None, target
+
+
+def _remaining_cost(state: Layout, target: Layout, itemsize: int, cost_model: CostModel) -> float:
+    """Admissible estimate of the cost from `state` to `target` (never above the true cost).
+
+    Every mesh dim that must leave a Partial needs its own collective; mesh dims that must leave a
+    Shard need at least one more (one exchange can move them all). Every rank must receive the
+    target elements it does not hold (each step's busiest rank receives at least that).
+    """
+    partial_moves = shard_moves = 0
+    for mesh_dim, (current, wanted) in enumerate(zip(state.placements, target.placements)):
+        if current == wanted or state.mesh_shape[mesh_dim] == 1:
+            continue
+        if isinstance(current, Partial):
+            partial_moves += 1
+        elif isinstance(current, Shard):
+            shard_moves = 1
+    missing = _most_missing(state, target)
+    latency = partial_moves * cost_model.latency_us
+    latency += shard_moves * min(cost_model.latency_us, cost_model.exchange_latency_us)
+    return latency + missing * itemsize / cost_model.bytes_per_us
+
+
+def _plan_error(source: Layout, target: Layout, problem: str, allowed: str) -> ValueError:
+    return ValueError(f"cannot plan a redistribute from {source} to {target}: {problem}. {allowed}")
+
+
+def _check(source: Layout, target: Layout) -> None:
+    if source.mesh_shape != target.mesh_shape:
+        raise _plan_error(
+            source, target, f"mesh shapes differ ({source.mesh_shape} vs {target.mesh_shape})",
+            "Both layouts must be on the same mesh; build the target with source.with_placements(...).",
+        )
+    if source.shape != target.shape:
+        raise _plan_error(
+            source, target, f"tensor shapes differ ({source.shape} vs {target.shape})",
+            "A redistribute keeps the global shape; reshape separately.",
+        )
+    reduced_ops = {
+        placement.reduce_op
+        for mesh_dim, placement in enumerate(source.placements)
+        if isinstance(placement, Partial) and target.placements[mesh_dim] != placement
+    }
+    source_ops = {placement.reduce_op for placement in source.placements if isinstance(placement, Partial)}
+    if reduced_ops and len(source_ops) > 1:
+        raise _plan_error(
+            source, target, f"the source mixes Partial reduce ops {sorted(source_ops)}",
+            "Their reduction order is ambiguous; reduce to one reduce op before redistributing.",
+        )
+
+
+def plan(source: Layout, target: Layout, itemsize: int, cost_model: CostModel = DEFAULT_COST_MODEL) -> Plan:
+    """The cheapest plan from `source` to `target` for items of `itemsize` bytes (cached).
+
+    >>> from shardtensor.layout import Layout
+    >>> from shardtensor.placement import Shard, Replicate
+    >>> source = Layout.create((4,), [Shard(0)], (8, 8))
+    >>> [step.collective for step in plan(source, source.with_placements([Replicate()]), 4).steps]
+    ['all_gather']
+    """
+    return _cached_plan(source, target, int(itemsize), cost_model)
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached_plan(source: Layout, target: Layout, itemsize: int, cost_model: CostModel) -> Plan:
+    _check(source, target)
+    best = {source: 0.0}
+    arrival: dict[Layout, Step] = {}
+    counter = itertools.count()
+    frontier = [(_remaining_cost(source, target, itemsize, cost_model), 0.0, next(counter), source)]
+    expanded = 0
+    while frontier:
+        _, cost, _, state = heapq.heappop(frontier)
+        if state == target:
+            break
+        if cost > best[state]:
+            continue
+        expanded += 1
+        if expanded > _MAX_EXPANDED_STATES:
+            raise _plan_error(source, target, f"search expanded {expanded} layouts", "This is a bug; please report it.")
+        for mesh_dim, after in _neighbors(state, target):
+            if best.get(after, math.inf) <= cost:
+                continue
+            if mesh_dim is None:
+                step = _exchange_step(state, after, itemsize, cost_model)
+            else:
+                step = _make_step(state, after, mesh_dim, itemsize, cost_model)
+            new_cost = cost + step.cost_us
+            if new_cost < best.get(step.after, math.inf):
+                best[step.after] = new_cost
+                arrival[step.after] = step
+                estimate = new_cost + _remaining_cost(step.after, target, itemsize, cost_model)
+                heapq.heappush(frontier, (estimate, new_cost, next(counter), step.after))
+    if target not in best:
+        raise _plan_error(
+            source, target, "the target is unreachable",
+            "A Partial target mesh dim is reachable only from the same Partial or from Replicate.",
+        )
+    steps = []
+    state = target
+    while state != source:
+        step = arrival[state]
+        steps.append(step)
+        state = step.before
+    return Plan(source, target, itemsize, tuple(reversed(steps)), lower_bound_bytes(source, target, itemsize))

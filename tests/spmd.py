@@ -1,0 +1,86 @@
+"""`@spmd`: a test body that runs on every rank of a local gloo world, once per mesh shape.
+
+    @spmd(meshes=[(2,), (2, 2)])
+    def test_sum(mesh):
+        assert comm.all_reduce(torch.ones(1), mesh, 0, reduce_op="sum").item() == mesh.size(0)
+
+The pytest side runs the body on a session-wide pool of `LocalWorkers` per world size (see
+conftest.py); the worker imports the test module, finds the body in `shardtensor.launch`'s registry
+and calls it with a mesh built by `init_device_mesh("cpu", shape)` (cached per shape per worker).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+
+import pytest
+
+from shardtensor import launch
+from shardtensor.mesh import DeviceMesh, init_device_mesh
+
+DEFAULT_MESHES = ((1,), (2,), (4,), (2, 2))
+DEFAULT_TIMEOUT = 60.0
+
+_worker_meshes: dict[tuple[int, ...], DeviceMesh] = {}
+
+
+def mesh_id(shape) -> str:
+    return "mesh=" + "x".join(str(size) for size in shape)
+
+
+def _run_body(body: launch.RegisteredFunction, mesh_shape: tuple[int, ...], params: dict):
+    """Worker side: build (or reuse) the mesh and run the registered body on it."""
+    if mesh_shape not in _worker_meshes:
+        _worker_meshes[mesh_shape] = init_device_mesh("cpu", mesh_shape)
+    return body.resolve()(mesh=_worker_meshes[mesh_shape], **params)
+
+
+class WorkerPools:
+    """One `LocalWorkers` per world size, started on first use and kept for the session."""
+
+    def __init__(self, world_sizes: set[int] | None = None):
+        self._pools: dict[int, launch.LocalWorkers] = {}
+        self._expected = set(world_sizes or ())
+
+    def get(self, world_size: int) -> launch.LocalWorkers:
+        if world_size not in self._pools:
+            for size in sorted(self._expected | {world_size}):  # start every expected pool at once
+                if size not in self._pools:
+                    self._pools[size] = launch.LocalWorkers(size, timeout=DEFAULT_TIMEOUT)
+                    self._pools[size].start()
+        return self._pools[world_size]
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            pool.close()
+        self._pools.clear()
+
+
+def spmd(meshes=DEFAULT_MESHES, *, timeout: float = DEFAULT_TIMEOUT):
+    """Turn `def test_x(mesh, ...)` into a pytest test parametrized over mesh shapes (ids `mesh=2x2`)."""
+    meshes = [tuple(shape) for shape in meshes]
+
+    def decorate(body):
+        reference = launch.register(body)
+        body_parameters = [name for name in inspect.signature(body).parameters if name != "mesh"]
+
+        def test(mesh, spmd_pools, **params):
+            pool = spmd_pools.get(math.prod(mesh))
+            try:
+                pool.run(_run_body, reference, mesh, params, timeout=timeout)
+            except launch.RankFailure as failure:
+                message = str(failure)
+            else:
+                return
+            pytest.fail(message, pytrace=False)
+
+        parameters = [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+                      for name in ["mesh", "spmd_pools", *body_parameters]]
+        test.__signature__ = inspect.Signature(parameters)
+        test.__name__, test.__qualname__ = body.__name__, body.__qualname__
+        test.__module__, test.__doc__ = body.__module__, body.__doc__
+        test.spmd_meshes = meshes
+        return pytest.mark.parametrize("mesh", meshes, ids=[mesh_id(shape) for shape in meshes])(test)
+
+    return decorate

@@ -1,0 +1,140 @@
+"""Ops on DTensors: generic rules, the replicate fallback, strict mode, in-place, out= and autograd."""
+
+import os
+
+import pytest
+import torch
+from spmd import spmd
+
+import shardtensor
+from shardtensor import Partial, Replicate, Shard, comm, distribute_tensor
+from shardtensor.dispatch import fallback_counts
+from shardtensor.ops.registry import RULES, register_rule, same_layout
+
+MESHES = [(1,), (2,), (4,), (2, 2)]
+
+
+def _sharded(mesh):
+    return [Shard(0)] + [Shard(1)] * (mesh.ndim - 1)
+
+
+def test_registering_an_op_twice_is_an_error():
+    assert torch.ops.aten.add.Tensor in RULES
+    with pytest.raises(RuntimeError, match="registered twice"):
+        register_rule([torch.ops.aten.add.Tensor], same_layout)
+
+
+@spmd(meshes=MESHES)
+def test_pointwise_on_equal_layouts_is_local_and_exact(mesh):
+    a_full = torch.linspace(-3, 3, 6 * 5).reshape(6, 5)
+    b_full = torch.linspace(1, 2, 6 * 5).reshape(6, 5)
+    a = distribute_tensor(a_full, mesh, _sharded(mesh))
+    b = distribute_tensor(b_full, mesh, _sharded(mesh))
+    with comm.observe() as records:
+        results = [a + b, a * b - 2, (a / b).exp(), torch.relu(a), a > 0.5, 3 - a, a + torch.tensor(2.0)]
+    assert list(records) == []
+    expected = [a_full + b_full, a_full * b_full - 2, (a_full / b_full).exp(), torch.relu(a_full), a_full > 0.5,
+                3 - a_full, a_full + 2]
+    for result, reference in zip(results, expected):
+        assert result.placements == a.placements
+        assert torch.equal(result.full_tensor(), reference)
+
+
+@spmd(meshes=MESHES)
+def test_partial_plus_scalar_adds_the_scalar_once(mesh):
+    local = torch.ones(4)
+    partial = shardtensor.DTensor.from_local(local, mesh, [Partial()] * mesh.ndim)
+    assert torch.equal((partial + 1).full_tensor(), torch.full((4,), mesh.size() + 1.0))
+    ones = torch.ones_like(partial)
+    assert ones.placements == (Replicate(),) * mesh.ndim
+    assert torch.equal(ones.full_tensor(), torch.ones(4))
+    assert torch.equal(partial.clone().full_tensor(), torch.full((4,), float(mesh.size())))
+
+
+@spmd(meshes=MESHES)
+def test_broadcasting_and_mixed_layouts_give_single_device_results(mesh):
+    matrix = torch.arange(24.0).reshape(6, 4)
+    row = torch.arange(4.0) * 10
+    a = distribute_tensor(matrix, mesh, _sharded(mesh))
+    b = distribute_tensor(row, mesh, [Replicate()] * mesh.ndim)
+    assert torch.equal((a + b).full_tensor(), matrix + row)
+    c = distribute_tensor(matrix, mesh, [Replicate()] * mesh.ndim)
+    assert torch.equal((a * c).full_tensor(), matrix * matrix)
+
+
+@spmd(meshes=MESHES)
+def test_fallback_equals_single_device_and_is_counted(mesh):
+    x_full = torch.arange(20.0).reshape(4, 5)
+    y_full = torch.linspace(0, 1, 15).reshape(5, 3)
+    x = distribute_tensor(x_full, mesh, _sharded(mesh))
+    y = distribute_tensor(y_full, mesh, [Replicate()] * mesh.ndim)
+    before = fallback_counts["aten.mm.default"]
+    product = torch.mm(x, y)
+    assert fallback_counts["aten.mm.default"] == before + 1
+    assert product.placements == (Replicate(),) * mesh.ndim
+    torch.testing.assert_close(product.full_tensor(), x_full @ y_full)
+    cumulative = torch.cumsum(x, 1)  # same shape as x: re-sharded like x
+    assert cumulative.placements == x.placements
+    assert torch.equal(cumulative.full_tensor(), torch.cumsum(x_full, 1))
+    assert x.sum().item() == x_full.sum().item()
+
+
+@spmd(meshes=MESHES)
+def test_strict_mode_raises_naming_the_op(mesh):
+    x = distribute_tensor(torch.ones(4, 4), mesh, _sharded(mesh))
+    with shardtensor.strict_mode():
+        assert torch.equal((x + 1).full_tensor(), torch.full((4, 4), 2.0))  # has a rule
+        with pytest.raises(NotImplementedError, match="aten.mm.default"):
+            torch.mm(x, x)
+
+
+    os.environ["SHARDTENSOR_STRICT"] = "1"
+    try:
+        with pytest.raises(NotImplementedError, match="strict"):
+            torch.cumsum(x, 0)
+    finally:
+        del os.environ["SHARDTENSOR_STRICT"]
+    assert torch.equal(torch.cumsum(x, 0).full_tensor(), torch.cumsum(torch.ones(4, 4), 0))
+
+
+@spmd(meshes=MESHES)
+def test_plain_tensors_mixed_in_are_refused(mesh):
+    x = distribute_tensor(torch.ones(4), mesh, [Shard(0)] * mesh.ndim)
+    with pytest.raises(RuntimeError, match="plain torch.Tensor of shape \\(4,\\)"):
+        x + torch.ones(4)
+
+
+@spmd(meshes=MESHES)
+def test_in_place_and_out_update_the_dtensor(mesh):
+    full = torch.arange(12.0).reshape(4, 3)
+    x = distribute_tensor(full, mesh, _sharded(mesh))
+    local = x.to_local()
+    returned = x.add_(1)
+    assert returned is x and x.to_local().data_ptr() == local.data_ptr()
+    assert torch.equal(x.full_tensor(), full + 1)
+    replicated = distribute_tensor(full, mesh, [Replicate()] * mesh.ndim)
+    x.mul_(replicated)  # a rule moves `replicated`, never `x`
+    assert torch.equal(x.full_tensor(), (full + 1) * full) and x.placements == tuple(_sharded(mesh))
+    replicated.mul_(x)  # x is sharded: the new value is written back into the Replicate shard
+    assert replicated.placements == (Replicate(),) * mesh.ndim
+    assert torch.equal(replicated.full_tensor(), (full + 1) * full * full)
+    x.cumsum_(0)  # fallback, in place
+    assert torch.equal(x.full_tensor(), ((full + 1) * full).cumsum(0))
+    out = torch.empty_like(x)
+    result = torch.add(x, x, out=out)
+    assert result is out and torch.equal(out.full_tensor(), 2 * x.full_tensor())
+
+
+@spmd(meshes=MESHES)
+def test_leaf_gradients_have_the_leaf_layout(mesh):
+    full = torch.linspace(-1, 1, 12, dtype=torch.float64).reshape(4, 3)
+    weight_full = torch.linspace(0, 2, 12, dtype=torch.float64).reshape(4, 3)
+    leaf = distribute_tensor(full.clone().requires_grad_(), mesh, _sharded(mesh))
+    weight = distribute_tensor(weight_full, mesh, _sharded(mesh))
+    for _ in range(2):  # the second pass accumulates through AccumulateGrad
+        ((leaf * weight).relu() * leaf).sum().backward()
+    reference = full.clone().requires_grad_()
+    for _ in range(2):
+        ((reference * weight_full).relu() * reference).sum().backward()
+    assert isinstance(leaf.grad, shardtensor.DTensor) and leaf.grad.placements == leaf.placements
+    torch.testing.assert_close(leaf.grad.full_tensor(), reference.grad)

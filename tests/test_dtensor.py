@@ -1,0 +1,168 @@
+"""DTensor conversions (from_local, to_local, full_tensor, redistribute), forward and backward."""
+
+import pytest
+import torch
+from spmd import spmd
+
+from shardtensor import DTensor, DeviceMesh, Partial, Replicate, Shard, comm, distribute_tensor
+from shardtensor.layout import Layout
+
+MESHES = [(1,), (2,), (4,), (2, 2)]
+
+
+def _placement_lists(mesh):
+    if mesh.ndim == 1:
+        return [[Shard(0)], [Shard(1)], [Replicate()]]
+    return [[Shard(0), Shard(1)], [Shard(0), Shard(0)], [Replicate(), Shard(1)], [Shard(1), Replicate()]]
+
+
+def _expected_local(full, mesh, placements):
+    layout = Layout.create(mesh.shape, placements, full.shape)
+    local = full
+    coordinate = mesh.get_coordinate()
+    for dim, (start, length) in enumerate(zip(layout.local_offset(coordinate), layout.local_shape(coordinate))):
+        local = local.narrow(dim, start, length)
+    return local
+
+
+def _rank():
+    return torch.distributed.get_rank()
+
+
+@spmd(meshes=MESHES)
+def test_from_local_even_shards_give_the_full_tensor(mesh):
+    full = torch.arange(7 * 5, dtype=torch.float32).reshape(7, 5)
+    for placements in _placement_lists(mesh):
+        local = _expected_local(full, mesh, placements)
+        dtensor = DTensor.from_local(local, mesh, placements)
+        assert dtensor.shape == full.shape and dtensor.placements == tuple(placements)
+        assert torch.equal(dtensor.full_tensor(), full)
+        assert torch.equal(dtensor.to_local(), local)
+
+
+@spmd(meshes=MESHES)
+def test_from_local_uneven_sizes_are_inferred_exactly(mesh):
+    rows = mesh.get_coordinate()[0] + 1  # 1, 2, 3, ... rows: not torch.chunk's split
+    total = sum(range(1, mesh.shape[0] + 1))
+    full = torch.arange(total * 3, dtype=torch.float32).reshape(total, 3)
+    start = sum(range(1, rows))
+    placements = [Shard(0)] + [Replicate()] * (mesh.ndim - 1)
+    dtensor = DTensor.from_local(full[start : start + rows], mesh, placements)
+    assert dtensor.shape == (total, 3)
+    assert torch.equal(dtensor.full_tensor(), full)
+    if mesh.shape[0] > 1:
+        assert "shard_sizes" in repr(dtensor)
+
+
+@spmd(meshes=[(2,), (4,)])
+def test_from_local_explicit_shard_sizes_and_chunk(mesh):
+    sizes = [0] * (mesh.shape[0] - 1) + [5]
+    coordinate = mesh.get_coordinate()[0]
+    full = torch.arange(10.0).reshape(5, 2)
+    local = full if coordinate == mesh.shape[0] - 1 else full[:0]
+    dtensor = DTensor.from_local(local, mesh, [Shard(0)], shard_sizes={0: sizes})
+    assert torch.equal(dtensor.full_tensor(), full)
+    chunked = DTensor.from_local(torch.ones(2, 2), mesh, [Shard(0)], shard_sizes="chunk")
+    assert chunked.shape == (2 * mesh.shape[0], 2)
+    with pytest.raises(ValueError, match="local tensor"):
+        DTensor.from_local(torch.ones(3, 2), mesh, [Shard(0)], shard_sizes={0: sizes})
+
+
+@spmd(meshes=[(2,), (4,)])
+def test_from_local_shape_that_does_not_match_names_both_shapes(mesh):
+    with pytest.raises(ValueError, match=r"shape \(2, 3\).*\(1, 3\)"):
+        DTensor.from_local(torch.ones(2, 3), mesh, [Shard(0)], shape=(mesh.shape[0], 3))
+
+
+@spmd(meshes=[(2,), (4,), (2, 2)])
+def test_run_check_broadcasts_replicate_data_and_agrees_on_errors(mesh):
+    mine = torch.full((3,), float(_rank()))
+    dtensor = DTensor.from_local(mine, mesh, [Replicate()] * mesh.ndim, run_check=True)
+    assert torch.equal(dtensor.to_local(), torch.zeros(3))
+    dtype = torch.float64 if _rank() == 1 else torch.float32
+    with pytest.raises(ValueError, match="ranks disagree"):
+        DTensor.from_local(torch.ones(3, dtype=dtype), mesh, [Replicate()] * mesh.ndim, run_check=True)
+    rows = 2 if _rank() == 1 else 1
+    placements = [Replicate()] * mesh.ndim
+    with pytest.raises(ValueError, match="disagree"):
+        DTensor.from_local(torch.ones(rows, 3), mesh, placements, run_check=True)
+
+
+@spmd(meshes=MESHES)
+def test_bad_placements_are_refused(mesh):
+    local = torch.ones(2, 2)
+    with pytest.raises(ValueError, match="placements"):
+        DTensor.from_local(local, mesh, [Replicate()] * (mesh.ndim + 1))
+    with pytest.raises(ValueError, match="out of range"):
+        distribute_tensor(local, mesh, [Shard(2)] * mesh.ndim)
+    with pytest.raises(TypeError, match="not a Placement"):
+        distribute_tensor(local, mesh, ["S0"] * mesh.ndim)
+    dtensor = distribute_tensor(local, mesh, [Replicate()] * mesh.ndim)
+    with pytest.raises(ValueError, match="only Shard"):
+        dtensor.redistribute(mesh, [Partial()] * mesh.ndim)
+
+
+@spmd(meshes=[(2,), (4,)])
+def test_other_meshes_are_refused_clearly(mesh):
+    reversed_mesh = DeviceMesh("cpu", list(reversed(range(mesh.shape[0]))))
+    a = distribute_tensor(torch.ones(4), mesh, [Shard(0)])
+    b = distribute_tensor(torch.ones(4), reversed_mesh, [Shard(0)])
+    with pytest.raises(NotImplementedError, match="cross-mesh"):
+        a.redistribute(reversed_mesh, [Replicate()])
+    with pytest.raises(ValueError, match="different meshes"):
+        a + b
+
+
+@spmd(meshes=MESHES)
+def test_gradients_through_full_tensor_and_redistribute_match_single_device(mesh):
+    full = torch.arange(6 * 5, dtype=torch.float64).reshape(6, 5) / 7
+    weight = torch.linspace(-1, 1, 30, dtype=torch.float64).reshape(6, 5)
+    for source in _placement_lists(mesh):
+        for target in _placement_lists(mesh):
+            leaf = distribute_tensor(full.clone().requires_grad_(), mesh, source)
+            moved = leaf.redistribute(placements=target)
+            assert moved.placements == tuple(target)
+            (moved.full_tensor() * weight).sum().backward()
+            assert leaf.grad.placements == leaf.placements
+            assert torch.equal(leaf.grad.full_tensor(), weight)
+
+
+@spmd(meshes=MESHES)
+def test_from_local_and_to_local_gradients(mesh):
+    weight = torch.linspace(-1, 1, 12).reshape(4, 3)
+    for placements in _placement_lists(mesh):
+        local = _expected_local(torch.ones(4, 3), mesh, placements).clone().requires_grad_()
+        dtensor = DTensor.from_local(local, mesh, placements)
+        (dtensor.full_tensor() * weight).sum().backward()
+        assert torch.equal(local.grad, _expected_local(weight, mesh, placements))
+    local = torch.ones(4, 3, requires_grad=True)
+    partial = DTensor.from_local(local, mesh, [Partial()] * mesh.ndim)
+    assert torch.equal(partial.full_tensor().detach(), torch.ones(4, 3) * mesh.size())
+    (partial.full_tensor() * weight).sum().backward()
+    assert torch.equal(local.grad, weight)  # a Partial's gradient is Replicate
+    leaf = distribute_tensor(torch.ones(4, 3, requires_grad=True), mesh, [Shard(0)] + [Replicate()] * (mesh.ndim - 1))
+    (leaf.to_local() * 2).sum().backward()
+    assert torch.equal(leaf.grad.full_tensor(), torch.full((4, 3), 2.0))
+
+
+@spmd(meshes=MESHES)
+def test_same_placements_move_nothing_and_async_waits_on_use(mesh):
+    full = torch.arange(20.0).reshape(4, 5)
+    placements = [Shard(0)] * mesh.ndim
+    dtensor = distribute_tensor(full, mesh, placements)
+    with comm.observe() as records:
+        same = dtensor.redistribute(placements=placements)
+    assert list(records) == []
+    assert same.to_local().data_ptr() == dtensor.to_local().data_ptr()
+    pending = dtensor.redistribute(placements=[Replicate()] * mesh.ndim, async_op=True)
+    assert torch.equal(pending.to_local(), full)
+    pending = dtensor.redistribute(placements=[Replicate()] * mesh.ndim, async_op=True)
+    assert torch.equal((pending + 1).full_tensor(), full + 1)
+
+
+@spmd(meshes=MESHES)
+def test_repr_shows_layout(mesh):
+    dtensor = distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)] * mesh.ndim)
+    text = repr(dtensor)
+    assert text.startswith("DTensor(local_tensor=") and "placements=(Shard(dim=0)" in text
+    assert "device_mesh=" in text

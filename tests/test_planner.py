@@ -1,0 +1,288 @@
+"""Redistribute planner without processes: costs by hand, paths, caching, pieces, Partial rules."""
+
+import itertools
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shardtensor.layout import Layout
+from shardtensor.placement import Partial, Replicate, Shard
+from shardtensor.redistribute import CostModel, explain, plan
+from shardtensor.redistribute.planner import DEFAULT_COST_MODEL, LOCAL_STEPS
+
+R = Replicate()
+
+
+def _kinds(result):
+    return [step.collective for step in result.steps]
+
+
+def _check_chain(result):
+    """Steps connect source to target, each a real single-mesh-dim transition."""
+    state = result.source
+    for step in result.steps:
+        assert step.before == state
+        if step.mesh_dim is not None:
+            assert step.after.placements[: step.mesh_dim] == state.placements[: step.mesh_dim]
+            assert step.after.placements[step.mesh_dim + 1 :] == state.placements[step.mesh_dim + 1 :]
+        state = step.after
+    assert state == result.target
+    assert result.total_bytes >= result.lower_bound_bytes
+
+
+# ---- costs by hand ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "source, target, collective, elements",
+    [
+        ([Shard(0)], [R], "all_gather", 3 * 2 * 8),  # 3 peers' 2x8 rows
+        ([Shard(0)], [Shard(1)], "all_to_all", 3 * 2 * 2),  # keeps its own 2x2 block
+        ([Partial()], [R], "all_reduce", 2 * (64 - 16)),  # reduce_scatter + all_gather
+        ([Partial()], [Shard(0)], "reduce_scatter", 3 * 16),  # its 2x8 rows from 3 peers
+        ([R], [Shard(1)], "slice", 0),
+        ([R], [Partial("max")], "make_partial", 0),
+    ],
+)
+def test_single_step_costs_by_hand(source, target, collective, elements):
+    layout = Layout.create((4,), source, (8, 8))
+    result = plan(layout, layout.with_placements(target), 4)
+    assert _kinds(result) == [collective]
+    step = result.steps[0]
+    assert (step.mesh_dim, step.group_size, step.bytes_per_rank) == (0, 4, elements * 4)
+    expected_cost = DEFAULT_COST_MODEL.local_step_us if collective in LOCAL_STEPS else 20.0 + elements * 4 / 1000.0
+    assert step.cost_us == pytest.approx(expected_cost)
+    assert result.total_bytes == result.lower_bound_bytes == elements * 4
+
+
+def test_uneven_gather_counts_the_rank_with_the_empty_shard():
+    # 5 rows on 4 ranks: pieces 2, 2, 1, 0; the last rank receives all 5 x 7 elements.
+    layout = Layout.create((4,), [Shard(0)], (5, 7))
+    result = plan(layout, layout.with_placements([R]), 2)
+    assert result.total_bytes == result.lower_bound_bytes == 35 * 2
+
+
+def test_cost_model_is_overridable_and_changes_the_choice():
+    # (S0,S0)->(R,S0) on 1024x1024: one exchange at the lower bound; without exchanges, three
+    # single-mesh-dim collectives moving 2.5 quarters or, when latency dominates, two moving 3.
+    source = Layout.create((2, 2), [Shard(0), Shard(0)], (1024, 1024))
+    target = source.with_placements([R, Shard(0)])
+    quarter = 256 * 1024 * 4
+    exchange = plan(source, target, 4)
+    no_exchange = plan(source, target, 4, CostModel(exchange_latency_us=1e9))
+    latency_bound = plan(source, target, 4, CostModel(exchange_latency_us=1e9, latency_us=1e6))
+    assert exchange.collectives == ("batch_p2p",) and exchange.total_bytes == exchange.lower_bound_bytes == 2 * quarter
+    assert len(no_exchange.collectives) == 3 and no_exchange.total_bytes == 5 * quarter // 2
+    assert len(latency_bound.collectives) == 2 and latency_bound.total_bytes == 3 * quarter
+    for result in [exchange, no_exchange, latency_bound]:
+        _check_chain(result)
+
+
+@pytest.mark.parametrize(
+    "source, target, single_dim_ratio",
+    [
+        ([Shard(0), Shard(1)], [Shard(1), Shard(0)], 2.0),
+        ([Shard(0), Shard(0)], [R, Shard(0)], 1.5),
+    ],
+)
+def test_exchange_beats_single_mesh_dim_plans_on_large_tensors(source, target, single_dim_ratio):
+    layout = Layout.create((2, 2), source, (1024, 1024))
+    best = plan(layout, layout.with_placements(target), 4)
+    single_dim = plan(layout, layout.with_placements(target), 4, CostModel(exchange_latency_us=1e9, latency_us=1e6))
+    assert best.total_bytes == best.lower_bound_bytes
+    assert single_dim.total_bytes == single_dim_ratio * best.lower_bound_bytes
+
+
+def test_simple_changes_keep_single_mesh_dim_collectives():
+    for source, target in [([Shard(0), R], [R, R]), ([Shard(0), Shard(1)], [R, R]), ([Shard(0), R], [Shard(1), R])]:
+        layout = Layout.create((2, 2), source, (1024, 1024))
+        result = plan(layout, layout.with_placements(target), 4)
+        assert "batch_p2p" not in result.collectives and result.total_bytes == result.lower_bound_bytes
+
+
+def test_same_layout_is_an_empty_plan():
+    layout = Layout.create((2, 2), [Shard(0), Partial()], (6, 6))
+    result = plan(layout, layout, 4)
+    assert result.steps == () and result.total_bytes == 0 and result.lower_bound_bytes == 0
+
+
+def test_plans_are_cached_per_layouts_and_itemsize():
+    layout = Layout.create((2, 2), [Shard(0), Shard(1)], (16, 16))
+    target = layout.with_placements([Shard(1), Shard(0)])
+    assert plan(layout, target, 4) is plan(layout, target, 4)
+    assert plan(layout, target, 2) is not plan(layout, target, 4)
+    assert plan(layout, target, 2).total_bytes * 2 == plan(layout, target, 4).total_bytes
+
+
+def test_first_call_planning_is_fast_on_a_two_dim_mesh():
+    elapsed = []
+    for size in range(100, 110):  # new shapes, so nothing is cached
+        source = Layout.create((2, 2), [Shard(0), Shard(1)], (size, size))
+        start = time.perf_counter()
+        plan(source, source.with_placements([Shard(1), Shard(0)]), 4)
+        elapsed.append(time.perf_counter() - start)
+    assert sorted(elapsed)[len(elapsed) // 2] < 2e-3  # typically ~0.4 ms; loose for busy machines
+
+
+def test_explain_lists_steps_totals_and_lower_bound():
+    source = Layout.create((2, 2), [Shard(0), Shard(1)], (8, 8))
+    text = explain(source, source.with_placements([Shard(1), Shard(0)]), 4)
+    assert "mesh dim" in text and "all_gather" in text and "lower bound" in text
+    assert len(text.splitlines()) == 2 + len(plan(source, source.with_placements([Shard(1), Shard(0)]), 4).steps)
+
+
+# ---- shard order and nesting ---------------------------------------------------------------------
+
+
+def test_only_the_innermost_mesh_dim_of_a_nested_shard_moves():
+    source = Layout.create((2, 2), [Shard(0), Shard(0)], (8, 8))
+    result = plan(source, source.with_placements([R, Shard(0)]), 4)
+    _check_chain(result)
+    assert result.steps[0].mesh_dim == 1  # mesh dim 0 is the outer split of dim 0
+
+
+def test_non_default_shard_order_is_reached_and_left():
+    default = Layout.create((2, 2), [Shard(0), Shard(0)], (8, 8))
+    reversed_order = Layout.create((2, 2), [Shard(0), Shard(0)], (8, 8), shard_order=[(1, 0), ()])
+    there = plan(default, reversed_order, 4)
+    back = plan(reversed_order, default, 4)
+    assert there.steps and back.steps
+    _check_chain(there)
+    _check_chain(back)
+
+
+def test_swapping_two_mesh_dims_reaches_the_target():
+    source = Layout.create((2, 2), [Shard(0), Shard(1)], (8, 8))
+    result = plan(source, source.with_placements([Shard(1), Shard(0)]), 4)
+    _check_chain(result)
+    assert result.lower_bound_bytes == 4 * 4 * 4  # off-diagonal ranks swap one 4x4 block
+
+
+# ---- explicit pieces -----------------------------------------------------------------------------
+
+
+def test_transition_with_pieces_splits_as_told_and_checks_them():
+    layout = Layout.create((4,), [R], (5, 7))
+    split = layout.transition(0, Shard(0), pieces=(3, 1, 0, 1))
+    assert split.pieces[0] == (3, 1, 0, 1)
+    resplit = split.transition(0, Shard(0), pieces=(2, 1, 1, 1))
+    assert resplit.pieces[0] == (2, 1, 1, 1) and resplit.shard_order[0] == (0,)
+    with pytest.raises(ValueError, match="do not split the pieces"):
+        layout.transition(0, Shard(0), pieces=(3, 1, 0))
+    with pytest.raises(ValueError, match="pieces apply to a Shard"):
+        layout.transition(0, R, pieces=(5,))
+
+
+def test_uneven_source_to_even_target_is_one_all_to_all_at_the_lower_bound():
+    uneven = Layout.create((4,), [Shard(0)], (5, 7), shard_sizes={0: [3, 1, 0, 1]})
+    even = Layout.create((4,), [Shard(0)], (5, 7))
+    for source, target in [(uneven, even), (even, uneven)]:
+        result = plan(source, target, 4)
+        assert _kinds(result) == ["all_to_all"]
+        assert result.total_bytes == result.lower_bound_bytes
+        _check_chain(result)
+
+
+def test_explicit_nested_target_pieces_are_reached_exactly():
+    replicated = Layout.create((2, 2), [R, R], (8, 3))
+    target = replicated.transition(0, Shard(0), pieces=(3, 5)).transition(1, Shard(0), pieces=(3, 0, 1, 4))
+    result = plan(replicated, target, 4)
+    assert _kinds(result) == ["slice", "slice"]
+    assert result.steps[-1].after.pieces == ((3, 0, 1, 4), (3,))
+    back = plan(target, Layout.create((2, 2), [Shard(0), Shard(0)], (8, 3)), 4)
+    _check_chain(back)
+
+
+# ---- Partial rules -------------------------------------------------------------------------------
+
+
+def test_partial_to_another_reduce_op_goes_through_replicate():
+    source = Layout.create((2,), [Partial("sum")], (4,))
+    result = plan(source, source.with_placements([Partial("max")]), 4)
+    assert _kinds(result) == ["all_reduce", "make_partial"]
+
+
+def test_shard_to_partial_gathers_first():
+    source = Layout.create((2,), [Shard(0)], (4,))
+    assert _kinds(plan(source, source.with_placements([Partial("sum")]), 4)) == ["all_gather", "make_partial"]
+
+
+def test_partial_partial_to_replicate_reduces_each_mesh_dim():
+    source = Layout.create((2, 2), [Partial(), Partial()], (8, 8))
+    result = plan(source, source.with_placements([R, R]), 4)
+    assert sorted(_kinds(result)) == ["all_reduce", "all_reduce"] or "reduce_scatter" in _kinds(result)
+    # the flattened all_reduce over 4 ranks would move 2 * 3/4 of the tensor: the lower bound
+    assert result.lower_bound_bytes == 2 * 48 * 4
+    _check_chain(result)
+
+
+def test_kept_partial_mesh_dim_is_not_reduced():
+    source = Layout.create((2, 2), [Partial(), Shard(0)], (8, 8))
+    result = plan(source, source.with_placements([Partial(), Shard(1)]), 4)
+    assert _kinds(result) == ["all_to_all"]
+
+
+def test_bad_requests_teach():
+    source = Layout.create((2,), [Shard(0)], (4, 4))
+    with pytest.raises(ValueError, match="mesh shapes differ"):
+        plan(source, Layout.create((4,), [Shard(0)], (4, 4)), 4)
+    with pytest.raises(ValueError, match="tensor shapes differ"):
+        plan(source, Layout.create((2,), [Shard(0)], (4, 5)), 4)
+    mixed = Layout.create((2, 2), [Partial("sum"), Partial("max")], (4, 4))
+    with pytest.raises(ValueError, match="mixes Partial reduce ops"):
+        plan(mixed, mixed.with_placements([R, R]), 4)
+
+
+def test_size_one_mesh_dims_only_relabel():
+    source = Layout.create((1, 2), [Shard(0), Partial()], (4, 4))
+    result = plan(source, source.with_placements([Shard(1), R]), 4)
+    assert sorted(_kinds(result)) == ["all_reduce", "relabel"]
+
+
+# ---- properties over random layouts ------------------------------------------------------------
+
+
+MESH_SHAPES = [(4,), (2, 2), (2, 1, 2), (3,)]
+
+
+@st.composite
+def layout_pairs(draw):
+    mesh_shape = draw(st.sampled_from(MESH_SHAPES))
+    shape = tuple(draw(st.lists(st.integers(0, 9), min_size=1, max_size=3)))
+    choices = [R, Partial("sum")] + [Shard(dim) for dim in range(len(shape))]
+    source_placements = draw(st.lists(st.sampled_from(choices), min_size=len(mesh_shape), max_size=len(mesh_shape)))
+    target_placements = draw(st.lists(st.sampled_from(choices), min_size=len(mesh_shape), max_size=len(mesh_shape)))
+    source = Layout.create(mesh_shape, source_placements, shape)
+    return source, source.with_placements(target_placements)
+
+
+@settings(max_examples=150, deadline=None)
+@given(layout_pairs(), st.sampled_from([1, 4]))
+def test_every_plan_reaches_its_target_above_the_lower_bound(pair, itemsize):
+    source, target = pair
+    result = plan(source, target, itemsize)
+    _check_chain(result)
+    assert all(step.bytes_per_rank == 0 for step in result.steps if step.collective in LOCAL_STEPS)
+    assert all(step.collective == "relabel" for step in result.steps if step.group_size == 1)
+
+
+def test_the_optimum_is_no_worse_than_every_two_step_path():
+    """Brute force: on a 2x2 mesh no plan of at most two steps beats the planner."""
+    shape = (6, 5)
+    choices = [R, Shard(0), Shard(1)]
+    for source_placements, target_placements in itertools.product(itertools.product(choices, repeat=2), repeat=2):
+        source = Layout.create((2, 2), source_placements, shape)
+        target = source.with_placements(target_placements)
+        best = plan(source, target, 4).total_cost_us
+        for first_dim, second_dim in itertools.product(range(2), repeat=2):
+            for first, second in itertools.product(choices, repeat=2):
+                try:
+                    middle = source.transition(first_dim, first)
+                    end = middle.transition(second_dim, second)
+                except ValueError:
+                    continue
+                if end == target:
+                    cost = plan(source, middle, 4).total_cost_us + plan(middle, end, 4).total_cost_us
+                    assert best <= cost + 1e-9

@@ -1,0 +1,335 @@
+"""Redistribute on real gloo ranks: exact values against the global tensor, and the collectives issued."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from spmd import spmd
+
+from shardtensor import comm
+from shardtensor.layout import Layout
+from shardtensor.placement import REDUCE_OPS, Partial, Replicate, Shard
+from shardtensor.redistribute import CostModel, execute, plan, redistribute_local_tensor
+from shardtensor.redistribute.planner import received_bytes
+
+R = Replicate()
+MESHES = [(1,), (2,), (4,), (2, 2)]
+
+
+def _full(shape, seed=0):
+    """The global tensor every rank builds alike: small integers in float64, so sums are exact."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(-50, 50, shape, generator=generator).to(torch.float64)
+
+
+def _box(full, layout, coordinate):
+    local = full
+    for dim, (start, length) in enumerate(zip(layout.local_offset(coordinate), layout.local_shape(coordinate))):
+        local = local.narrow(dim, start, length)
+    return local
+
+
+def _partial_index(layout, coordinate):
+    """(index, count): this coordinate's position among the ranks holding operands of one element."""
+    index, count = 0, 1
+    for mesh_dim in layout.partial_mesh_dims():
+        index = index * layout.mesh_shape[mesh_dim] + coordinate[mesh_dim]
+        count *= layout.mesh_shape[mesh_dim]
+    return index, count
+
+
+def _operand(full, layout, coordinate):
+    """This rank's local tensor of `layout`, with rank-dependent Partial operands that reduce exactly."""
+    value = _box(full, layout, coordinate)
+    partials = [p for p in layout.placements if isinstance(p, Partial)]
+    if not partials:
+        return value.clone()
+    reduce_op = partials[0].reduce_op
+    index, count = _partial_index(layout, coordinate)
+    holder = count - 1
+
+    def noise(position):
+        generator = torch.Generator().manual_seed(1000 + position)
+        return torch.randint(-9, 10, value.shape, generator=generator).to(torch.float64)
+
+    if reduce_op in ("sum", "avg"):
+        scale = count if reduce_op == "avg" else 1
+        if index != holder:
+            return noise(index) * scale
+        return (value - sum((noise(other) for other in range(holder)), torch.zeros_like(value))) * scale
+    if reduce_op in ("max", "min"):
+        direction = -1 if reduce_op == "max" else 1
+        return value.clone() if index == holder else value + direction * (1 + noise(index).abs())
+    factors = [2.0 if other % 2 == 0 else 0.5 for other in range(holder)]  # product of powers of two
+    return value / math.prod(factors) if index == holder else torch.full_like(value, factors[index])
+
+
+def _redistribute_and_check(mesh, source, target, full, *, observe=True):
+    coordinate = tuple(mesh.get_coordinate())
+    local = _operand(full, source, coordinate)
+    with comm.observe() as records:
+        result = redistribute_local_tensor(local, source, target, mesh)
+    if target.partial_mesh_dims():
+        replicated = target.with_placements([R] * len(target.mesh_shape))
+        result = redistribute_local_tensor(result, target, replicated, mesh)
+        target = replicated
+    expected = _box(full, target, coordinate)
+    assert result.shape == expected.shape, (source, target, coordinate)
+    assert torch.equal(result, expected), (str(source), str(target), coordinate)
+    if observe:
+        assert [record.kind for record in records] == list(plan(source, target, 8).collectives)
+    return records
+
+
+def _on_every_mesh_dim(mesh, source_placement, target_placement, others=R):
+    for mesh_dim in range(mesh.ndim):
+        source = [others] * mesh.ndim
+        target = [others] * mesh.ndim
+        source[mesh_dim], target[mesh_dim] = source_placement, target_placement
+        yield mesh_dim, source, target
+
+
+# ---- every transition type ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "source_placement, target_placement, collective",
+    [
+        (Shard(0), R, "all_gather"),
+        (Shard(1), R, "all_gather"),
+        (Shard(0), Shard(1), "all_to_all"),
+        (Shard(1), Shard(0), "all_to_all"),
+        (R, Shard(0), None),
+        (R, Shard(1), None),
+        (Partial(), R, "all_reduce"),
+        (Partial(), Shard(0), "reduce_scatter"),
+        (Partial(), Shard(1), "reduce_scatter"),
+    ],
+)
+@pytest.mark.parametrize("shape", [(8, 4), (5, 7), (0, 3)])
+@spmd(meshes=MESHES)
+def test_single_mesh_dim_transitions(mesh, shape, source_placement, target_placement, collective):
+    full = _full(shape)
+    for mesh_dim, source, target in _on_every_mesh_dim(mesh, source_placement, target_placement):
+        source_layout = Layout.create(mesh.shape, source, shape)
+        records = _redistribute_and_check(mesh, source_layout, source_layout.with_placements(target), full)
+        group_size = mesh.shape[mesh_dim]
+        assert [record.kind for record in records] == ([collective] if collective and group_size > 1 else [])
+
+
+@pytest.mark.parametrize("reduce_op", REDUCE_OPS)
+@spmd(meshes=[(2,), (4,), (2, 2)])
+def test_every_partial_reduce_op(mesh, reduce_op):
+    full = _full((5, 7), seed=3)
+    partial = Partial(reduce_op)
+    for target_placement in [R, Shard(0), Shard(1)]:
+        for _, source, target in _on_every_mesh_dim(mesh, partial, target_placement):
+            layout = Layout.create(mesh.shape, source, (5, 7))
+            _redistribute_and_check(mesh, layout, layout.with_placements(target), full)
+    if mesh.ndim == 2:
+        layout = Layout.create(mesh.shape, [partial, partial], (5, 7))
+        for target in [[R, R], [Shard(0), Shard(1)], [Shard(1), Shard(1)]]:
+            _redistribute_and_check(mesh, layout, layout.with_placements(target), full)
+
+
+@pytest.mark.parametrize("reduce_op", REDUCE_OPS)
+@spmd(meshes=[(2,), (2, 2)])
+def test_replicate_to_partial_holds_identity_operands(mesh, reduce_op):
+    full = _full((4, 3))
+    source = Layout.create(mesh.shape, [R] * mesh.ndim, (4, 3))
+    target = source.with_placements([Partial(reduce_op)] + [R] * (mesh.ndim - 1))
+    records = _redistribute_and_check(mesh, source, target, full)
+    assert records == []
+    local = redistribute_local_tensor(full.clone(), source, target, mesh)
+    first = mesh.get_coordinate()[0] == 0
+    identity = {"sum": torch.zeros_like(full), "product": torch.ones_like(full)}.get(reduce_op, full)
+    assert torch.equal(local, full if first else identity)
+
+
+@spmd(meshes=[(2,), (2, 2)])
+def test_partial_to_another_partial_goes_through_replicate(mesh):
+    full = _full((4, 6))
+    source = Layout.create(mesh.shape, [Partial("sum")] + [R] * (mesh.ndim - 1), (4, 6))
+    _redistribute_and_check(mesh, source, source.with_placements([Partial("max")] + [R] * (mesh.ndim - 1)), full)
+
+
+# ---- nested shards and two mesh dims ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(8, 8), (5, 7), (3, 2)])
+@pytest.mark.parametrize(
+    "source, target",
+    [
+        ([Shard(0), Shard(0)], [R, Shard(0)]),
+        ([R, Shard(0)], [Shard(0), Shard(0)]),
+        ([Shard(0), Shard(1)], [Shard(1), Shard(0)]),
+        ([Shard(0), R], [R, Shard(0)]),
+        ([Shard(0), Shard(0)], [Shard(1), Shard(1)]),
+        ([Shard(1), Shard(0)], [R, R]),
+        ([Partial(), Shard(0)], [Shard(0), Shard(1)]),
+    ],
+)
+@spmd(meshes=[(2, 2)])
+def test_two_mesh_dim_changes(mesh, shape, source, target):
+    full = _full(shape, seed=7)
+    layout = Layout.create(mesh.shape, source, shape)
+    _redistribute_and_check(mesh, layout, layout.with_placements(target), full)
+
+
+@spmd(meshes=[(2, 2)])
+def test_non_default_shard_order_both_ways(mesh):
+    full = _full((7, 3))
+    default = Layout.create(mesh.shape, [Shard(0), Shard(0)], (7, 3))
+    reversed_order = Layout.create(mesh.shape, [Shard(0), Shard(0)], (7, 3), shard_order=[(1, 0), ()])
+    _redistribute_and_check(mesh, default, reversed_order, full)
+    _redistribute_and_check(mesh, reversed_order, default, full)
+    _redistribute_and_check(mesh, reversed_order, default.with_placements([R, R]), full)
+
+
+# ---- explicit uneven pieces ------------------------------------------------------------------------
+
+
+@spmd(meshes=[(4,)])
+def test_explicit_uneven_source_pieces(mesh):
+    full = _full((5, 7), seed=11)
+    uneven = Layout.create(mesh.shape, [Shard(0)], (5, 7), shard_sizes={0: [3, 1, 0, 1]})
+    for target in [uneven.with_placements([R]), uneven.with_placements([Shard(1)]), Layout.create((4,), [Shard(0)], (5, 7))]:
+        _redistribute_and_check(mesh, uneven, target, full)
+    replicated = Layout.create(mesh.shape, [R], (5, 7))
+    _redistribute_and_check(mesh, replicated, uneven, full)
+    even = Layout.create(mesh.shape, [Shard(0)], (5, 7))
+    records = _redistribute_and_check(mesh, even, uneven, full)
+    assert [record.kind for record in records] == ["all_to_all"]
+
+
+@spmd(meshes=[(2, 2)])
+def test_explicit_nested_target_pieces(mesh):
+    full = _full((8, 3))
+    replicated = Layout.create(mesh.shape, [R, R], (8, 3))
+    target = replicated.transition(0, Shard(0), pieces=(3, 5)).transition(1, Shard(0), pieces=(3, 0, 1, 4))
+    _redistribute_and_check(mesh, replicated, target, full)
+    _redistribute_and_check(mesh, target, Layout.create(mesh.shape, [Shard(1), Shard(0)], (8, 3)), full)
+
+
+# ---- exchange over the whole mesh ------------------------------------------------------------------
+
+EXCHANGE_ONLY = CostModel(exchange_latency_us=0.0, latency_us=1e6)
+
+
+@pytest.mark.parametrize("shape", [(8, 8), (5, 7), (1, 3), (0, 2)])
+@pytest.mark.parametrize(
+    "source, target",
+    [
+        ([Shard(0), Shard(1)], [Shard(1), Shard(0)]),
+        ([Shard(0), Shard(0)], [R, Shard(0)]),
+        ([R, Shard(0)], [Shard(1), Shard(1)]),
+        ([Shard(0), R], [R, Shard(0)]),
+        ([Shard(1), Shard(0)], [R, R]),
+    ],
+)
+@spmd(meshes=[(2, 2)])
+def test_exchange_moves_exactly_the_missing_elements(mesh, shape, source, target):
+    full = _full(shape, seed=5)
+    coordinate = tuple(mesh.get_coordinate())
+    source_layout = Layout.create(mesh.shape, source, shape)
+    target_layout = source_layout.with_placements(target)
+    exchange = plan(source_layout, target_layout, 8, EXCHANGE_ONLY)
+    assert exchange.collectives == ("batch_p2p",)
+    for async_op in [False, True]:
+        with comm.observe() as records:
+            result = execute(_box(full, source_layout, coordinate).clone(), exchange, mesh, async_op=async_op)
+            result = result.wait() if async_op else result
+        assert torch.equal(result, _box(full, target_layout, coordinate))
+        held = (source_layout.local_offset(coordinate), source_layout.local_shape(coordinate))
+        wanted = (target_layout.local_offset(coordinate), target_layout.local_shape(coordinate))
+        missing_bytes = received_bytes("batch_p2p", 4, held, wanted, 8)
+        assert sum(record.bytes_received for record in records) == missing_bytes
+        assert all(record.kind == "batch_p2p" for record in records)
+
+
+# ---- bytes and async -------------------------------------------------------------------------------
+
+
+@spmd(meshes=[(4,)])
+def test_bytes_match_the_plan_on_even_shapes(mesh):
+    full = _full((8, 8)).to(torch.float32)
+    for source_placement, target_placement in [(Shard(0), R), (Shard(0), Shard(1)), (Partial(), Shard(0))]:
+        source = Layout.create(mesh.shape, [source_placement], (8, 8))
+        target = source.with_placements([target_placement])
+        local = _operand(full, source, tuple(mesh.get_coordinate())).to(torch.float32)
+        with comm.observe() as records:
+            redistribute_local_tensor(local, source, target, mesh)
+        (record,) = records
+        assert record.group_size == 4
+        assert record.bytes_received == plan(source, target, 4).total_bytes
+
+
+@spmd(meshes=[(2,), (2, 2)])
+def test_async_redistribute_is_correct_once_waited(mesh):
+    full = _full((6, 5))
+    source = Layout.create(mesh.shape, [Shard(0)] * mesh.ndim, (6, 5))
+    target = source.with_placements([Shard(1)] + [R] * (mesh.ndim - 1))
+    coordinate = tuple(mesh.get_coordinate())
+    handle = redistribute_local_tensor(_box(full, source, coordinate).clone(), source, target, mesh, async_op=True)
+    assert torch.equal(handle.wait(), _box(full, target, coordinate))
+    same = redistribute_local_tensor(_box(full, source, coordinate).clone(), source, source, mesh, async_op=True)
+    assert torch.equal(same.wait(), _box(full, source, coordinate))
+
+
+# ---- property: random chains ----------------------------------------------------------------------
+
+
+@st.composite
+def _chains(draw, mesh_shape):
+    shape = tuple(draw(st.lists(st.integers(0, 7), min_size=1, max_size=3)))
+    choices = [R] + [Shard(dim) for dim in range(len(shape))]
+    length = draw(st.integers(2, 4))
+    placements = [
+        tuple(draw(st.lists(st.sampled_from(choices), min_size=len(mesh_shape), max_size=len(mesh_shape))))
+        for _ in range(length)
+    ]
+    if draw(st.booleans()):
+        partial = Partial(draw(st.sampled_from(REDUCE_OPS)))
+        placements[0] = tuple(partial if placement == R else placement for placement in placements[0])
+    return shape, placements
+
+
+def _draw_chains(mesh_shape, count):
+    """Examples drawn on the pytest side with hypothesis, sent to the ranks as plain data."""
+    drawn = []
+
+    @settings(max_examples=count, database=None, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(_chains(mesh_shape))
+    def collect(chain):
+        drawn.append(chain)
+
+    collect()
+    return drawn
+
+
+@pytest.mark.parametrize("chains", [_draw_chains((4,), 40)], ids=["random-chains"])
+@spmd(meshes=[(4,)])
+def test_random_chains_on_four_ranks(mesh, chains):
+    _run_chains(mesh, chains)
+
+
+@pytest.mark.parametrize("chains", [_draw_chains((2, 2), 40)], ids=["random-chains"])
+@spmd(meshes=[(2, 2)])
+def test_random_chains_on_a_two_by_two_mesh(mesh, chains):
+    _run_chains(mesh, chains)
+
+
+def _run_chains(mesh, chains):
+    for number, (shape, placements_chain) in enumerate(chains):
+        full = _full(shape, seed=number)
+        coordinate = tuple(mesh.get_coordinate())
+        layout = Layout.create(mesh.shape, placements_chain[0], shape)
+        local = _operand(full, layout, coordinate)
+        for placements in placements_chain[1:]:
+            target = layout.with_placements(placements)
+            local = redistribute_local_tensor(local, layout, target, mesh)
+            layout = target
+        local = redistribute_local_tensor(local, layout, layout.with_placements([R] * mesh.ndim), mesh)
+        assert torch.equal(local, full), (shape, [list(map(str, p)) for p in placements_chain])
