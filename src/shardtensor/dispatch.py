@@ -16,13 +16,13 @@ from collections import Counter
 from collections.abc import Iterator
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .dtensor import DTensor, DTensorSpec, partial_from_replicate, without_partial
 from .layout import Layout
 from .ops.registry import RULES
 from .placement import Replicate
-from .propagation import OpCall, TensorMeta, decide
+from .propagation import OpCall, PlainTensor, TensorMeta, decide
 from .redistribute import redistribute_local_tensor
 
 __all__ = ["dispatch", "fallback_counts", "strict_mode"]
@@ -53,10 +53,6 @@ def strict_mode() -> Iterator[None]:
 
 def _is_strict() -> bool:
     return _strict_depth > 0 or os.environ.get("SHARDTENSOR_STRICT", "0") not in ("", "0")
-
-
-def _meta(tensor: torch.Tensor) -> TensorMeta:
-    return TensorMeta(tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
 
 
 def _describe(dtensors: list[DTensor]) -> str:
@@ -103,19 +99,6 @@ def _mutated(op, args: tuple, kwargs: dict) -> list[DTensor]:
     return mutated
 
 
-def _output_metas(call: OpCall) -> list[TensorMeta | None]:
-    """Global output metadata: the op run on meta tensors (only on a cache miss)."""
-
-    def to_meta(value):
-        if isinstance(value, TensorMeta):
-            return torch.empty_strided(value.shape, value.stride, dtype=value.dtype, device="meta")
-        return value
-
-    args, kwargs = tree_map(to_meta, (call.args, dict(call.kwargs)))
-    outputs, _ = tree_flatten(call.op(*args, **kwargs))
-    return [_meta(output) if isinstance(output, torch.Tensor) else None for output in outputs]
-
-
 def _cache_key(op, layouts, call: OpCall):
     key = (op, tuple(layouts), call.inputs, call.args, call.kwargs)
     try:
@@ -129,7 +112,7 @@ def _hashable(value):
     if isinstance(value, list):
         return tuple(_hashable(item) for item in value)
     if isinstance(value, torch.Tensor):
-        return _meta(value)  # a 0-d plain tensor: its dtype matters to the op, not its value
+        return PlainTensor(value.dtype)  # a 0-d plain tensor: its dtype matters to the op, not its value
     return value
 
 
@@ -151,8 +134,19 @@ def dispatch(op, args: tuple, kwargs: dict):
     call_args, call_kwargs = tree_unflatten([_hashable(value) for value in stand_ins], tree)
     call = OpCall(op, metas, tuple(call_args), tuple(sorted(call_kwargs.items())))
     layouts = [dtensor.sharding for dtensor in dtensors]
-    decision = decide(call, layouts, rule, _output_metas, _cache_key(op, layouts, call))
+    decision = decide(call, layouts, rule, mesh.get_coordinate(), _cache_key(op, layouts, call))
+    if decision.local_arguments is not None:
+        flat, tree = _local_flat(flat, decision.local_arguments)
+        positions = [index for index, value in enumerate(flat) if isinstance(value, DTensor)]
     return _run(op, flat, tree, positions, dtensors, mutated, mesh, decision.input_layouts, decision.output_layouts, decision.output_metas)
+
+
+def _local_flat(flat: list, local_arguments: tuple[tuple, dict]) -> tuple[list, object]:
+    """The rule's local arguments with its placeholders replaced by the call's tensors, in order."""
+    tensors = [value for value in flat if isinstance(value, torch.Tensor)]
+    local_flat, tree = tree_flatten(local_arguments)
+    local_flat = [tensors.pop(0) if isinstance(value, (TensorMeta, PlainTensor)) else value for value in local_flat]
+    return local_flat, tree
 
 
 def _fallback(op, flat, tree, positions, dtensors, mutated, mesh):

@@ -9,16 +9,21 @@ are cached by (op, input layouts, dtypes, non-tensor arguments): the hot path is
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .layout import Layout
 from .placement import Partial, Placement, Replicate, Shard
 
-__all__ = ["Row", "TensorMeta", "OpCall", "Decision", "decide", "transition_cost", "clear_cache"]
+__all__ = [
+    "Row", "TensorMeta", "PlainTensor", "OpCall", "ShardingRule", "RowsRule", "Decision", "decide",
+    "transition_cost", "clear_cache",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +53,13 @@ class TensorMeta:
 
 
 @dataclass(frozen=True, slots=True)
+class PlainTensor:
+    """Stands for a 0-d plain tensor argument: its dtype matters to the op, its value does not."""
+
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True, slots=True)
 class OpCall:
     """What a rule sees: the op, its tensor inputs' global metadata, and the remaining arguments.
 
@@ -67,7 +79,34 @@ class OpCall:
         return default
 
 
-Rule = Callable[[OpCall], Sequence[Row]]
+class ShardingRule:
+    """How to compute one op on sharded inputs.
+
+    Subclasses implement `rows` (the ways to compute the op along one mesh dim). They inherit a
+    `local_arguments` that runs the local op with the op's own arguments; rules whose arguments
+    name global sizes (`view`, `expand`, ...) override it to give each coordinate's local ones.
+    """
+
+    def rows(self, call: OpCall) -> Sequence[Row]:
+        raise NotImplementedError
+
+    def local_arguments(
+        self, call: OpCall, input_layouts: Sequence[Layout], coordinate: Sequence[int]
+    ) -> tuple[tuple, dict] | None:
+        """(args, kwargs) for the local op at `coordinate`, tensors left as their placeholders; None
+        means the op's own arguments."""
+        return None
+
+
+class RowsRule(ShardingRule):
+    """A rule given as a plain function from an `OpCall` to rows."""
+
+    def __init__(self, rows: Callable[[OpCall], Sequence[Row]]):
+        self._rows = rows
+        self.__name__ = getattr(rows, "__name__", type(self).__name__)
+
+    def rows(self, call: OpCall) -> Sequence[Row]:
+        return self._rows(call)
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +117,7 @@ class Decision:
     output_layouts: tuple[Layout | None, ...]
     output_metas: tuple[TensorMeta | None, ...]
     rows: tuple[Row, ...]
+    local_arguments: tuple[tuple, dict] | None
 
     def moves_inputs(self, current: Sequence[Layout]) -> bool:
         return any(target != layout for target, layout in zip(self.input_layouts, current))
@@ -124,26 +164,71 @@ def _choose_row(rows: Sequence[Row], layouts: Sequence[Layout], metas: Sequence[
     return best
 
 
-def _output_layout(mesh_shape, placements, meta: TensorMeta, input_layouts: Sequence[Layout]) -> Layout:
-    """Output layout; a sharded output dim takes exact pieces from an input dim split the same way."""
-    layout = Layout.create(mesh_shape, placements, meta.shape)
-    pieces = list(layout.pieces)
-    for dim, order in enumerate(layout.shard_order):
-        if not order:
-            continue
-        for source in input_layouts:
-            match = next(
-                (
-                    source.pieces[source_dim]
-                    for source_dim in range(source.ndim)
-                    if source.shard_order[source_dim] == order and source.shape[source_dim] == meta.shape[dim]
-                ),
-                None,
-            )
-            if match is not None:
-                pieces[dim] = match
-                break
-    return Layout(layout.mesh_shape, layout.placements, layout.shape, layout.shard_order, tuple(pieces))
+def _to_meta_tensor(value, local_metas: list | None = None):
+    if isinstance(value, TensorMeta):
+        meta = local_metas.pop(0) if local_metas is not None else value
+        return torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device="meta")
+    if isinstance(value, PlainTensor):
+        return torch.empty((), dtype=value.dtype, device="meta")
+    return value
+
+
+def run_on_meta(op, args: tuple, kwargs: dict, local_metas: list[TensorMeta] | None = None) -> list:
+    """Run `op` on meta tensors standing for the placeholders; `local_metas` replaces DTensor ones in order."""
+    flat, tree = tree_flatten((args, kwargs))
+    queue = list(local_metas) if local_metas is not None else None
+    meta_args, meta_kwargs = tree_unflatten([_to_meta_tensor(value, queue) for value in flat], tree)
+    outputs, _ = tree_flatten(op(*meta_args, **meta_kwargs))
+    return [
+        TensorMeta(tuple(output.shape), tuple(output.stride()), output.dtype) if isinstance(output, torch.Tensor) else None
+        for output in outputs
+    ]
+
+
+def _contiguous_meta(shape: tuple[int, ...], dtype: torch.dtype) -> TensorMeta:
+    stride, step = [], 1
+    for size in reversed(shape):
+        stride.append(step)
+        step *= max(size, 1)
+    return TensorMeta(shape, tuple(reversed(stride)), dtype)
+
+
+def _exact_output_layouts(call, rule, mesh_shape, placements, metas, input_layouts) -> tuple[Layout | None, ...]:
+    """Output layouts whose pieces are exactly what the local op produces on every coordinate.
+
+    Sharded outputs are evaluated on meta tensors of each coordinate's local input shapes (once per
+    distinct set of local shapes), so uneven inputs, views and slices get exact shard sizes.
+    """
+    layouts: list[Layout | None] = []
+    sharded = [meta is not None and any(isinstance(p, Shard) for p in placements[i]) for i, meta in enumerate(metas)]
+    local_shapes: dict[tuple[int, ...], list] = {}
+    if any(sharded):
+        evaluated: dict = {}
+        for coordinate in itertools.product(*(range(size) for size in mesh_shape)):
+            inputs = [
+                _contiguous_meta(layout.local_shape(coordinate), meta.dtype)
+                for layout, meta in zip(input_layouts, call.inputs)
+            ]
+            arguments = rule.local_arguments(call, input_layouts, coordinate) or (call.args, dict(call.kwargs))
+            key = (tuple(meta.shape for meta in inputs), repr(arguments))
+            if key not in evaluated:
+                evaluated[key] = run_on_meta(call.op, arguments[0], arguments[1], inputs)
+            local_shapes[coordinate] = evaluated[key]
+    for index, meta in enumerate(metas):
+        if meta is None:
+            layouts.append(None)
+        elif not sharded[index]:
+            layouts.append(Layout.create(mesh_shape, placements[index], meta.shape))
+        else:
+            shapes = {coordinate: outputs[index].shape for coordinate, outputs in local_shapes.items()}
+            layout = Layout.from_local_shapes(mesh_shape, placements[index], shapes)
+            if layout.shape != meta.shape:
+                raise RuntimeError(
+                    f"sharding rule of {call.op} is wrong: placements {list(placements[index])} give local "
+                    f"outputs that add up to shape {layout.shape}, not the global {meta.shape}"
+                )
+            layouts.append(layout)
+    return tuple(layouts)
 
 
 _cache: dict = {}
@@ -156,8 +241,8 @@ def clear_cache() -> None:
 def decide(
     call: OpCall,
     layouts: Sequence[Layout],
-    rule: Rule,
-    output_metas: Callable[[OpCall], Sequence[TensorMeta | None]],
+    rule: ShardingRule,
+    coordinate: Sequence[int],
     cache_key: object | None,
 ) -> Decision:
     """Pick a row per mesh dim and build the decision; cached under `cache_key` when it is not None."""
@@ -165,7 +250,7 @@ def decide(
         cached = _cache.get(cache_key)
         if cached is not None:
             return cached
-    rows = rule(call)
+    rows = rule.rows(call)
     if not rows:
         raise NotImplementedError(f"the sharding rule of {call.op} returned no way to compute it")
     mesh_shape = layouts[0].mesh_shape
@@ -173,14 +258,14 @@ def decide(
     input_layouts = tuple(
         layout.with_placements([row.inputs[index] for row in chosen]) for index, layout in enumerate(layouts)
     )
-    metas = tuple(output_metas(call))
-    output_layouts = tuple(
-        None
-        if meta is None
-        else _output_layout(mesh_shape, [row.outputs[index] for row in chosen], meta, input_layouts)
-        for index, meta in enumerate(metas)
-    )
-    decision = Decision(input_layouts, output_layouts, metas, chosen)
+    metas = tuple(run_on_meta(call.op, call.args, dict(call.kwargs)))
+    placements: list[tuple[Placement, ...] | None] = []
+    for meta in metas:  # rows name tensor outputs only, in order
+        tensor_index = len([p for p in placements if p is not None])
+        placements.append(None if meta is None else tuple(row.outputs[tensor_index] for row in chosen))
+    output_layouts = _exact_output_layouts(call, rule, mesh_shape, placements, metas, input_layouts)
+    local_arguments = rule.local_arguments(call, input_layouts, coordinate)
+    decision = Decision(input_layouts, output_layouts, metas, chosen, local_arguments)
     if cache_key is not None:
         _cache[cache_key] = decision
     return decision

@@ -15,17 +15,22 @@ from collections.abc import Iterable
 import torch
 
 from ..placement import REDUCE_OPS, Partial, Replicate, Shard
-from ..propagation import OpCall, Row, Rule
+from ..propagation import OpCall, Row, RowsRule, ShardingRule
 
 __all__ = ["RULES", "register_rule", "same_layout", "like_factory", "pointwise"]
 
 aten = torch.ops.aten
 
-RULES: dict[torch._ops.OpOverload, Rule] = {}
+RULES: dict[torch._ops.OpOverload, ShardingRule] = {}
 
 
-def register_rule(ops: Iterable, rule: Rule) -> None:
-    """Register `rule` for each op; a packet stands for its overloads that return one Tensor."""
+def register_rule(ops: Iterable, rule) -> None:
+    """Register `rule` (a `ShardingRule`, or a function from `OpCall` to rows) for each op.
+
+    A packet (`aten.add`) stands for its overloads that return one Tensor.
+    """
+    if not isinstance(rule, ShardingRule):
+        rule = RowsRule(rule)
     for op in ops:
         overloads = [op]
         if isinstance(op, torch._ops.OpOverloadPacket):
