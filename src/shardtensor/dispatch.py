@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .dtensor import DTensor, DTensorSpec, partial_from_replicate, without_partial
 from .layout import Layout
+from . import ops  # noqa: F401  (registers every op family)
 from .ops.registry import RULES
 from .placement import Replicate
 from .propagation import OpCall, PlainTensor, TensorMeta, decide

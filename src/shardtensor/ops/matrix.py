@@ -1,0 +1,1 @@
+"""Sharding rules: matrix family (being written; registers nothing yet)."""

@@ -1,0 +1,1 @@
+"""Sharding rules: nn family (being written; registers nothing yet)."""

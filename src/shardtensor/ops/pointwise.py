@@ -1,0 +1,1 @@
+"""Sharding rules: pointwise family (being written; registers nothing yet)."""

@@ -1,0 +1,1 @@
+"""Sharding rules: random_ops family (being written; registers nothing yet)."""

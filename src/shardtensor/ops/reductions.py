@@ -1,0 +1,1 @@
+"""Sharding rules: reductions family (being written; registers nothing yet)."""

@@ -1,0 +1,1 @@
+"""Sharding rules: tensor_ops family (being written; registers nothing yet)."""

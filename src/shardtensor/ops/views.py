@@ -1,0 +1,1 @@
+"""Sharding rules: views family (being written; registers nothing yet)."""
