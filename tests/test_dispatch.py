@@ -7,11 +7,27 @@ import torch
 from spmd import spmd
 
 import shardtensor
-from shardtensor import Partial, Replicate, Shard, comm, distribute_tensor
+from shardtensor import Partial, Replicate, Shard, comm, dispatch, distribute_tensor
 from shardtensor.dispatch import fallback_counts
 from shardtensor.ops.registry import RULES, register_rule, same_layout
 
 MESHES = [(1,), (2,), (4,), (2, 2)]
+
+
+# Ops without a sharding rule (and that no op family will ever give one): they exercise the fallback.
+@torch.library.custom_op("dispatch_test::product", mutates_args=())
+def _product(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return x @ y
+
+
+@torch.library.custom_op("dispatch_test::running_total", mutates_args=())
+def _running_total(x: torch.Tensor) -> torch.Tensor:
+    return x.cumsum(0)
+
+
+@torch.library.custom_op("dispatch_test::accumulate_", mutates_args=("x",))
+def _accumulate_(x: torch.Tensor) -> None:
+    x.copy_(x.cumsum(0))
 
 
 def _sharded(mesh):
@@ -68,15 +84,14 @@ def test_fallback_equals_single_device_and_is_counted(mesh):
     y_full = torch.linspace(0, 1, 15).reshape(5, 3)
     x = distribute_tensor(x_full, mesh, _sharded(mesh))
     y = distribute_tensor(y_full, mesh, [Replicate()] * mesh.ndim)
-    before = fallback_counts["aten.mm.default"]
-    product = torch.mm(x, y)
-    assert fallback_counts["aten.mm.default"] == before + 1
+    before = fallback_counts["dispatch_test.product.default"]
+    product = torch.ops.dispatch_test.product(x, y)
+    assert fallback_counts["dispatch_test.product.default"] == before + 1
     assert product.placements == (Replicate(),) * mesh.ndim
     torch.testing.assert_close(product.full_tensor(), x_full @ y_full)
-    cumulative = torch.cumsum(x, 1)  # same shape as x: re-sharded like x
+    cumulative = torch.ops.dispatch_test.running_total(x)  # same shape as x: re-sharded like x
     assert cumulative.placements == x.placements
-    assert torch.equal(cumulative.full_tensor(), torch.cumsum(x_full, 1))
-    assert x.sum().item() == x_full.sum().item()
+    assert torch.equal(cumulative.full_tensor(), torch.cumsum(x_full, 0))
 
 
 @spmd(meshes=MESHES)
@@ -84,17 +99,29 @@ def test_strict_mode_raises_naming_the_op(mesh):
     x = distribute_tensor(torch.ones(4, 4), mesh, _sharded(mesh))
     with shardtensor.strict_mode():
         assert torch.equal((x + 1).full_tensor(), torch.full((4, 4), 2.0))  # has a rule
-        with pytest.raises(NotImplementedError, match="aten.mm.default"):
-            torch.mm(x, x)
-
-
+        with pytest.raises(NotImplementedError, match="dispatch_test.running_total.default"):
+            torch.ops.dispatch_test.running_total(x)
     os.environ["SHARDTENSOR_STRICT"] = "1"
     try:
+        dispatch.read_environment()  # the environment is read once, at import
         with pytest.raises(NotImplementedError, match="strict"):
-            torch.cumsum(x, 0)
+            torch.ops.dispatch_test.running_total(x)
     finally:
         del os.environ["SHARDTENSOR_STRICT"]
-    assert torch.equal(torch.cumsum(x, 0).full_tensor(), torch.cumsum(torch.ones(4, 4), 0))
+        dispatch.read_environment()
+    assert torch.equal(torch.ops.dispatch_test.running_total(x).full_tensor(), torch.cumsum(torch.ones(4, 4), 0))
+
+
+@spmd(meshes=[(2,), (2, 2)])
+def test_cached_calls_reuse_one_plan_and_share_output_specs(mesh):
+    x = distribute_tensor(torch.arange(8.0).reshape(4, 2), mesh, _sharded(mesh))
+    first = x * 2
+    dispatch.clear_plans()
+    first, second = x * 2, x * 2
+    assert first._spec is second._spec  # the plan built the output spec once
+    assert torch.equal(second.full_tensor(), torch.arange(8.0).reshape(4, 2) * 2)
+    assert torch.equal((x * 2.0).full_tensor(), (x * 2).full_tensor())
+    assert (x * True).dtype == torch.float32 and (x > 1).dtype == torch.bool
 
 
 @spmd(meshes=MESHES)
@@ -118,7 +145,7 @@ def test_in_place_and_out_update_the_dtensor(mesh):
     replicated.mul_(x)  # x is sharded: the new value is written back into the Replicate shard
     assert replicated.placements == (Replicate(),) * mesh.ndim
     assert torch.equal(replicated.full_tensor(), (full + 1) * full * full)
-    x.cumsum_(0)  # fallback, in place
+    torch.ops.dispatch_test.accumulate_(x)  # fallback, in place, returns nothing
     assert torch.equal(x.full_tensor(), ((full + 1) * full).cumsum(0))
     out = torch.empty_like(x)
     result = torch.add(x, x, out=out)

@@ -25,8 +25,9 @@ def _check_chain(result):
     for step in result.steps:
         assert step.before == state
         if step.mesh_dim is not None:
-            assert step.after.placements[: step.mesh_dim] == state.placements[: step.mesh_dim]
-            assert step.after.placements[step.mesh_dim + 1 :] == state.placements[step.mesh_dim + 1 :]
+            changed = step.mesh_dim if isinstance(step.mesh_dim, tuple) else (step.mesh_dim,)
+            for mesh_dim, (before, after) in enumerate(zip(state.placements, step.after.placements)):
+                assert before == after or mesh_dim in changed
         state = step.after
     assert state == result.target
     assert result.total_bytes >= result.lower_bound_bytes
@@ -209,12 +210,29 @@ def test_shard_to_partial_gathers_first():
     assert _kinds(plan(source, source.with_placements([Partial("sum")]), 4)) == ["all_gather", "make_partial"]
 
 
-def test_partial_partial_to_replicate_reduces_each_mesh_dim():
-    source = Layout.create((2, 2), [Partial(), Partial()], (8, 8))
-    result = plan(source, source.with_placements([R, R]), 4)
-    assert sorted(_kinds(result)) == ["all_reduce", "all_reduce"] or "reduce_scatter" in _kinds(result)
-    # the flattened all_reduce over 4 ranks would move 2 * 3/4 of the tensor: the lower bound
-    assert result.lower_bound_bytes == 2 * 48 * 4
+@pytest.mark.parametrize(
+    "mesh_shape, source, target, collective",
+    [
+        ((2, 2), [Partial(), Partial()], [R, R], "all_reduce"),  # 2 * 3/4 of the tensor, not 2 * (1/2 + 1/2)
+        ((2, 2), [Partial(), Partial()], [Shard(0), Shard(0)], "reduce_scatter"),
+        ((2, 2, 2), [Partial(), Shard(1), Partial()], [R, Shard(1), R], "all_reduce"),
+        ((2, 1, 2), [Partial(), Partial(), Partial()], [Shard(1), Partial(), Shard(1)], "reduce_scatter"),
+    ],
+)
+def test_several_partial_mesh_dims_reduce_in_one_flattened_collective(mesh_shape, source, target, collective):
+    layout = Layout.create(mesh_shape, source, (64, 64))
+    result = plan(layout, layout.with_placements(target), 4)
+    assert result.collectives == (collective,) and isinstance(result.steps[0].mesh_dim, tuple)
+    assert result.total_bytes == result.lower_bound_bytes
+    assert "mesh dims (0, 2)" in str(result) or "mesh dims (0, 1)" in str(result)
+    _check_chain(result)
+
+
+def test_partial_partial_to_shard_replicate_reaches_the_bound_on_large_tensors():
+    # one all_reduce would move 1.5x the bound; two collectives reach it
+    source = Layout.create((2, 2), [Partial(), Partial()], (2048, 2048))
+    result = plan(source, source.with_placements([Shard(0), R]), 4)
+    assert len(result.collectives) == 2 and result.total_bytes == result.lower_bound_bytes
     _check_chain(result)
 
 

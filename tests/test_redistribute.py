@@ -333,3 +333,32 @@ def _run_chains(mesh, chains):
             layout = target
         local = redistribute_local_tensor(local, layout, layout.with_placements([R] * mesh.ndim), mesh)
         assert torch.equal(local, full), (shape, [list(map(str, p)) for p in placements_chain])
+
+
+# ---- flattened reductions over several mesh dims ---------------------------------------------------
+
+
+@pytest.mark.parametrize("reduce_op", ["sum", "max"])
+@pytest.mark.parametrize("shape", [(8, 4), (5, 7), (1, 3)])
+@spmd(meshes=[(2, 2)])
+def test_flattened_reductions_are_exact_and_single_collectives(mesh, shape, reduce_op):
+    full = _full(shape, seed=13)
+    source = Layout.create(mesh.shape, [Partial(reduce_op), Partial(reduce_op)], shape)
+    for target_placements in [[R, R], [Shard(0), Shard(0)], [Shard(1), Shard(1)]]:
+        target = source.with_placements(target_placements)
+        assert plan(source, target, 8).collectives in (("all_reduce",), ("reduce_scatter",))
+        records = _redistribute_and_check(mesh, source, target, full)
+        assert [(record.mesh_dim, record.group_size) for record in records] == [((0, 1), 4)]
+        busiest = plan(source, target, 8).total_bytes  # the plan counts the busiest rank
+        assert records[0].bytes_received == busiest if shape == (8, 4) else records[0].bytes_received <= busiest
+
+
+@spmd(meshes=[(2, 2)])
+def test_comm_flattened_peers_follow_the_order_given(mesh):
+    rank = torch.distributed.get_rank()
+    for mesh_dims in [(0, 1), (1, 0)]:
+        gathered = comm.all_gather(torch.tensor([rank]), mesh, mesh_dims, dim=0, sizes=[1] * 4)
+        expected = mesh.mesh if mesh_dims == (0, 1) else mesh.mesh.T
+        assert gathered.tolist() == expected.flatten().tolist()
+        total = comm.all_reduce(torch.tensor([float(rank)]), mesh, mesh_dims, reduce_op="sum")
+        assert total.item() == 6.0

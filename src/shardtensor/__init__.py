@@ -6,7 +6,7 @@
 """
 
 from .api import distribute_module, distribute_tensor, empty, full, ones, rand, randn, zeros
-from .dispatch import strict_mode
+from .dispatch import explicit_communication, strict_mode
 from .dtensor import DTensor
 from .mesh import DeviceMesh, init_device_mesh
 from .placement import Partial, Placement, Replicate, Shard
@@ -30,4 +30,5 @@ __all__ = [
     "randn",
     "manual_seed",
     "strict_mode",
+    "explicit_communication",
 ]

@@ -3,7 +3,10 @@
 Each function works along one mesh dim: the peers are the ranks that share this rank's coordinate
 on the other mesh dims, and pieces are indexed by the peer's coordinate along `mesh_dim` (c10d
 orders a group by global rank, which may differ; this module hides that). Sizes are lists in
-coordinate order; uneven and empty pieces move exactly, with no padding bytes.
+coordinate order; uneven and empty pieces move exactly, with no padding bytes. `mesh_dim` may
+also be a tuple of mesh dims: the peers are then the flattened sub-mesh through this rank,
+row-major in the order given (one collective instead of one per mesh dim; its group is created by
+its members alone on first use, so ranks outside it need not call).
 
 Observability: every call with more than one rank adds 1 to `call_counts[kind]` and appends a
 `CommRecord` to every list yielded by an active `observe()`. Bytes are this rank's, for an ideal
@@ -45,6 +48,8 @@ _REDUCE_OPS = {
 }
 # Bools reduce as uint8: "sum" and "max" are any (logical or), "product" and "min" are all.
 _BOOL_REDUCE_OPS = {"sum": "max", "max": "max", "min": "min", "product": "min"}
+# A mesh dim (index or name), or a tuple of them: the flattened sub-mesh, row-major in the order given.
+MeshDims = int | str | tuple[int | str, ...]
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -62,7 +67,7 @@ class CommRecord:
     """
 
     kind: str
-    mesh_dim: int | None
+    mesh_dim: int | tuple[int, ...] | None
     group_size: int
     bytes_sent: int
     bytes_received: int
@@ -86,7 +91,7 @@ def observe():
                 break
 
 
-def _record(kind: str, mesh_dim: int | None, group_size: int, bytes_sent: int, bytes_received: int) -> None:
+def _record(kind: str, mesh_dim: int | tuple[int, ...] | None, group_size: int, bytes_sent: int, bytes_received: int) -> None:
     call_counts[kind] += 1
     if _observers:
         record = CommRecord(kind, mesh_dim, group_size, bytes_sent, bytes_received)
@@ -131,7 +136,7 @@ def _identity(result, async_op: bool):
 # --- peers: coordinate order versus c10d group order -------------------------------------------------
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Peers:
-    mesh_dim: int
+    mesh_dim: int | tuple[int, ...]
     size: int
     coordinate: int
     ranks: tuple[int, ...]  # global ranks in coordinate order
@@ -144,21 +149,54 @@ class _Peers:
         return self.group_order == tuple(range(self.size))
 
 
-_peers_cache: dict[tuple[DeviceMesh, int | str], _Peers] = {}
+_peers_cache: dict[tuple[DeviceMesh, MeshDims], _Peers] = {}
+# Groups over flattened sub-meshes, created by their members alone (c10d names them by their ranks).
+_flattened_groups: dict[tuple[int, ...], Any] = {}
 
 
-def _peers(mesh: DeviceMesh, mesh_dim: int | str) -> _Peers:
+def _peers(mesh: DeviceMesh, mesh_dim: MeshDims) -> _Peers:
     key = (mesh, mesh_dim)
     peers = _peers_cache.get(key)
     if peers is None:
-        index = mesh._mesh_dim_index(mesh_dim)
-        ranks = mesh.group_ranks(index)
-        group_order = tuple(sorted(range(len(ranks)), key=lambda coordinate: ranks[coordinate]))
-        group_rank = tuple(group_order.index(coordinate) for coordinate in range(len(ranks)))
-        group = mesh.get_group(index) if len(ranks) > 1 else None
-        peers = _Peers(index, len(ranks), mesh.get_local_rank(index), ranks, group_order, group_rank, group)
+        if isinstance(mesh_dim, tuple) and len(mesh_dim) > 1:
+            peers = _flattened_peers(mesh, mesh_dim)
+        else:
+            index = mesh._mesh_dim_index(mesh_dim[0] if isinstance(mesh_dim, tuple) else mesh_dim)
+            ranks = mesh.group_ranks(index)
+            group = mesh.get_group(index) if len(ranks) > 1 else None
+            peers = _make_peers(index, ranks, mesh.get_local_rank(index), group)
         _peers_cache[key] = peers
     return peers
+
+
+def _make_peers(mesh_dim, ranks: tuple[int, ...], coordinate: int, group) -> _Peers:
+    group_order = tuple(sorted(range(len(ranks)), key=lambda position: ranks[position]))
+    group_rank = tuple(group_order.index(position) for position in range(len(ranks)))
+    return _Peers(mesh_dim, len(ranks), coordinate, ranks, group_order, group_rank, group)
+
+
+def _flattened_peers(mesh: DeviceMesh, mesh_dims: tuple) -> _Peers:
+    """The ranks sharing this rank's coordinate off `mesh_dims`, row-major over `mesh_dims` as given."""
+    indices = tuple(mesh._mesh_dim_index(mesh_dim) for mesh_dim in mesh_dims)
+    if len(set(indices)) != len(indices):
+        raise ValueError(f"mesh dims {mesh_dims} repeat a mesh dim; flatten each mesh dim of {mesh!r} once")
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        raise RuntimeError(f"rank {mesh.get_rank()} is not in {mesh!r}; only its ranks may run its collectives")
+    index = tuple(slice(None) if mesh_dim in indices else coordinate[mesh_dim] for mesh_dim in range(mesh.ndim))
+    kept = sorted(indices)
+    sub_mesh = mesh.mesh[index].permute([kept.index(mesh_dim) for mesh_dim in indices])
+    ranks = tuple(sub_mesh.flatten().tolist())
+    group = None
+    if len(ranks) > 1:
+        key = tuple(sorted(ranks))
+        if len(key) == dist.get_world_size():
+            group = dist.group.WORLD
+        else:
+            if key not in _flattened_groups:
+                _flattened_groups[key] = dist.new_group(list(key), use_local_synchronization=True)
+            group = _flattened_groups[key]
+    return _make_peers(indices, ranks, ranks.index(mesh.get_rank()), group)
 
 
 # --- helpers ---------------------------------------------------------------------------------------
@@ -231,7 +269,7 @@ def _exchange(send: Sequence[torch.Tensor | None], receive_shapes: Sequence[Sequ
 
 
 # --- collectives along one mesh dim --------------------------------------------------------------------
-def all_gather(tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: int | str, *, dim: int,
+def all_gather(tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: MeshDims, *, dim: int,
                sizes: Sequence[int], async_op: bool = False):
     """Concatenate along `dim` every peer's tensor (peer c's has size sizes[c] on `dim`).
 
@@ -275,7 +313,7 @@ def all_gather(tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: int | str, *, d
     return _complete(work, finish_uneven, async_op)
 
 
-def all_to_all(tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: int | str, *, split_dim: int,
+def all_to_all(tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: MeshDims, *, split_dim: int,
                split_sizes: Sequence[int], concat_dim: int, concat_sizes: Sequence[int], async_op: bool = False):
     """Split along `split_dim` (piece c to coordinate c), concatenate what arrives along `concat_dim`.
 
@@ -314,7 +352,7 @@ def all_to_all(tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: int | str, *, s
     return _complete(work, finish, async_op)
 
 
-def all_reduce(tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: int | str, *, reduce_op: str, async_op: bool = False):
+def all_reduce(tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: MeshDims, *, reduce_op: str, async_op: bool = False):
     """Reduce over the peers; returns a new tensor (the input is never written)."""
     peers = _peers(mesh, mesh_dim)
     op = _reduce_op("all_reduce", reduce_op, tensor.dtype)
@@ -330,7 +368,7 @@ def all_reduce(tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: int | str, *, r
     return _complete(work, lambda: buffer.to(torch.bool) if tensor.dtype == torch.bool else buffer, async_op)
 
 
-def reduce_scatter(tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: int | str, *, reduce_op: str, dim: int,
+def reduce_scatter(tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: MeshDims, *, reduce_op: str, dim: int,
                    sizes: Sequence[int], async_op: bool = False):
     """This coordinate's piece (size sizes[coordinate] on `dim`) of the tensor reduced over the peers."""
     peers = _peers(mesh, mesh_dim)
@@ -360,7 +398,7 @@ def reduce_scatter(tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: int | str, 
     return _complete(work, lambda: output.to(torch.bool) if tensor.dtype == torch.bool else output, async_op)
 
 
-def broadcast(tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: int | str, *, src: int = 0, async_op: bool = False):
+def broadcast(tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: MeshDims, *, src: int = 0, async_op: bool = False):
     """Coordinate `src`'s tensor on every peer, as a new tensor; other ranks pass a tensor of the same shape."""
     peers = _peers(mesh, mesh_dim)
     if not 0 <= src < peers.size:
@@ -377,7 +415,7 @@ def broadcast(tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: int | str, *, sr
     return _complete(work, lambda: buffer, async_op)
 
 
-def scatter(pieces: Sequence[torch.Tensor] | None, mesh: DeviceMesh, mesh_dim: int | str, *, src: int = 0,
+def scatter(pieces: Sequence[torch.Tensor] | None, mesh: DeviceMesh, mesh_dim: MeshDims, *, src: int = 0,
             shape: Sequence[int], dtype: torch.dtype, async_op: bool = False):
     """Coordinate `src` sends pieces[c] to coordinate c (sizes may differ); returns this coordinate's piece.
 

@@ -1,10 +1,18 @@
 """Run a torch op on DTensors: unwrap, decide layouts, redistribute, run locally, wrap.
 
-`DTensor.__torch_dispatch__` calls `dispatch`. An op with a rule in `ops.registry.RULES` gets a
-(cached) decision from `propagation.decide`; an op without one goes to the fallback, which
-gathers every input to Replicate, runs the op on full tensors and returns the single-device
-result, logged once per op and counted in `fallback_counts`. Under `strict_mode()` (or with the
-environment variable `SHARDTENSOR_STRICT=1`) the fallback raises instead.
+`DTensor.__torch_dispatch__` calls `dispatch`. The hot path: a key built from the op, the
+identity of each DTensor argument's spec and the other arguments finds a `_Plan` (the decision
+with the output specs already built), which runs the local op and wraps its outputs. On a miss,
+an op with a rule in `ops.registry.RULES` gets a (cached) decision from `propagation.decide`; an
+op without one goes to the fallback, which gathers every input to Replicate, runs the op on full
+tensors and returns the single-device result, logged once per op and counted in
+`fallback_counts`.
+
+Two switches, each a context manager and an environment variable read once at import
+(`read_environment()` re-reads them):
+- `strict_mode()` / `SHARDTENSOR_STRICT=1`: the fallback raises instead;
+- `explicit_communication()` / `SHARDTENSOR_EXPLICIT_COMM=1`: any redistribution an op would do
+  implicitly (a rule moving an input, or the fallback gathering one) raises, naming the plan.
 """
 
 from __future__ import annotations
@@ -18,23 +26,46 @@ from collections.abc import Iterator
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from . import ops  # noqa: F401  (registers every op family)
 from .dtensor import DTensor, DTensorSpec, partial_from_replicate, without_partial
 from .layout import Layout
-from . import ops  # noqa: F401  (registers every op family)
 from .ops.registry import RULES
 from .placement import Replicate
-from .propagation import OpCall, PlainTensor, TensorMeta, decide
-from .redistribute import redistribute_local_tensor
+from .propagation import Decision, OpCall, PlainTensor, TensorMeta, decide
+from .redistribute import explain, redistribute_local_tensor
 
-__all__ = ["dispatch", "fallback_counts", "strict_mode"]
+__all__ = [
+    "dispatch", "fallback_counts", "strict_mode", "explicit_communication", "read_environment", "clear_plans",
+]
 
 logger = logging.getLogger(__name__)
 
 # How often each op (by name) went through the replicate fallback in this process.
 fallback_counts: Counter[str] = Counter()
 
-_strict_depth = 0
 _mutated_arguments: dict[object, tuple[tuple[int, str], ...]] = {}
+
+
+class _Switches:
+    """Strict and explicit-communication modes: environment (read once) or context managers."""
+
+    strict_environment = False
+    explicit_environment = False
+    strict_depth = 0
+    explicit_depth = 0
+
+
+def _environment_flag(name: str) -> bool:
+    return os.environ.get(name, "0") not in ("", "0")
+
+
+def read_environment() -> None:
+    """(Re-)read `SHARDTENSOR_STRICT` and `SHARDTENSOR_EXPLICIT_COMM`; done once at import."""
+    _Switches.strict_environment = _environment_flag("SHARDTENSOR_STRICT")
+    _Switches.explicit_environment = _environment_flag("SHARDTENSOR_EXPLICIT_COMM")
+
+
+read_environment()
 
 
 @contextlib.contextmanager
@@ -42,22 +73,57 @@ def strict_mode() -> Iterator[None]:
     """Inside this block an op without a sharding rule raises instead of gathering to Replicate.
 
     >>> with shardtensor.strict_mode():  # doctest: +SKIP
-    ...     torch.mm(a, b)  # NotImplementedError if aten.mm has no rule
+    ...     torch.cumsum(x, 0)  # NotImplementedError if aten.cumsum has no rule
     """
-    global _strict_depth
-    _strict_depth += 1
+    _Switches.strict_depth += 1
     try:
         yield
     finally:
-        _strict_depth -= 1
+        _Switches.strict_depth -= 1
+
+
+@contextlib.contextmanager
+def explicit_communication() -> Iterator[None]:
+    """Inside this block an op that would redistribute an input raises instead, showing the plan.
+
+    Communication then happens only where the program asks for it (`redistribute`,
+    `full_tensor`); ops whose rules compute locally (or yield Partial) still run.
+
+    >>> with shardtensor.explicit_communication():  # doctest: +SKIP
+    ...     x_row_sharded + y_column_sharded  # RuntimeError naming aten.add.Tensor and the plan
+    """
+    _Switches.explicit_depth += 1
+    try:
+        yield
+    finally:
+        _Switches.explicit_depth -= 1
 
 
 def _is_strict() -> bool:
-    return _strict_depth > 0 or os.environ.get("SHARDTENSOR_STRICT", "0") not in ("", "0")
+    return _Switches.strict_depth > 0 or _Switches.strict_environment
+
+
+def _is_explicit() -> bool:
+    return _Switches.explicit_depth > 0 or _Switches.explicit_environment
 
 
 def _describe(dtensors: list[DTensor]) -> str:
     return ", ".join(f"[{', '.join(str(p) for p in d.placements)}] shape={tuple(d.shape)}" for d in dtensors)
+
+
+def _implicit_communication_error(op, dtensors, targets, what: str) -> RuntimeError:
+    lines = [
+        f"{op} would redistribute its inputs implicitly ({what}), which explicit-communication mode "
+        f"forbids. Inputs: {_describe(dtensors)}. The plan it would run:"
+    ]
+    for number, (dtensor, target) in enumerate(zip(dtensors, targets)):
+        if target is not None and target != dtensor.sharding:
+            lines.append(f"input {number}: " + explain(dtensor.sharding, target, dtensor.element_size()))
+    lines.append(
+        "Redistribute the inputs yourself first (x.redistribute(mesh, placements)), or leave "
+        "shardtensor.explicit_communication() / unset SHARDTENSOR_EXPLICIT_COMM."
+    )
+    return RuntimeError("\n".join(lines))
 
 
 def _common_mesh(op, dtensors: list[DTensor]):
@@ -66,14 +132,20 @@ def _common_mesh(op, dtensors: list[DTensor]):
         if other.device_mesh != mesh:
             raise ValueError(
                 f"{op}: DTensor arguments live on different meshes, {mesh!r} and {other.device_mesh!r}; "
-                f"all DTensors of one op must share a mesh (redistribute across meshes is not supported yet)"
+                f"all DTensors of one op must share a mesh: redistribute one of them onto the other's "
+                f"mesh first (x.redistribute(other.device_mesh, placements))"
             )
     return mesh
 
 
-def _check_plain_tensors(op, flat: list) -> None:
-    for value in flat:
+def _plain_tensors_as_replicate(op, flat: list, mesh, accepted: bool) -> None:
+    """Refuse plain tensors that are not 0-d, or (for rules that accept them) make them Replicate."""
+    for index, value in enumerate(flat):
         if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.ndim > 0:
+            if accepted:
+                layout = Layout.create(mesh.shape, [Replicate()] * mesh.ndim, value.shape)
+                flat[index] = DTensor(value, DTensorSpec(mesh, layout, tuple(value.stride()), value.dtype))
+                continue
             # Not a TypeError: torch turns a TypeError in an operator into NotImplemented and the message is lost.
             raise RuntimeError(
                 f"{op}: got a plain torch.Tensor of shape {tuple(value.shape)} mixed with DTensors; only "
@@ -100,15 +172,6 @@ def _mutated(op, args: tuple, kwargs: dict) -> list[DTensor]:
     return mutated
 
 
-def _cache_key(op, layouts, call: OpCall):
-    key = (op, tuple(layouts), call.inputs, call.args, call.kwargs)
-    try:
-        hash(key)
-    except TypeError:
-        return None
-    return key
-
-
 def _hashable(value):
     if isinstance(value, list):
         return tuple(_hashable(item) for item in value)
@@ -117,15 +180,164 @@ def _hashable(value):
     return value
 
 
+def _decision_cache_key(op, layouts, call: OpCall):
+    key = (op, tuple(layouts), call.inputs, call.args, call.kwargs)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+# ---- the hot path ---------------------------------------------------------------------------------
+
+# fast key -> _Plan. Keys hold the id of each DTensor argument's spec; the plan keeps those specs
+# alive, so an id cannot be reused while its key exists.
+_plans: dict[tuple, _Plan] = {}
+_MAX_PLANS = 8192
+_KEY_SCALAR_TYPES = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout)
+
+
+def clear_plans() -> None:
+    _plans.clear()
+
+
+def _key_value(value, key: list) -> bool:
+    """Append `value` to a fast key; False when the call is not flat (nested or plain tensors)."""
+    kind = type(value)
+    if kind is DTensor:
+        key.append(id(value._spec))
+    elif kind in _KEY_SCALAR_TYPES:
+        key.append(kind)  # 1, 1.0 and True hash alike but give different dtypes
+        key.append(value)
+    elif isinstance(value, DTensor):
+        key.append(id(value._spec))
+    elif isinstance(value, torch.Tensor):
+        if value.ndim:
+            return False
+        key.append(value.dtype)
+    elif kind in (list, tuple) and all(type(item) in (int, float, bool, type(None)) for item in value):
+        key.append(kind)
+        key.append(tuple(value))
+    else:
+        return False
+    return True
+
+
+def _fast_key(op, args: tuple, kwargs: dict) -> tuple | None:
+    key = [op]
+    for value in args:
+        if not _key_value(value, key):
+            return None
+    if kwargs:
+        for name, value in kwargs.items():
+            key.append(name)
+            if not _key_value(value, key):
+                return None
+    return tuple(key)
+
+
+class _Plan:
+    """A decision for flat calls with everything per call precomputed: which arguments are
+    DTensors, where each must move (None: stays), and the output specs."""
+
+    __slots__ = (
+        "rule", "op", "mesh", "specs", "arg_slots", "kwarg_slots", "moves", "output_specs", "local_op", "mutates",
+    )
+
+    def __init__(self, op, rule, mesh, args: tuple, kwargs: dict, decision: Decision, mutates: bool):
+        self.op, self.rule, self.mesh, self.mutates = op, rule, mesh, mutates
+        self.local_op = decision.local_op
+        slots = [("arg", index) for index, value in enumerate(args) if isinstance(value, DTensor)]
+        slots += [("kwarg", name) for name, value in kwargs.items() if isinstance(value, DTensor)]
+        dtensors = [args[where] if kind == "arg" else kwargs[where] for kind, where in slots]
+        self.specs = tuple(dtensor._spec for dtensor in dtensors)
+        targets = [
+            None if target == dtensor.sharding else target
+            for dtensor, target in zip(dtensors, decision.input_layouts)
+        ]
+        self.moves = any(target is not None for target in targets)
+        self.arg_slots = tuple((where, target) for (kind, where), target in zip(slots, targets) if kind == "arg")
+        self.kwarg_slots = tuple((where, target) for (kind, where), target in zip(slots, targets) if kind == "kwarg")
+        self.output_specs = tuple(
+            None if layout is None else DTensorSpec(mesh, layout, meta.stride, meta.dtype)
+            for layout, meta in zip(decision.output_layouts, decision.output_metas)
+        )
+
+    def _local(self, dtensor: DTensor, target: Layout | None) -> torch.Tensor:
+        local = dtensor._local_tensor
+        if target is None:
+            return local
+        return redistribute_local_tensor(local, dtensor._spec.layout, target, self.mesh)
+
+    def run(self, args: tuple, kwargs: dict):
+        if self.moves and _is_explicit():
+            dtensors = [args[where] for where, _ in self.arg_slots] + [kwargs[where] for where, _ in self.kwarg_slots]
+            targets = [target for _, target in self.arg_slots + self.kwarg_slots]
+            raise _implicit_communication_error(self.op, dtensors, targets, "its sharding rule needs other layouts")
+        local_args = list(args)
+        inputs = []
+        for where, target in self.arg_slots:
+            local_args[where] = self._local(args[where], target)
+            inputs.append((local_args[where], args[where]))
+        local_kwargs = kwargs
+        if self.kwarg_slots:
+            local_kwargs = dict(kwargs)
+            for where, target in self.kwarg_slots:
+                local_kwargs[where] = self._local(kwargs[where], target)
+                inputs.append((local_kwargs[where], kwargs[where]))
+        if self.local_op is None:
+            result = self.op(*local_args, **local_kwargs)
+        else:
+            result = self.local_op(self.mesh, *local_args, **local_kwargs)
+        if type(result) is torch.Tensor and not self.mutates:
+            return DTensor(result, self.output_specs[0])
+        if isinstance(result, torch.Tensor):
+            return self._wrap(result, 0, inputs)
+        outputs, output_tree = tree_flatten(result)
+        return tree_unflatten([self._wrap(output, position, inputs) for position, output in enumerate(outputs)], output_tree)
+
+    def _wrap(self, output, position: int, inputs: list):
+        if not isinstance(output, torch.Tensor):
+            return output
+        for local, dtensor in inputs:
+            if output is local:  # in-place and out= ops return their argument
+                return dtensor
+        return DTensor(output, self.output_specs[position])
+
+
 def dispatch(op, args: tuple, kwargs: dict):
     """Run `op` on DTensor arguments and return DTensor results (the single-device value)."""
+    key = _fast_key(op, args, kwargs)
+    if key is not None:
+        plan = _plans.get(key)
+        if plan is not None and plan.rule is RULES.get(op):
+            return plan.run(args, kwargs)
+    return _dispatch_slowly(op, args, kwargs, key)
+
+
+def _is_fast(decision: Decision, mutated: list[DTensor], dtensors: list[DTensor]) -> bool:
+    """A plan can run a decision if it keeps the op's arguments and moves no mutated input."""
+    if decision.local_arguments is not None:
+        return False
+    mutated_ids = {id(dtensor) for dtensor in mutated}
+    return all(
+        target == dtensor.sharding
+        for dtensor, target in zip(dtensors, decision.input_layouts)
+        if id(dtensor) in mutated_ids
+    )
+
+
+def _dispatch_slowly(op, args: tuple, kwargs: dict, key: tuple | None):
+    """The miss path: flatten the arguments, decide (or fall back), run, and store a plan."""
     flat, tree = tree_flatten((args, kwargs))
     positions = [index for index, value in enumerate(flat) if isinstance(value, DTensor)]
-    dtensors = [flat[index] for index in positions]
-    mesh = _common_mesh(op, dtensors)
-    _check_plain_tensors(op, flat)
-    mutated = _mutated(op, args, kwargs)
+    mesh = _common_mesh(op, [flat[index] for index in positions])
     rule = RULES.get(op)
+    _plain_tensors_as_replicate(op, flat, mesh, getattr(rule, "accepts_plain_tensors", False))
+    positions = [index for index, value in enumerate(flat) if isinstance(value, DTensor)]
+    dtensors = [flat[index] for index in positions]
+    mutated = _mutated(op, args, kwargs)
     if rule is None:
         return _fallback(op, flat, tree, positions, dtensors, mutated, mesh)
     metas = tuple(TensorMeta(tuple(dtensor.shape), dtensor._spec.stride, dtensor.dtype) for dtensor in dtensors)
@@ -135,11 +347,20 @@ def dispatch(op, args: tuple, kwargs: dict):
     call_args, call_kwargs = tree_unflatten([_hashable(value) for value in stand_ins], tree)
     call = OpCall(op, metas, tuple(call_args), tuple(sorted(call_kwargs.items())))
     layouts = [dtensor.sharding for dtensor in dtensors]
-    decision = decide(call, layouts, rule, mesh.get_coordinate(), _cache_key(op, layouts, call))
+    decision = decide(call, layouts, rule, mesh.get_coordinate(), _decision_cache_key(op, layouts, call))
+    if key is not None and _is_fast(decision, mutated, dtensors):
+        if len(_plans) >= _MAX_PLANS:
+            _plans.clear()
+        plan = _Plan(op, rule, mesh, args, kwargs, decision, bool(_mutated_arguments[op]))
+        _plans[key] = plan
+        return plan.run(args, kwargs)
+    if _is_explicit() and decision.moves_inputs(layouts):
+        raise _implicit_communication_error(op, dtensors, decision.input_layouts, "its sharding rule needs other layouts")
     if decision.local_arguments is not None:
         flat, tree = _local_flat(flat, decision.local_arguments)
         positions = [index for index, value in enumerate(flat) if isinstance(value, DTensor)]
-    return _run(op, flat, tree, positions, dtensors, mutated, mesh, decision.input_layouts, decision.output_layouts, decision.output_metas)
+    return _run(op, flat, tree, positions, dtensors, mutated, mesh, decision.input_layouts, decision.output_layouts,
+                decision.output_metas, decision.local_op)
 
 
 def _local_flat(flat: list, local_arguments: tuple[tuple, dict]) -> tuple[list, object]:
@@ -155,18 +376,21 @@ def _fallback(op, flat, tree, positions, dtensors, mutated, mesh):
     if _is_strict():
         raise NotImplementedError(
             f"{op} has no sharding rule and strict mode forbids the replicate fallback (inputs: "
-            f"{_describe(dtensors)}); redistribute the inputs to Replicate yourself, add a rule, or "
-            f"leave strict mode (shardtensor.strict_mode / SHARDTENSOR_STRICT=1)"
+            f"{_describe(dtensors)}); redistribute the inputs to Replicate yourself, add a rule "
+            f"(shardtensor.experimental.register_sharding), or leave strict mode "
+            f"(shardtensor.strict_mode / SHARDTENSOR_STRICT=1)"
         )
+    replicated = [d.sharding.with_placements([Replicate()] * d.sharding.mesh_ndim) for d in dtensors]
+    if _is_explicit() and any(target != d.sharding for d, target in zip(dtensors, replicated)):
+        raise _implicit_communication_error(op, dtensors, replicated, "it has no sharding rule: replicate fallback")
     name = str(op)
     if name not in fallback_counts:
         logger.info("%s has no sharding rule: gathering its inputs (%s) to Replicate", name, _describe(dtensors))
     fallback_counts[name] += 1
-    replicated = [d.sharding.with_placements([Replicate()] * d.sharding.mesh_ndim) for d in dtensors]
     return _run(op, flat, tree, positions, dtensors, mutated, mesh, replicated, None, None)
 
 
-def _run(op, flat, tree, positions, dtensors, mutated, mesh, input_layouts, output_layouts, output_metas):
+def _run(op, flat, tree, positions, dtensors, mutated, mesh, input_layouts, output_layouts, output_metas, local_op=None):
     """Move inputs to `input_layouts`, run the local op, write back mutated inputs, wrap outputs.
 
     `output_layouts is None` means fallback outputs: Replicate, or the first input's layout (with
@@ -186,7 +410,7 @@ def _run(op, flat, tree, positions, dtensors, mutated, mesh, input_layouts, outp
             passed_through[id(local)] = dtensor
         local_flat[index] = local
     local_args, local_kwargs = tree_unflatten(local_flat, tree)
-    result = op(*local_args, **local_kwargs)
+    result = op(*local_args, **local_kwargs) if local_op is None else local_op(mesh, *local_args, **local_kwargs)
     for dtensor, layout, local in copies.values():
         _write_back(op, dtensor, local, layout, mesh)
     outputs, output_tree = tree_flatten(result)

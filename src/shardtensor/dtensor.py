@@ -20,7 +20,7 @@ from . import comm
 from .layout import Layout
 from .mesh import DeviceMesh, current_mesh
 from .placement import Partial, Placement, Replicate, Shard
-from .redistribute import redistribute_local_tensor
+from .redistribute import redistribute_between, redistribute_local_tensor
 
 __all__ = ["DTensor", "DTensorSpec", "contiguous_stride", "partial_from_replicate"]
 
@@ -233,15 +233,16 @@ class DTensor(torch.Tensor):
         goes back to this DTensor's layout, with Partial read as Replicate. With `async_op=True`
         the result returns at once and waits for its data on first use.
 
+        `device_mesh` may be another mesh (other shape, rank order or ranks; docs/redistribute.md):
+        every rank of the world must call, and ranks outside the target mesh get a local tensor
+        without elements. On a rank outside this DTensor's mesh, a same-mesh redistribute is a
+        no-op giving such a tensor (so `full_tensor()` is empty there, as in PyTorch).
+
         >>> x.redistribute(placements=[Replicate()])  # doctest: +SKIP
         """
         mesh = device_mesh if device_mesh is not None else self.device_mesh
         if mesh != self.device_mesh:
-            raise NotImplementedError(
-                f"cross-mesh redistribute is not supported yet (issue 4 adds it): this DTensor lives on "
-                f"{self.device_mesh!r}, the target mesh is {mesh!r}; use the same mesh, or move data "
-                f"explicitly with full_tensor() and distribute_tensor()"
-            )
+            return _Redistribute.apply(self, mesh, _cross_mesh_target(self, mesh, placements), async_op)
         if placements is None:
             placements = self.placements
         target = self.sharding.with_placements(tuple(placements))
@@ -255,7 +256,24 @@ class DTensor(torch.Tensor):
                 )
         if target == self.sharding:
             target = self.sharding  # keep exact pieces and shard order: no communication
-        return _Redistribute.apply(self, target, async_op)
+        return _Redistribute.apply(self, mesh, target, async_op)
+
+
+def _cross_mesh_target(dtensor: DTensor, mesh: DeviceMesh, placements) -> Layout:
+    """The target layout on another mesh: Shard and Replicate only (Partial sources are reduced first)."""
+    if placements is None:
+        raise ValueError(
+            f"redistribute to another mesh needs placements for it: this DTensor lives on "
+            f"{dtensor.device_mesh!r} with {dtensor.placements!r}, the target mesh is {mesh!r}; pass "
+            f"one Shard(dim) or Replicate() per mesh dim of the target mesh"
+        )
+    target = Layout.create(mesh.shape, tuple(placements), dtensor.shape)
+    if target.partial_mesh_dims():
+        raise ValueError(
+            f"redistribute to another mesh takes Shard(dim) and Replicate() targets only, got "
+            f"{tuple(placements)!r} for {mesh!r}; a Partial source is reduced on its own mesh first"
+        )
+    return target
 
 
 def _uneven_sizes_text(layout: Layout) -> str:
@@ -415,20 +433,25 @@ class _ToLocal(torch.autograd.Function):
 
 class _Redistribute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, dtensor, target, async_op):
+    def forward(ctx, dtensor, mesh, target, async_op):
         ctx.spec = dtensor._spec
         source = dtensor._spec
-        spec = DTensorSpec(source.mesh, target, source.stride, source.dtype)
-        if target == source.layout:
+        spec = DTensorSpec(mesh, target, source.stride, source.dtype)
+        if mesh == source.mesh and target == source.layout:
             return DTensor(dtensor._local_tensor, spec)
-        result = redistribute_local_tensor(dtensor._local_tensor, source.layout, target, source.mesh, async_op=async_op)
+        local = dtensor._local_tensor
+        result = redistribute_between(local, source.layout, source.mesh, target, mesh, async_op=async_op)
         if isinstance(result, torch.Tensor):
             return DTensor(result, spec)
-        return DTensor(dtensor._local_tensor, spec, pending=result)
+        return DTensor(local, spec, pending=result)
 
     @staticmethod
     def backward(ctx, grad):
         spec = ctx.spec
-        local = _gradient_to(grad, spec)
-        grad_spec = DTensorSpec(spec.mesh, without_partial(spec.layout), spec.stride, grad.dtype)
-        return DTensor(local, grad_spec), None, None
+        target = without_partial(spec.layout)
+        if isinstance(grad, DTensor) and (grad.device_mesh != spec.mesh or spec.mesh.get_coordinate() is None):
+            local = redistribute_between(grad._local_tensor, grad.sharding, grad.device_mesh, target, spec.mesh)
+        else:
+            local = _gradient_to(grad, spec)
+        grad_spec = DTensorSpec(spec.mesh, target, spec.stride, grad.dtype)
+        return DTensor(local, grad_spec), None, None, None

@@ -3,7 +3,9 @@
 A rule describes an op along a single mesh dim as rows `[outputs..., inputs...]` of placements
 (`Row`). For an N-D mesh the engine picks one row per mesh dim, choosing the row whose input
 placements are cheapest to reach from where the inputs are (bytes moved, then number of
-collectives, then the rule's own order), and builds the full input and output layouts. Decisions
+collectives, then the rule's own order); when that moves a nested-sharded input, the
+redistribute planner prices the best few combinations exactly. It builds the full input and
+output layouts. Decisions
 are cached by (op, input layouts, dtypes, non-tensor arguments): the hot path is one dict lookup.
 """
 
@@ -19,6 +21,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .layout import Layout
 from .placement import Partial, Placement, Replicate, Shard
+from .redistribute.planner import plan as plan_redistribute
 
 __all__ = [
     "Row", "TensorMeta", "PlainTensor", "OpCall", "ShardingRule", "RowsRule", "Decision", "decide",
@@ -87,14 +90,30 @@ class ShardingRule:
     name global sizes (`view`, `expand`, ...) override it to give each coordinate's local ones.
     """
 
+    # True: plain (non-DTensor) tensor arguments are accepted and treated as Replicate (index tensors).
+    accepts_plain_tensors: bool = False
+
     def rows(self, call: OpCall) -> Sequence[Row]:
         raise NotImplementedError
+
+    def rows_for_layouts(self, call: OpCall, layouts: Sequence[Layout]) -> Sequence[Row]:
+        """The rows for these input layouts: `rows(call)`, unless a row is right only for some shard
+        sizes (a view splitting a sharded dim) and the rule checks them."""
+        return self.rows(call)
 
     def local_arguments(
         self, call: OpCall, input_layouts: Sequence[Layout], coordinate: Sequence[int]
     ) -> tuple[tuple, dict] | None:
         """(args, kwargs) for the local op at `coordinate`, tensors left as their placeholders; None
         means the op's own arguments."""
+        return None
+
+    def local_op(
+        self, call: OpCall, input_layouts: Sequence[Layout], coordinate: Sequence[int]
+    ) -> Callable | None:
+        """A function `(mesh, *local_args, **local_kwargs)` run on the shards instead of the op, for
+        rules whose local computation differs from it (masked embedding, per-shard random values);
+        None runs the op itself. Output shard sizes come from it on meta tensors, with mesh None."""
         return None
 
 
@@ -118,6 +137,7 @@ class Decision:
     output_metas: tuple[TensorMeta | None, ...]
     rows: tuple[Row, ...]
     local_arguments: tuple[tuple, dict] | None
+    local_op: Callable | None = None
 
     def moves_inputs(self, current: Sequence[Layout]) -> bool:
         return any(target != layout for target, layout in zip(self.input_layouts, current))
@@ -148,19 +168,56 @@ def transition_cost(layout: Layout, mesh_dim: int, target: Placement, itemsize: 
     return float((parts - 1) * local_bytes) * 2, 2
 
 
-def _choose_row(rows: Sequence[Row], layouts: Sequence[Layout], metas: Sequence[TensorMeta], mesh_dim: int) -> Row:
-    best, best_key = None, None
+def _ranked_rows(rows: Sequence[Row], layouts: Sequence[Layout], metas: Sequence[TensorMeta], mesh_dim: int) -> list[Row]:
+    """The rows by estimated cost on one mesh dim, cheapest first (ties: the rule's order)."""
+    keyed = []
     for rank_in_rule, row in enumerate(rows):
         bytes_moved, collectives = 0.0, 0
         for layout, meta, target in zip(layouts, metas, row.inputs):
             moved, count = transition_cost(layout, mesh_dim, target, meta.dtype.itemsize)
             bytes_moved += moved
             collectives += count
-        key = (bytes_moved, collectives, rank_in_rule)
-        if best_key is None or key < best_key:
-            best, best_key = row, key
-        if bytes_moved == 0 and collectives == 0:
-            break
+        keyed.append((bytes_moved, collectives, rank_in_rule, row))
+    keyed.sort(key=lambda entry: entry[:3])
+    return [entry[3] for entry in keyed]
+
+
+def _planned_cost(rows: Sequence[Row], layouts: Sequence[Layout], metas: Sequence[TensorMeta]) -> float:
+    """What the redistribute planner charges (us) to move every input to the rows' placements."""
+    total = 0.0
+    for index, (layout, meta) in enumerate(zip(layouts, metas)):
+        target = layout.with_placements([row.inputs[index] for row in rows])
+        if target != layout:
+            total += plan_redistribute(layout, target, meta.dtype.itemsize).total_cost_us
+    return total
+
+
+# Rows per mesh dim whose combinations the planner prices when the per-mesh-dim estimate moves data.
+_CANDIDATES_PER_MESH_DIM = 2
+
+
+def _choose_rows(rows: Sequence[Row], layouts: Sequence[Layout], metas: Sequence[TensorMeta]) -> tuple[Row, ...]:
+    """One row per mesh dim: the per-mesh-dim estimate's best, unless an input is sharded on one
+    tensor dim by several mesh dims (nested) and that choice moves data. Then the estimate cannot
+    see the order constraints, and the redistribute planner prices the combinations of each mesh
+    dim's top candidates exactly (slower: a planner search per input and combination)."""
+    ranked = [_ranked_rows(rows, layouts, metas, mesh_dim) for mesh_dim in range(len(layouts[0].mesh_shape))]
+    greedy = tuple(candidates[0] for candidates in ranked)
+    nested = any(len(order) > 1 for layout in layouts for order in layout.shard_order)
+    if not nested or all(
+        layout.with_placements([row.inputs[index] for row in greedy]) == layout for index, layout in enumerate(layouts)
+    ):
+        return greedy
+    best, best_cost = greedy, _planned_cost(greedy, layouts, metas)
+    for combination in itertools.product(*(candidates[:_CANDIDATES_PER_MESH_DIM] for candidates in ranked)):
+        if combination == greedy:
+            continue
+        try:
+            cost = _planned_cost(combination, layouts, metas)
+        except ValueError:  # a target the planner cannot reach (two Partials of different reduce ops)
+            continue
+        if cost < best_cost:
+            best, best_cost = combination, cost
     return best
 
 
@@ -212,7 +269,9 @@ def _exact_output_layouts(call, rule, mesh_shape, placements, metas, input_layou
             arguments = rule.local_arguments(call, input_layouts, coordinate) or (call.args, dict(call.kwargs))
             key = (tuple(meta.shape for meta in inputs), repr(arguments))
             if key not in evaluated:
-                evaluated[key] = run_on_meta(call.op, arguments[0], arguments[1], inputs)
+                local_op = rule.local_op(call, input_layouts, coordinate)
+                op = call.op if local_op is None else lambda *args, **kwargs: local_op(None, *args, **kwargs)
+                evaluated[key] = run_on_meta(op, arguments[0], arguments[1], inputs)
             local_shapes[coordinate] = evaluated[key]
     for index, meta in enumerate(metas):
         if meta is None:
@@ -250,11 +309,11 @@ def decide(
         cached = _cache.get(cache_key)
         if cached is not None:
             return cached
-    rows = rule.rows(call)
+    rows = rule.rows_for_layouts(call, layouts)
     if not rows:
         raise NotImplementedError(f"the sharding rule of {call.op} returned no way to compute it")
     mesh_shape = layouts[0].mesh_shape
-    chosen = tuple(_choose_row(rows, layouts, call.inputs, mesh_dim) for mesh_dim in range(len(mesh_shape)))
+    chosen = _choose_rows(rows, layouts, call.inputs)
     input_layouts = tuple(
         layout.with_placements([row.inputs[index] for row in chosen]) for index, layout in enumerate(layouts)
     )
@@ -265,7 +324,8 @@ def decide(
         placements.append(None if meta is None else tuple(row.outputs[tensor_index] for row in chosen))
     output_layouts = _exact_output_layouts(call, rule, mesh_shape, placements, metas, input_layouts)
     local_arguments = rule.local_arguments(call, input_layouts, coordinate)
-    decision = Decision(input_layouts, output_layouts, metas, chosen, local_arguments)
+    local_op = rule.local_op(call, input_layouts, coordinate)
+    decision = Decision(input_layouts, output_layouts, metas, chosen, local_arguments, local_op)
     if cache_key is not None:
         _cache[cache_key] = decision
     return decision

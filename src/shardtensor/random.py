@@ -4,7 +4,13 @@ The flattened global tensor is cut into blocks of `BLOCK_SIZE` elements; block `
 call number `counter` comes from a `torch.Generator` seeded with a hash of (seed, counter, k).
 A rank generates only the blocks that overlap its shard and keeps the elements it holds, so every
 mesh shape, placement and rank count (one rank included) sees the same global tensor.
-The counter advances by one per call on every rank (SPMD programs call in the same order).
+
+Semantics: `manual_seed(seed)` sets the seed and resets the counter to 0. Every random call on
+DTensors (the `rand`/`randn` factories and random ops such as `uniform_`, `rand_like`,
+`bernoulli_`, dropout) takes the next counter value, on every rank (SPMD programs call in the
+same order), so call number `counter` after `manual_seed(seed)` always gives the same global
+tensor for a given global shape, dtype and distribution. Random ops on plain tensors use torch's
+own generator and neither read nor advance this counter.
 """
 
 from __future__ import annotations
@@ -17,9 +23,15 @@ import torch
 
 from . import comm
 
-__all__ = ["BLOCK_SIZE", "manual_seed", "random_shard", "next_random_call"]
+__all__ = ["BLOCK_SIZE", "FILLS", "manual_seed", "random_shard", "next_random_call"]
 
 BLOCK_SIZE = 2**16
+
+# The distributions `random_shard` draws: a kind is the name of torch's in-place random method that
+# fills a block (its `parameters` are that method's arguments); "rand" and "randn" are the
+# standard uniform and normal.
+FILLS = ("uniform_", "normal_", "exponential_", "random_", "log_normal_", "cauchy_", "geometric_")
+_ALIASES = {"rand": "uniform_", "randn": "normal_"}
 
 _seed: int | None = None
 _counter = 0
@@ -77,17 +89,21 @@ def random_shard(
     counter: int,
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
+    parameters: tuple = (),
 ) -> torch.Tensor:
-    """The box `offset + local_shape` of the global random tensor of `shape` ("rand" or "randn").
+    """The box `offset + local_shape` of the global random tensor of `shape`.
+
+    `kind` is "rand", "randn" or a name in `FILLS`, called with `parameters` on each block
+    (`random_shard("uniform_", ..., parameters=(-1.0, 1.0))`).
 
     >>> full = random_shard("rand", (3, 4), (0, 0), (3, 4), seed=0, counter=0, dtype=torch.float32)
     >>> torch.equal(random_shard("rand", (3, 4), (1, 2), (2, 2), seed=0, counter=0,
     ...                          dtype=torch.float32), full[1:, 2:])
     True
     """
-    if kind not in ("rand", "randn"):
-        raise ValueError(f"random_shard kind must be 'rand' or 'randn', got {kind!r}")
-    generate = torch.rand if kind == "rand" else torch.randn
+    method = _ALIASES.get(kind, kind)
+    if method not in FILLS:
+        raise ValueError(f"random_shard kind must be 'rand', 'randn' or one of {FILLS}, got {kind!r}")
     total = math.prod(shape)
     index = _flat_indices(shape, offset, local_shape)
     values = torch.empty(index.numel(), dtype=dtype)
@@ -96,7 +112,7 @@ def random_shard(
         for block in torch.unique(blocks).tolist():
             length = min(BLOCK_SIZE, total - block * BLOCK_SIZE)
             generator = torch.Generator().manual_seed(_block_seed(seed, counter, block))
-            generated = generate(length, generator=generator, dtype=dtype)
+            generated = getattr(torch.empty(length, dtype=dtype), method)(*parameters, generator=generator)
             mask = blocks == block
             values[mask] = generated[index[mask] - block * BLOCK_SIZE]
     return values.reshape(tuple(local_shape)).to(device)

@@ -1,1 +1,100 @@
-"""Sharding rules: matrix family (being written; registers nothing yet)."""
+"""Sharding rules: matrix products (mm, bmm, mv, dot, addmm, baddbmm), generated from einsum specs.
+
+`matmul`, `linear` and `einsum` reach `__torch_dispatch__` as these ops plus views, so these rules
+cover them too. One spec gives the rows for one mesh dim:
+
+    every letter kept in the output   S(its output dim) <- S in each operand that has it, R elsewhere
+    every contracted letter           P(sum) <- S in each operand that has it, R elsewhere
+    linearity in each operand         P(sum) <- P(sum) in that operand, R elsewhere
+    and all Replicate first, so that replicated operands stay where they are on a tie.
+
+`addmm`/`baddbmm` add a broadcast addend: it lies like the output, except that it is Replicate
+along a dim it broadcasts and Partial(sum) when the product is (adding a Replicate addend to a
+Partial product would add it once per rank; the planner makes a Replicate addend Partial locally).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..placement import Partial, Placement, Replicate, Shard
+from ..propagation import OpCall, PlainTensor, Row, ShardingRule
+from .registry import register_rule
+
+__all__ = ["einsum_rows", "EinsumRule", "AddendEinsumRule"]
+
+aten = torch.ops.aten
+
+
+def einsum_rows(spec: str) -> list[Row]:
+    """The rows of an einsum spec along one mesh dim, preferred first.
+
+    >>> [str(row) for row in einsum_rows("k,k->")][1]
+    '[P(sum) <- S(0), S(0)]'
+    """
+    operands_text, output = spec.split("->")
+    operands = operands_text.split(",")
+    replicate = Replicate()
+    rows = [Row((replicate,), (replicate,) * len(operands))]
+    for letter in dict.fromkeys(operands_text.replace(",", "")):  # letters in order of appearance
+        inputs = tuple(Shard(operand.index(letter)) if letter in operand else replicate for operand in operands)
+        produced = Shard(output.index(letter)) if letter in output else Partial("sum")
+        rows.append(Row((produced,), inputs))
+    for linear_operand in range(len(operands)):
+        inputs = tuple(Partial("sum") if index == linear_operand else replicate for index in range(len(operands)))
+        rows.append(Row((Partial("sum"),), inputs))
+    return rows
+
+
+class EinsumRule(ShardingRule):
+    """An op that computes `torch.einsum(spec, *operands)`; its rows do not depend on shapes."""
+
+    def __init__(self, spec: str):
+        self.spec = spec
+        self.__name__ = f"einsum({spec!r})"
+        self._rows = einsum_rows(spec)
+
+    def rows(self, call: OpCall) -> Sequence[Row]:
+        return self._rows
+
+
+class AddendEinsumRule(EinsumRule):
+    """`addend * beta + einsum(spec, ...) * alpha`, the addend broadcast to the output (addmm, baddbmm)."""
+
+    def rows(self, call: OpCall) -> Sequence[Row]:
+        if isinstance(call.args[0], PlainTensor):  # a plain 0-d addend is on every rank: no Partial product
+            return [row for row in self._rows if not isinstance(row.outputs[0], Partial)]
+        addend, *operands = call.inputs
+        output_shape = self._output_shape(operands)
+        return [Row(row.outputs, (self._addend_placement(row.outputs[0], addend.shape, output_shape),) + row.inputs)
+                for row in self._rows]
+
+    def _output_shape(self, operands) -> tuple[int, ...]:
+        operands_text, output = self.spec.split("->")
+        sizes = {}
+        for letters, meta in zip(operands_text.split(","), operands):
+            sizes.update(zip(letters, meta.shape))
+        return tuple(sizes[letter] for letter in output)
+
+    @staticmethod
+    def _addend_placement(output: Placement, addend_shape, output_shape) -> Placement:
+        if not isinstance(output, Shard):
+            return output  # Replicate, or Partial(sum): the addend becomes an operand of the sum too
+        addend_dim = output.dim - (len(output_shape) - len(addend_shape))
+        spans = addend_dim >= 0 and addend_shape[addend_dim] == output_shape[output.dim]
+        return Shard(addend_dim) if spans else Replicate()
+
+
+_PRODUCTS = {
+    aten.mm.default: EinsumRule("mk,kn->mn"),
+    aten.bmm.default: EinsumRule("bmk,bkn->bmn"),
+    aten.mv.default: EinsumRule("mk,k->m"),
+    aten.dot.default: EinsumRule("k,k->"),
+    aten.addmm.default: AddendEinsumRule("mk,kn->mn"),
+    aten.baddbmm.default: AddendEinsumRule("bmk,bkn->bmn"),
+}
+
+for _op, _rule in _PRODUCTS.items():
+    register_rule([_op], _rule)

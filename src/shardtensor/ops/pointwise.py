@@ -1,1 +1,292 @@
-"""Sharding rules: pointwise family (being written; registers nothing yet)."""
+"""Elementwise ops: unary, binary with broadcasting, ternary, comparisons, casts and their backward ops.
+
+Every op shards like `registry.pointwise` (Replicate, or Shard on an output dim that every spanning
+input shards). On top of that, an op family may keep Partial inputs Partial where this is exact:
+
+    family        Partial rows (one mesh dim)                 why
+    linear        P(s) -> P(s)             s in sum, avg      f(a0 + a1) = f(a0) + f(a1)
+    negation      linear, and P(max) <-> P(min)               -max(a_i) = min(-a_i)
+    monotone      P(max) -> P(max), P(min) -> P(min)          f non-decreasing: max f(a_i) = f(max a_i)
+    sum           P(s) + P(s) -> P(s); P(avg) + R -> P(avg)   P(sum) + R is NOT P(sum): R would be
+                                                              added once per rank (PEER_BUGS #163193)
+    product       P(s) * R, R * P(s), P(s) * c -> P(s);       P * P needs one side reduced first
+                  c > 0 keeps P(max)/P(min), c < 0 swaps them
+    quotient      P(s) / R, P(s) / c -> P(s)                  R / P is not linear in P
+    linear first  backward ops: grad P(s), the rest R -> P(s) d(input) is linear in the incoming grad
+    extremum      maximum/minimum(P(x), R) -> P(x);           monotone in each argument
+                  maximum(P(max), P(max)) -> P(max)
+    select        where(R, P(x), P(x)) -> P(x), any x         picks one operand elementwise
+    cast          float -> wider float keeps P(sum)/P(avg)    see `_cast`
+"""
+
+from __future__ import annotations
+
+import functools
+import numbers
+from collections.abc import Callable
+
+import torch
+
+from ..placement import Partial, Placement, Replicate
+from ..propagation import OpCall, Row, TensorMeta
+from .registry import pointwise, register_rule
+
+__all__ = ["PARTIAL_FAMILIES"]
+
+aten = torch.ops.aten
+
+LINEAR_REDUCE_OPS = ("sum", "avg")
+EXTREME_REDUCE_OPS = ("max", "min")
+_FLIPPED = {"max": "min", "min": "max"}
+
+# A Partial row over the op's operands (DTensor inputs that are not `out=` tensors).
+PartialRow = tuple[Placement, tuple[Placement, ...]]
+
+
+def _operand_count(call: OpCall) -> int:
+    return len(call.inputs) - _out_tensor_count(call.op)
+
+
+@functools.cache
+def _out_tensor_count(op) -> int:
+    """Keyword-only arguments the op writes into (`out=`): they lie like the output, not operands."""
+    return sum(
+        1 for argument in op._schema.arguments
+        if argument.kwarg_only and argument.alias_info is not None and argument.alias_info.is_write
+    )
+
+
+def _scalars(call: OpCall) -> list:
+    return [value for value in call.args if isinstance(value, numbers.Number) and not isinstance(value, bool)]
+
+
+def _first_argument_is_dtensor(call: OpCall) -> bool:
+    return bool(call.args) and isinstance(call.args[0], TensorMeta)
+
+
+def _linear(call: OpCall) -> list[PartialRow]:
+    if _operand_count(call) != 1:
+        return []
+    return [(Partial(op), (Partial(op),)) for op in LINEAR_REDUCE_OPS]
+
+
+def _negation(call: OpCall) -> list[PartialRow]:
+    rows = _linear(call)
+    if _operand_count(call) == 1:
+        rows += [(Partial(_FLIPPED[op]), (Partial(op),)) for op in EXTREME_REDUCE_OPS]
+    return rows
+
+
+def _monotone(call: OpCall) -> list[PartialRow]:
+    """The first operand is Partial; tensor bounds (clamp) must be Replicate."""
+    others = (Replicate(),) * (_operand_count(call) - 1)
+    return [(Partial(op), (Partial(op),) + others) for op in EXTREME_REDUCE_OPS]
+
+
+def _monotone_with_slope(call: OpCall) -> list[PartialRow]:
+    """leaky_relu is non-decreasing only for a non-negative negative_slope."""
+    slope = call.args[1] if len(call.args) > 1 else call.kwarg("negative_slope", 0.01)
+    return _monotone(call) if slope >= 0 else []
+
+
+def _sum(call: OpCall) -> list[PartialRow]:
+    operands = _operand_count(call)
+    if operands == 2:
+        rows = [(Partial(op), (Partial(op), Partial(op))) for op in LINEAR_REDUCE_OPS]
+        # avg(a_i) + r = avg(a_i + r): a replicated summand commutes with averaging, not with summing.
+        return rows + [(Partial("avg"), (Partial("avg"), Replicate())), (Partial("avg"), (Replicate(), Partial("avg")))]
+    return [(Partial("avg"), (Partial("avg"),))] if operands == 1 else []
+
+
+def _scaling_by_scalar(call: OpCall) -> list[PartialRow]:
+    """One DTensor operand scaled by a Python number (or a 0-d plain tensor, sign unknown)."""
+    rows = [(Partial(op), (Partial(op),)) for op in LINEAR_REDUCE_OPS]
+    scalars = _scalars(call)
+    if len(scalars) == 1 and scalars[0] > 0:
+        rows += [(Partial(op), (Partial(op),)) for op in EXTREME_REDUCE_OPS]
+    elif len(scalars) == 1 and scalars[0] < 0:
+        rows += [(Partial(_FLIPPED[op]), (Partial(op),)) for op in EXTREME_REDUCE_OPS]
+    return rows
+
+
+def _product(call: OpCall) -> list[PartialRow]:
+    operands = _operand_count(call)
+    if operands == 2:
+        return [
+            row for op in LINEAR_REDUCE_OPS
+            for row in ((Partial(op), (Partial(op), Replicate())), (Partial(op), (Replicate(), Partial(op))))
+        ]
+    return _scaling_by_scalar(call) if operands == 1 else []
+
+
+def _quotient(call: OpCall) -> list[PartialRow]:
+    if call.kwarg("rounding_mode") is not None or not _first_argument_is_dtensor(call):
+        return []  # floor/trunc division is not linear; a DTensor divisor is not either
+    operands = _operand_count(call)
+    if operands == 2:
+        return [(Partial(op), (Partial(op), Replicate())) for op in LINEAR_REDUCE_OPS]
+    return _scaling_by_scalar(call) if operands == 1 else []
+
+
+def _linear_in_first(call: OpCall) -> list[PartialRow]:
+    """Backward ops: the input gradient is linear in the incoming gradient (the first operand)."""
+    others = (Replicate(),) * (_operand_count(call) - 1)
+    return [(Partial(op), (Partial(op),) + others) for op in LINEAR_REDUCE_OPS]
+
+
+def _extremum(kept: str) -> Callable[[OpCall], list[PartialRow]]:
+    def rows(call: OpCall) -> list[PartialRow]:
+        if _operand_count(call) != 2:
+            return []
+        found = [(Partial(kept), (Partial(kept), Partial(kept)))]
+        for op in EXTREME_REDUCE_OPS:
+            found += [(Partial(op), (Partial(op), Replicate())), (Partial(op), (Replicate(), Partial(op)))]
+        return found
+
+    rows.__name__ = f"extremum_keeping_{kept}"
+    return rows
+
+
+def _select(call: OpCall) -> list[PartialRow]:
+    if _operand_count(call) != 3:
+        return []
+    return [(Partial(op), (Replicate(), Partial(op), Partial(op))) for op in LINEAR_REDUCE_OPS + EXTREME_REDUCE_OPS]
+
+
+def _lerp(call: OpCall) -> list[PartialRow]:
+    """start + weight * (end - start) is linear in (start, end) for a replicated weight."""
+    weight = (Replicate(),) * (_operand_count(call) - 2)
+    if _operand_count(call) < 2:
+        return []
+    return [(Partial(op), (Partial(op), Partial(op)) + weight) for op in LINEAR_REDUCE_OPS]
+
+
+def _addcmul(call: OpCall) -> list[PartialRow]:
+    """self + value * t1 * t2 is linear in (self, t1) and in (self, t2)."""
+    if _operand_count(call) != 3:
+        return []
+    return [
+        row for op in LINEAR_REDUCE_OPS
+        for row in (
+            (Partial(op), (Partial(op), Partial(op), Replicate())),
+            (Partial(op), (Partial(op), Replicate(), Partial(op))),
+        )
+    ]
+
+
+def _addcdiv(call: OpCall) -> list[PartialRow]:
+    """self + value * t1 / t2 is linear in (self, t1)."""
+    if _operand_count(call) != 3:
+        return []
+    return [(Partial(op), (Partial(op), Partial(op), Replicate())) for op in LINEAR_REDUCE_OPS]
+
+
+_FLOAT_WIDTH = {torch.float16: 1, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
+
+
+def _cast(call: OpCall) -> list[PartialRow]:
+    """`_to_copy`: every Partial survives a cast that changes nothing but device or layout.
+
+    float -> wider float keeps every Partial: each operand widens exactly, so the wider reduction
+    is at least as exact. Any float -> float cast keeps P(max)/P(min) (rounding is monotone, -inf
+    stays -inf). Others do not: narrowing rounds every operand (errors add up over ranks), float
+    -> int truncates each operand (trunc(0.5) + trunc(0.5) != trunc(1.0)), and the -inf identity
+    of P(max) has no integer value.
+    """
+    source = call.inputs[0].dtype
+    target = call.kwarg("dtype") or source
+    every = LINEAR_REDUCE_OPS + EXTREME_REDUCE_OPS + ("product",)
+    if target == source:
+        kept = every
+    elif source in _FLOAT_WIDTH and target in _FLOAT_WIDTH:
+        kept = every if _FLOAT_WIDTH[target] > _FLOAT_WIDTH[source] else EXTREME_REDUCE_OPS
+    else:
+        kept = ()
+    return [(Partial(op), (Partial(op),)) for op in kept]
+
+
+def _no_partial(call: OpCall) -> list[PartialRow]:
+    """Nonlinear: a Partial input is reduced (or reduce-scattered) first."""
+    return []
+
+
+_NONLINEAR = [
+    aten.abs, aten.acos, aten.acosh, aten.asin, aten.atanh, aten.angle, aten.bitwise_not, aten.cos, aten.cosh,
+    aten.digamma, aten.erfc, aten.erfinv, aten.frac, aten.i0, aten.isnan, aten.isinf, aten.isposinf,
+    aten.isneginf, aten.isfinite, aten.lgamma, aten.log, aten.log10, aten.log1p, aten.log2, aten.logit,
+    aten.nan_to_num, aten.reciprocal, aten.rsqrt, aten.sgn, aten.signbit, aten.sin, aten.sinc, aten.sqrt,
+    aten.square, aten.tan, aten.gelu, aten.silu, aten.mish, aten.hardswish, aten.elu, aten.selu, aten.celu,
+    aten.softplus, aten.logical_not, aten.threshold, aten.polygamma, aten.mvlgamma,
+    aten.special_erfcx, aten.special_i0e, aten.special_i1, aten.special_i1e, aten.special_ndtr,
+    aten.special_ndtri, aten.special_log_ndtr, aten.special_entr,
+    # binary
+    aten.pow, aten.float_power, aten.remainder, aten.fmod, aten.floor_divide, aten.atan2, aten.hypot,
+    aten.copysign, aten.nextafter, aten.xlogy, aten.special_xlog1py, aten.special_zeta, aten.logaddexp,
+    aten.logaddexp2, aten.heaviside, aten.igamma, aten.igammac,
+    aten.eq, aten.ne, aten.lt, aten.le, aten.gt, aten.ge,
+    aten.logical_and, aten.logical_or, aten.logical_xor,
+    aten.bitwise_and, aten.bitwise_or, aten.bitwise_xor, aten.bitwise_left_shift, aten.bitwise_right_shift,
+    aten.__lshift__, aten.__rshift__, aten.__and__, aten.__or__, aten.__xor__,
+]
+
+_MONOTONE = [
+    aten.relu, aten.exp, aten.exp2, aten.expm1, aten.sigmoid, aten.tanh, aten.floor, aten.ceil, aten.trunc,
+    aten.fix, aten.round, aten.sign, aten.sinh, aten.atan, aten.asinh, aten.erf, aten.hardtanh,
+    aten.hardsigmoid, aten.clamp, aten.clamp_min, aten.clamp_max,
+]
+
+_BACKWARD = [
+    aten.threshold_backward, aten.sigmoid_backward, aten.tanh_backward, aten.gelu_backward,
+    aten.silu_backward, aten.hardtanh_backward, aten.hardsigmoid_backward, aten.hardswish_backward,
+    aten.leaky_relu_backward, aten.elu_backward, aten.softplus_backward, aten.mish_backward,
+    aten.logit_backward, aten.log_sigmoid_backward,
+]
+
+# op packets -> their Partial rows; each packet's in-place variant (`add_`) shares the entry.
+PARTIAL_FAMILIES: list[tuple[list, Callable[[OpCall], list[PartialRow]]]] = [
+    (_NONLINEAR, _no_partial),
+    (_MONOTONE, _monotone),
+    ([aten.leaky_relu], _monotone_with_slope),
+    ([aten.neg], _negation),
+    ([aten.positive, aten.conj_physical, aten.deg2rad, aten.rad2deg], _linear),
+    ([aten.add, aten.sub, aten.rsub], _sum),
+    ([aten.mul], _product),
+    ([aten.div, aten.true_divide], _quotient),
+    ([aten.maximum, aten.fmax], _extremum("max")),
+    ([aten.minimum, aten.fmin], _extremum("min")),
+    ([aten.where], _select),
+    ([aten.lerp], _lerp),
+    ([aten.addcmul], _addcmul),
+    ([aten.addcdiv], _addcdiv),
+    ([aten._to_copy], _cast),
+    (_BACKWARD, _linear_in_first),
+]
+
+
+def _elementwise_rule(partial_rows: Callable[[OpCall], list[PartialRow]]) -> Callable[[OpCall], list[Row]]:
+    """Broadcast rows (Replicate and Shard) followed by the family's Partial rows; out= tensors lie
+    like the output."""
+
+    def rule(call: OpCall) -> list[Row]:
+        rows = pointwise(call)
+        outs = _out_tensor_count(call.op)
+        for output, inputs in partial_rows(call):
+            rows.append(Row((output,), inputs + (output,) * outs))
+        return rows
+
+    rule.__name__ = f"pointwise_{partial_rows.__name__.lstrip('_')}"
+    return rule
+
+
+def _with_in_place(packets: list) -> list:
+    return packets + [getattr(aten, packet.__name__ + "_") for packet in packets if hasattr(aten, packet.__name__ + "_")]
+
+
+def _output_and_buffer(call: OpCall) -> list[Row]:
+    """`log_sigmoid_forward` returns (output, buffer), both elementwise in the input."""
+    return [Row(row.outputs * 2, row.inputs) for row in pointwise(call)]
+
+
+for _packets, _partial_rows in PARTIAL_FAMILIES:
+    register_rule(_with_in_place(_packets), _elementwise_rule(_partial_rows))
+register_rule([aten.log_sigmoid_forward.default], _output_and_buffer)

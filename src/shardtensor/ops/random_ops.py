@@ -1,1 +1,248 @@
-"""Sharding rules: random_ops family (being written; registers nothing yet)."""
+"""Sharding rules: random ops on DTensors give the same global tensor on every mesh.
+
+Each rank draws only the values of its own shard with `random.random_shard` (block-based, keyed by
+`manual_seed` and a per-call counter): the result depends on the seed, the call number and the
+global shape, never on the mesh, the placements or the number of ranks. The rules keep the input's
+layout (Replicate or Shard; a Partial input is reduced first, or gives Replicate for `*_like`) and
+replace the local op (`ShardingRule.local_op`) by a draw of the shard's box of the global tensor.
+
+Distributions with tensor parameters (`bernoulli(p)`, `normal(mean)`, dropout) are computed from
+uniform or normal draws of the same global positions, so they too are mesh-independent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..layout import Layout
+from ..placement import REDUCE_OPS, Partial, Replicate, Shard
+from ..propagation import OpCall, Row, ShardingRule
+from ..random import next_random_call, random_shard
+from .registry import pointwise, register_rule
+
+aten = torch.ops.aten
+
+
+def _draw(kind: str, layout: Layout, coordinate: Sequence[int], parameters: tuple = ()):
+    """A function `(mesh, dtype) -> this coordinate's box of the next global random tensor`."""
+    shape, offset, local_shape = layout.shape, layout.local_offset(coordinate), layout.local_shape(coordinate)
+
+    def draw(mesh, dtype: torch.dtype) -> torch.Tensor:
+        seed, counter = next_random_call(mesh)
+        return random_shard(kind, shape, offset, local_shape, seed=seed, counter=counter, dtype=dtype,
+                            parameters=parameters)
+
+    return draw
+
+
+def _on_shards(op, function):
+    """The local op: `function` on real shards; on meta tensors (mesh None: shapes only) `op` itself."""
+
+    def run(mesh, *args, **kwargs):
+        return op(*args, **kwargs) if mesh is None else function(mesh, *args, **kwargs)
+
+    return run
+
+
+def _layout_rows(call: OpCall, partial_output) -> list[Row]:
+    """Replicate and Shard(dim) keep their layout; a Partial input becomes `partial_output` (None: no row)."""
+    others = len(call.inputs) - 1
+    placements = [Replicate()] + [Shard(dim) for dim in range(call.inputs[0].ndim)]
+    rows = [Row((placement,), (placement,) * (1 + others)) for placement in placements]
+    if partial_output is not None:
+        rows += [Row((partial_output,), (Partial(op),) + (Replicate(),) * others) for op in REDUCE_OPS]
+    return rows
+
+
+class InPlaceRandom(ShardingRule):
+    """`uniform_`, `normal_`, ...: overwrite the shard with its box of a global random tensor.
+
+    A Partial input is reduced to Replicate first (the dispatcher writes the new value back).
+    `kind` names the draw (`random.FILLS`); `parameters(call)` gives its arguments.
+    """
+
+    def __init__(self, kind: str, parameters):
+        self.kind, self.parameters, self.__name__ = kind, parameters, f"in_place_{kind}"
+
+    def rows(self, call: OpCall) -> list[Row]:
+        return _layout_rows(call, None)
+
+    def local_op(self, call, input_layouts, coordinate):
+        draw = _draw(self.kind, input_layouts[0], coordinate, self.parameters(call))
+
+        def fill(mesh, tensor, *args, **kwargs):
+            return tensor.copy_(draw(mesh, tensor.dtype))
+
+        return _on_shards(call.op, fill)
+
+
+class LikeRandom(ShardingRule):
+    """`rand_like` & co: a new random tensor laid out like the input (a Partial input gives Replicate)."""
+
+    def __init__(self, kind: str, parameters):
+        self.kind, self.parameters, self.__name__ = kind, parameters, f"like_{kind}"
+
+    def rows(self, call: OpCall) -> list[Row]:
+        return _layout_rows(call, Replicate())
+
+    def local_op(self, call, input_layouts, coordinate):
+        layout = input_layouts[0]
+        if any(isinstance(placement, Partial) for placement in layout.placements):
+            layout = layout.with_placements([Replicate() if isinstance(p, Partial) else p for p in layout.placements])
+        draw = _draw(self.kind, layout, coordinate, self.parameters(call))
+
+        def like(mesh, *args, **kwargs):
+            result = call.op(*args, **kwargs)  # the right dtype, device and local shape
+            return result.copy_(draw(mesh, result.dtype))
+
+        return _on_shards(call.op, like)
+
+
+class ThresholdRandom(ShardingRule):
+    """Bernoulli draws as `uniform < p`, with `p` a number or a tensor lying like the output.
+
+    `probability(tensor, args, kwargs)` picks p from the local arguments; the output has the dtype of
+    `target(local_args)` and is written into it when the op is in place.
+    """
+
+    def __init__(self, name: str, probability, in_place: bool):
+        self.probability, self.in_place, self.__name__ = probability, in_place, name
+
+    def rows(self, call: OpCall) -> list[Row]:
+        return pointwise(call) if len(call.inputs) > 1 else _layout_rows(call, None)
+
+    def local_op(self, call, input_layouts, coordinate):
+        draw = _draw("rand", _output_layout(call, input_layouts), coordinate)
+
+        def bernoulli(mesh, tensor, *args, **kwargs):
+            probability = self.probability(tensor, args, kwargs)
+            uniform = draw(mesh, probability.dtype if isinstance(probability, torch.Tensor) else torch.float64)
+            values = uniform < probability
+            if self.in_place:
+                return tensor.copy_(values)
+            return values.to(tensor.dtype)
+
+        return _on_shards(call.op, bernoulli)
+
+
+def _output_layout(call: OpCall, input_layouts: Sequence[Layout]) -> Layout:
+    """The layout of an elementwise op's output: that of the input with the output's shape."""
+    for meta, layout in zip(call.inputs, input_layouts):
+        if meta.shape == call.inputs[0].shape:
+            return layout
+    return input_layouts[0]
+
+
+class NativeDropout(ShardingRule):
+    """`native_dropout(input, p, train)` -> (output, keep mask), the mask drawn as `uniform < 1 - p`.
+
+    Dropout is linear in its input for a fixed mask, and every rank of a Partial mesh dim draws the
+    same mask, so a Partial(sum) input stays Partial (the mask is Replicate there).
+    """
+
+    __name__ = "native_dropout"
+
+    def rows(self, call: OpCall) -> list[Row]:
+        placements = [Replicate()] + [Shard(dim) for dim in range(call.inputs[0].ndim)]
+        rows = [Row((placement, placement), (placement,)) for placement in placements]
+        return rows + [Row((Partial("sum"), Replicate()), (Partial("sum"),))]
+
+    def local_op(self, call, input_layouts, coordinate):
+        layout = input_layouts[0].with_placements(
+            [Replicate() if isinstance(p, Partial) else p for p in input_layouts[0].placements]
+        )
+        draw = _draw("rand", layout, coordinate)
+
+        def dropout(mesh, tensor, probability, train):
+            if train is False:
+                return tensor.clone(), torch.ones_like(tensor, dtype=torch.bool)
+            keep = draw(mesh, torch.float64) < 1 - probability
+            scale = 0.0 if probability >= 1 else 1 / (1 - probability)
+            return tensor * keep * scale, keep
+
+        return _on_shards(call.op, dropout)
+
+
+class NormalWithTensorMean(ShardingRule):
+    """`normal(mean_tensor, std)`: `mean + std * randn` of the output's global positions."""
+
+    __name__ = "normal_with_tensor_mean"
+
+    def rows(self, call: OpCall) -> list[Row]:
+        return _layout_rows(call, None)
+
+    def local_op(self, call, input_layouts, coordinate):
+        draw = _draw("randn", input_layouts[0], coordinate)
+
+        def normal(mesh, mean, std=1.0, **kwargs):
+            return mean + std * draw(mesh, mean.dtype)
+
+        return _on_shards(call.op, normal)
+
+
+def _arguments(*names_and_defaults):
+    """`parameters(call)`: the op's arguments after `self`, by position, with defaults."""
+
+    def parameters(call: OpCall) -> tuple:
+        values = []
+        for position, (name, default) in enumerate(names_and_defaults, start=1):
+            value = call.args[position] if position < len(call.args) else call.kwarg(name, default)
+            values.append(default if value is None else value)
+        return tuple(values)
+
+    return parameters
+
+
+def _random_range(call: OpCall) -> tuple:
+    """`random_.from(from, to)`, `random_.to(to)`, `random_()`: torch's own `random_` arguments."""
+    if call.op == aten.random_.to:
+        return (call.args[1] if len(call.args) > 1 else call.kwarg("to"),)
+    if call.op == aten.random_.default:
+        return ()
+    low = call.args[1] if len(call.args) > 1 else call.kwarg("from")
+    high = call.args[2] if len(call.args) > 2 else call.kwarg("to")
+    return (low,) if high is None else (low, high)
+
+
+def _randint_range(call: OpCall) -> tuple:
+    """`randint_like(self, high)` or `randint_like(self, low, high)` as `random_(low, high)`."""
+    if call.op == aten.randint_like.low_dtype:
+        return (call.args[1], call.args[2])
+    return (0, call.args[1])
+
+
+_IN_PLACE = {
+    aten.uniform_.default: ("uniform_", _arguments(("from", 0.0), ("to", 1.0))),
+    aten.normal_.default: ("normal_", _arguments(("mean", 0.0), ("std", 1.0))),
+    aten.exponential_.default: ("exponential_", _arguments(("lambd", 1.0))),
+    aten.log_normal_.default: ("log_normal_", _arguments(("mean", 1.0), ("std", 2.0))),
+    aten.cauchy_.default: ("cauchy_", _arguments(("median", 0.0), ("sigma", 1.0))),
+    aten.geometric_.default: ("geometric_", _arguments(("p", None))),
+    aten.random_.default: ("random_", _random_range),
+    aten.random_.to: ("random_", _random_range),
+    getattr(aten.random_, "from"): ("random_", _random_range),
+}
+_LIKE = {
+    aten.rand_like.default: ("rand", lambda call: ()),
+    aten.randn_like.default: ("randn", lambda call: ()),
+    aten.randint_like.default: ("random_", _randint_range),
+    aten.randint_like.low_dtype: ("random_", _randint_range),
+}
+_BERNOULLI = {  # op: (probability from (local self, other local args), in place)
+    aten.bernoulli_.float: (lambda tensor, args, kwargs: args[0] if args else kwargs.get("p", 0.5), True),
+    aten.bernoulli_.Tensor: (lambda tensor, args, kwargs: args[0] if args else kwargs["p"], True),
+    aten.bernoulli.default: (lambda tensor, args, kwargs: tensor, False),
+    aten.bernoulli.p: (lambda tensor, args, kwargs: args[0] if args else kwargs.get("p", 0.5), False),
+}
+
+for _op, (_kind, _parameters) in _IN_PLACE.items():
+    register_rule([_op], InPlaceRandom(_kind, _parameters))
+for _op, (_kind, _parameters) in _LIKE.items():
+    register_rule([_op], LikeRandom(_kind, _parameters))
+for _op, (_probability, _in_place) in _BERNOULLI.items():
+    register_rule([_op], ThresholdRandom(f"bernoulli_{_op._overloadname}", _probability, _in_place))
+register_rule([aten.native_dropout.default], NativeDropout())
+register_rule([aten.normal.Tensor_float], NormalWithTensorMean())
+register_rule([aten.native_dropout_backward.default], pointwise)

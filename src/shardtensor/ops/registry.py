@@ -2,10 +2,10 @@
 
 A rule maps an `OpCall` (global metadata of the op's DTensor inputs and its other arguments) to
 rows `[outputs <- inputs]` of placements for one mesh dim; `propagation.decide` extends them to
-N-D meshes and picks the cheapest. Registered here: the generic rules that later op families
-reuse: ops that keep their input's layout, `*_like` factories, and elementwise ops.
-Replicate rows come first: moving Replicate to Shard is free, so on a tie the rule's order keeps
-a Replicate input where it is.
+N-D meshes and picks the cheapest. Here live the registry and the generic rules that op families
+reuse: ops that keep their input's layout, `*_like` factories, and the broadcast rows of
+elementwise ops (the elementwise family itself is `ops/pointwise.py`). Replicate rows come first:
+moving Replicate to Shard is free, so on a tie the rule's order keeps a Replicate input where it is.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from collections.abc import Iterable
 import torch
 
 from ..placement import REDUCE_OPS, Partial, Replicate, Shard
-from ..propagation import OpCall, Row, RowsRule, ShardingRule
+from ..propagation import OpCall, Row, RowsRule, ShardingRule, clear_cache
 
 __all__ = ["RULES", "register_rule", "same_layout", "like_factory", "pointwise"]
 
@@ -24,10 +24,11 @@ aten = torch.ops.aten
 RULES: dict[torch._ops.OpOverload, ShardingRule] = {}
 
 
-def register_rule(ops: Iterable, rule) -> None:
+def register_rule(ops: Iterable, rule, *, override: bool = False) -> None:
     """Register `rule` (a `ShardingRule`, or a function from `OpCall` to rows) for each op.
 
-    A packet (`aten.add`) stands for its overloads that return one Tensor.
+    A packet (`aten.add`) stands for its overloads that return one Tensor. Registering an op that
+    has a rule is an error unless `override=True` (what `experimental.register_sharding` does).
     """
     if not isinstance(rule, ShardingRule):
         rule = RowsRule(rule)
@@ -37,12 +38,14 @@ def register_rule(ops: Iterable, rule) -> None:
             overloads = [getattr(op, name) for name in op.overloads()]
             overloads = [overload for overload in overloads if _returns_one_tensor(overload)]
         for overload in overloads:
-            if overload in RULES:
+            if overload in RULES and not override:
                 raise RuntimeError(
                     f"{overload} is registered twice (already as {RULES[overload].__name__}, now as "
-                    f"{rule.__name__}); each op has exactly one rule"
+                    f"{rule.__name__}); each op has exactly one rule (replace one on purpose with "
+                    f"shardtensor.experimental.register_sharding)"
                 )
             RULES[overload] = rule
+    clear_cache()  # decisions made with a replaced rule must not be reused
 
 
 def _returns_one_tensor(overload) -> bool:
@@ -101,15 +104,6 @@ def pointwise(call: OpCall) -> list[Row]:
 
 _SAME_LAYOUT = [aten.detach, aten.alias, aten.clone, aten.contiguous]
 _LIKE_FACTORIES = [aten.zeros_like, aten.ones_like, aten.empty_like, aten.full_like]
-_POINTWISE = [
-    aten.add, aten.sub, aten.mul, aten.div, aten.neg, aten.abs, aten.exp, aten.log, aten.sqrt, aten.rsqrt,
-    aten.reciprocal, aten.sin, aten.cos, aten.tanh, aten.sigmoid, aten.relu, aten.gelu, aten.silu, aten.pow,
-    aten.rsub, aten.maximum, aten.minimum, aten.clamp, aten.sign, aten.floor, aten.ceil, aten.round,
-    aten.eq, aten.ne, aten.lt, aten.le, aten.gt, aten.ge, aten.logical_not,
-    aten.threshold_backward, aten.sigmoid_backward, aten.tanh_backward, aten.gelu_backward, aten.silu_backward,
-    aten.add_, aten.sub_, aten.mul_, aten.div_, aten.neg_, aten.relu_, aten.exp_, aten.clamp_, aten.pow_,
-]
 
 register_rule(_SAME_LAYOUT, same_layout)
 register_rule(_LIKE_FACTORIES, like_factory)
-register_rule(_POINTWISE, pointwise)

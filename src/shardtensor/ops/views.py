@@ -1,1 +1,301 @@
-"""Sharding rules: views family (being written; registers nothing yet)."""
+"""Sharding rules for views and shape ops, written as dimension maps.
+
+A view moves elements without computing, so its rule only says where a shard of each input dim
+lands in the output: a *dimension map*, a tuple of `KeptDim`. An input dim missing from the map
+cannot stay sharded: its row requires Replicate there and the engine redistributes first. Every
+Partial passes through, since moving elements commutes with a reduction over ranks.
+
+Merging and splitting dims (`view`) keeps a shard on the outermost dim of a group when each
+rank's piece stays contiguous and whole: a piece of `p` rows of the input dim is `p * inner_in`
+elements, i.e. `p * inner_in / inner_out` rows of the output dim. When that is not whole for
+every piece size the input could have, the rule does not offer the row (never silently wrong).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..layout import Layout
+from ..placement import REDUCE_OPS, Partial, Replicate, Shard
+from ..propagation import OpCall, Row, ShardingRule, run_on_meta
+from .registry import register_rule
+from .tensor_ops import only_matching_pieces
+
+__all__ = ["KeptDim", "ViewRule", "view_dim_map"]
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True, slots=True)
+class KeptDim:
+    """A shard of `input_dim` stays a shard of `output_dim` (pieces scale by `inner_in / inner_out`)."""
+
+    input_dim: int
+    output_dim: int
+    inner_in: int = 1
+    inner_out: int = 1
+
+    def always_whole(self) -> bool:
+        return self.inner_in % self.inner_out == 0
+
+    def whole(self, pieces: Sequence[int]) -> bool:
+        return all(piece * self.inner_in % self.inner_out == 0 for piece in pieces)
+
+    def local_size(self, piece: int) -> int:
+        return piece * self.inner_in // self.inner_out
+
+
+DimMap = Callable[[OpCall], Sequence[KeptDim]]
+
+
+def view_dim_map(input_shape: Sequence[int], output_shape: Sequence[int]) -> tuple[KeptDim, ...]:
+    """Group dims whose products match; the outermost dim of each group carries its shard.
+
+    Size-1 dims belong to no group (they are new or removed), and so do all dims of an empty tensor.
+    """
+    if math.prod(input_shape) == 0:
+        return ()
+    input_dims = [dim for dim, size in enumerate(input_shape) if size != 1]
+    output_dims = [dim for dim, size in enumerate(output_shape) if size != 1]
+    kept, position_in, position_out = [], 0, 0
+    while position_in < len(input_dims) and position_out < len(output_dims):
+        first_in, first_out = input_dims[position_in], output_dims[position_out]
+        product_in, product_out = input_shape[first_in], output_shape[first_out]
+        position_in, position_out = position_in + 1, position_out + 1
+        while product_in != product_out:
+            if product_in < product_out:
+                product_in *= input_shape[input_dims[position_in]]
+                position_in += 1
+            else:
+                product_out *= output_shape[output_dims[position_out]]
+                position_out += 1
+        inner_in = product_in // input_shape[first_in]
+        inner_out = product_out // output_shape[first_out]
+        kept.append(KeptDim(first_in, first_out, inner_in, inner_out))
+    return tuple(kept)
+
+
+def _output_shape(call: OpCall) -> tuple[int, ...]:
+    return run_on_meta(call.op, call.args, dict(call.kwargs))[0].shape
+
+
+def _dim(dim: int, ndim: int) -> int:
+    return dim % ndim if ndim else 0
+
+
+class ViewRule(ShardingRule):
+    """Rows from a dimension map: Replicate, one Shard row per kept dim, and every Partial.
+
+    `size_argument` names the argument position that holds the output's global sizes (`view`,
+    `expand`, `slice_backward`); each coordinate gets its local sizes there. All tensor inputs
+    (the list of `cat`) and all outputs (the list of `split`) share a row's placement.
+    """
+
+    def __init__(self, dim_map: DimMap, *, size_argument: int | None = None, name: str = ""):
+        self.dim_map = dim_map
+        self.size_argument = size_argument
+        self.__name__ = name or dim_map.__name__
+
+    def _rows(self, call: OpCall, kept: Sequence[KeptDim]) -> list[Row]:
+        inputs = len(call.inputs)
+        outputs = len([meta for meta in run_on_meta(call.op, call.args, dict(call.kwargs)) if meta is not None])
+        rows = [Row((Replicate(),) * outputs, (Replicate(),) * inputs)]
+        rows += [Row((Shard(k.output_dim),) * outputs, (Shard(k.input_dim),) * inputs) for k in kept]
+        return rows + [Row((Partial(op),) * outputs, (Partial(op),) * inputs) for op in REDUCE_OPS]
+
+    def rows(self, call: OpCall) -> list[Row]:
+        """Metadata only: the rows that are right whatever the shard sizes."""
+        return self._rows(call, [k for k in self.dim_map(call) if k.always_whole()])
+
+    def rows_for_layouts(self, call: OpCall, layouts: Sequence[Layout]) -> list[Row]:
+        """Also keep a split dim's shard when every piece the input can have splits into whole rows."""
+        kept = list(self.dim_map(call))
+        while True:
+            keepable = {k.input_dim for k in kept}
+            valid = [k for k in kept if k.always_whole() or _whole_in_every_target(k, layouts[0], keepable)]
+            if len(valid) == len(kept):
+                return only_matching_pieces(self._rows(call, valid), layouts)
+            kept = valid
+
+    def local_arguments(self, call, input_layouts, coordinate):
+        if self.size_argument is None:
+            return None
+        layout = input_layouts[0]
+        local_shape = layout.local_shape(coordinate)
+        sizes = list(_output_shape(call))
+        for k in self.dim_map(call):
+            if layout.shard_order[k.input_dim]:
+                sizes[k.output_dim] = k.local_size(local_shape[k.input_dim])
+        args = list(call.args)
+        args[self.size_argument] = sizes
+        return tuple(args), dict(call.kwargs)
+
+
+def _whole_in_every_target(kept: KeptDim, layout: Layout, keepable: set[int]) -> bool:
+    """Check every piece sizes the engine may give the input dim before the view runs.
+
+    Mesh dims sharding this dim keep their pieces; a mesh dim sharding a dim the view cannot keep
+    may move to this dim (re-chunking it); Replicate and Partial mesh dims stay as they are.
+    """
+    holders = [m for m, p in enumerate(layout.placements) if p == Shard(kept.input_dim)]
+    movable = [m for m, p in enumerate(layout.placements) if isinstance(p, Shard) and p.dim not in keepable]
+    for count in range(len(movable) + 1):
+        for extra in itertools.combinations(movable, count):
+            sharding = set(holders) | set(extra)
+            placements = [Shard(kept.input_dim) if m in sharding else Replicate() for m in range(layout.mesh_ndim)]
+            if not kept.whole(layout.with_placements(placements).pieces[kept.input_dim]):
+                return False
+    return True
+
+
+# ---- dimension maps, one per op family ------------------------------------------------------------
+
+
+def reshaped(call: OpCall) -> tuple[KeptDim, ...]:
+    """view, _unsafe_view, squeeze, unsqueeze: inferred from the two shapes."""
+    return view_dim_map(call.inputs[0].shape, _output_shape(call))
+
+
+def permuted(call: OpCall) -> tuple[KeptDim, ...]:
+    """transpose, permute, t: output dim `o` is input dim `order[o]`."""
+    ndim = call.inputs[0].ndim
+    if call.op == aten.permute.default:
+        order = [_dim(dim, ndim) for dim in call.args[1]]
+    elif call.op == aten.t.default and ndim < 2:
+        order = list(range(ndim))
+    else:
+        first, second = (call.args[1], call.args[2]) if call.op == aten.transpose.int else (0, 1)
+        order = list(range(ndim))
+        order[_dim(first, ndim)], order[_dim(second, ndim)] = order[_dim(second, ndim)], order[_dim(first, ndim)]
+    return tuple(KeptDim(input_dim, output_dim) for output_dim, input_dim in enumerate(order))
+
+
+def expanded(call: OpCall) -> tuple[KeptDim, ...]:
+    """expand: a dim broadcast from size 1 cannot stay sharded; new leading dims come from nowhere."""
+    input_shape = call.inputs[0].shape
+    output_shape = _output_shape(call)
+    offset = len(output_shape) - len(input_shape)
+    return tuple(
+        KeptDim(dim, dim + offset) for dim, size in enumerate(input_shape) if size == output_shape[dim + offset]
+    )
+
+
+def repeated(call: OpCall) -> tuple[KeptDim, ...]:
+    """repeat: dims repeated once keep their shard (the local repeat is the global one)."""
+    repeats = call.args[1]
+    offset = len(repeats) - call.inputs[0].ndim
+    return tuple(KeptDim(dim, dim + offset) for dim in range(call.inputs[0].ndim) if repeats[dim + offset] == 1)
+
+
+def _all_but(ndim: int, removed: int, *, shift: int = 0) -> tuple[KeptDim, ...]:
+    """Every dim except `removed`; dims after it move by `shift` (-1 when it disappears, +1 when added)."""
+    return tuple(KeptDim(dim, dim + shift if dim > removed else dim) for dim in range(ndim) if dim != removed)
+
+
+def _argument(call: OpCall, position: int, name: str, default):
+    return call.args[position] if len(call.args) > position else call.kwarg(name, default)
+
+
+def split_along(call: OpCall) -> tuple[KeptDim, ...]:
+    """split, split_with_sizes, cat: the dim cut or joined must be whole on every rank."""
+    ndim = call.inputs[0].ndim
+    return _all_but(ndim, _dim(_argument(call, 2 if call.op != aten.cat.default else 1, "dim", 0), ndim))
+
+
+def removed_dim(call: OpCall) -> tuple[KeptDim, ...]:
+    """unbind, select: the dim disappears, later dims move up."""
+    ndim = call.inputs[0].ndim
+    return _all_but(ndim, _dim(_argument(call, 1, "dim", 0), ndim), shift=-1)
+
+
+def stacked(call: OpCall) -> tuple[KeptDim, ...]:
+    """stack: a new dim at `dim`; input dims from `dim` on move down one."""
+    ndim = call.inputs[0].ndim
+    new_dim = _dim(_argument(call, 1, "dim", 0), ndim + 1)
+    return tuple(KeptDim(dim, dim + 1 if dim >= new_dim else dim) for dim in range(ndim))
+
+
+def select_backward_map(call: OpCall) -> tuple[KeptDim, ...]:
+    """select_backward(grad, input_sizes, dim, index): the selected dim comes back."""
+    new_dim = _dim(call.args[2], len(call.args[1]))
+    return tuple(KeptDim(dim, dim + 1 if dim >= new_dim else dim) for dim in range(call.inputs[0].ndim))
+
+
+def slice_backward_map(call: OpCall) -> tuple[KeptDim, ...]:
+    """slice_backward(grad, input_sizes, dim, ...): the sliced dim is rebuilt whole (Replicate)."""
+    ndim = call.inputs[0].ndim
+    return _all_but(ndim, _dim(call.args[2], ndim))
+
+
+def nothing_kept(call: OpCall) -> tuple[KeptDim, ...]:
+    """as_strided addresses storage directly: only a whole (Replicate) tensor is safe."""
+    return ()
+
+
+def identity_map(call: OpCall) -> tuple[KeptDim, ...]:
+    return tuple(KeptDim(dim, dim) for dim in range(call.inputs[0].ndim))
+
+
+class SliceRule(ViewRule):
+    """slice: other dims keep their shard; the sliced dim too, each rank slicing its own piece.
+
+    The result is unevenly sharded (exact pieces come from the engine's per-coordinate evaluation).
+    """
+
+    def __init__(self):
+        super().__init__(identity_map, name="slice")
+
+    def local_arguments(self, call, input_layouts, coordinate):
+        layout = input_layouts[0]
+        dim = _dim(_argument(call, 1, "dim", 0), layout.ndim)
+        start, end, step = (_argument(call, 2, "start", None), _argument(call, 3, "end", None),
+                            _argument(call, 4, "step", 1))
+        if not layout.shard_order[dim]:
+            return None
+        start, end, step = slice(start, end, step).indices(layout.shape[dim])
+        end = max(end, start)
+        offset = layout.local_offset(coordinate)[dim]
+        piece_end = offset + layout.local_shape(coordinate)[dim]
+        first = start + -(-max(offset - start, 0) // step) * step
+        local_end = min(end, piece_end) - offset
+        local_start = min(first - offset, max(local_end, 0))
+        return (call.args[0], dim, local_start, max(local_end, local_start), step), {}
+
+
+class SqueezeRule(ViewRule):
+    """squeeze: removes the dims of global size 1 only (a shard of one row is not a size-1 dim)."""
+
+    def __init__(self):
+        super().__init__(reshaped, name="squeeze")
+
+    def local_op(self, call, input_layouts, coordinate):
+        shape = call.inputs[0].shape
+        requested = _argument(call, 1, "dim", range(len(shape)))
+        requested = [requested] if isinstance(requested, int) else requested
+        dims = [dim % len(shape) for dim in requested if shape[dim] == 1] if shape else []
+        return lambda mesh, local, *arguments: aten.squeeze.dims(local, dims)
+
+
+VIEW_RULES: list[tuple[list, ShardingRule]] = [
+    ([aten.view.default, aten._unsafe_view.default], ViewRule(reshaped, size_argument=1)),
+    ([aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims], SqueezeRule()),
+    ([aten.unsqueeze.default], ViewRule(reshaped)),
+    ([aten.transpose.int, aten.permute.default, aten.t.default], ViewRule(permuted)),
+    ([aten.expand.default], ViewRule(expanded, size_argument=1)),
+    ([aten.repeat.default], ViewRule(repeated)),
+    ([aten.split.Tensor, aten.split_with_sizes.default, aten.cat.default], ViewRule(split_along)),
+    ([aten.unbind.int, aten.select.int], ViewRule(removed_dim)),
+    ([aten.stack.default], ViewRule(stacked)),
+    ([aten.slice.Tensor], SliceRule()),
+    ([aten.select_backward.default], ViewRule(select_backward_map, size_argument=1)),
+    ([aten.slice_backward.default], ViewRule(slice_backward_map, size_argument=1)),
+    ([aten.as_strided.default], ViewRule(nothing_kept)),
+]
+
+for view_ops, view_rule in VIEW_RULES:
+    register_rule(view_ops, view_rule)

@@ -1,4 +1,4 @@
-"""Redistribute: move a tensor from one layout to another on the same mesh, by a cheapest plan.
+"""Redistribute: move a tensor from one layout to another, by a cheapest plan (or across meshes).
 
 The planner (`planner.py`) turns (source layout, target layout, item size) into frozen steps; the
 executor (`executor.py`) runs them through `comm`. Printing a plan explains it:
@@ -14,10 +14,14 @@ from __future__ import annotations
 import torch
 
 from ..layout import Layout
-from .executor import execute
+from .cross_mesh import HandOff, empty_shard, hand_off, redistribute_across_meshes
+from .executor import PendingRedistribute, execute
 from .planner import DEFAULT_COST_MODEL, CostModel, Plan, Step, plan
 
-__all__ = ["redistribute_local_tensor", "explain", "execute", "plan", "Plan", "Step", "CostModel"]
+__all__ = [
+    "redistribute_local_tensor", "redistribute_between", "explain", "execute", "plan", "hand_off",
+    "Plan", "Step", "CostModel", "HandOff",
+]
 
 
 def redistribute_local_tensor(local: torch.Tensor, source: Layout, target: Layout, mesh, *, async_op: bool = False):
@@ -26,6 +30,22 @@ def redistribute_local_tensor(local: torch.Tensor, source: Layout, target: Layou
     With `async_op=True` returns a handle whose `wait()` returns the tensor.
     """
     return execute(local, plan(source, target, local.element_size()), mesh, async_op=async_op)
+
+
+def redistribute_between(local: torch.Tensor, source: Layout, source_mesh, target: Layout, target_mesh,
+                         *, async_op: bool = False):
+    """This rank's local tensor of `target` on `target_mesh`, from its local tensor of `source` on `source_mesh`.
+
+    Same mesh: a plan through the mesh's collectives; a rank outside the mesh takes no part and
+    gets a tensor without elements. Different meshes: `redistribute_across_meshes`, which every
+    rank of the world must call.
+    """
+    if source_mesh != target_mesh:
+        return redistribute_across_meshes(local, source, source_mesh, target, target_mesh, async_op=async_op)
+    if source_mesh.get_coordinate() is None:
+        empty = empty_shard(local, target.ndim)
+        return PendingRedistribute.done(empty) if async_op else empty
+    return redistribute_local_tensor(local, source, target, source_mesh, async_op=async_op)
 
 
 def explain(source: Layout, target: Layout, itemsize: int, cost_model: CostModel = DEFAULT_COST_MODEL) -> str:

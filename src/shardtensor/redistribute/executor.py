@@ -221,6 +221,21 @@ class _Assembled:
         return self._result
 
 
+def _flattened_reduction(local: torch.Tensor, step: Step, mesh, coordinate: tuple[int, ...], *, async_op: bool):
+    """One all_reduce or reduce_scatter over the sub-mesh of `step.mesh_dim` flattened row-major."""
+    reduce_op = step.source_placement[0].reduce_op
+    if step.collective == ALL_REDUCE:
+        return comm.all_reduce(local, mesh, step.mesh_dim, reduce_op=reduce_op, async_op=async_op)
+    dim = step.target_placement[0].dim
+    sizes = []
+    for peer_position in itertools.product(*(range(step.before.mesh_shape[m]) for m in step.mesh_dim)):
+        peer = list(coordinate)
+        for mesh_dim, position in zip(step.mesh_dim, peer_position):
+            peer[mesh_dim] = position
+        sizes.append(step.after.local_shape(peer)[dim])
+    return comm.reduce_scatter(local, mesh, step.mesh_dim, reduce_op=reduce_op, dim=dim, sizes=sizes, async_op=async_op)
+
+
 def _run_step(local: torch.Tensor, step: Step, mesh, coordinate: tuple[int, ...], *, async_op: bool = False):
     """One step; returns the new local tensor, or with `async_op` a handle whose `wait()` returns it."""
     collective, mesh_dim = step.collective, step.mesh_dim
@@ -229,6 +244,8 @@ def _run_step(local: torch.Tensor, step: Step, mesh, coordinate: tuple[int, ...]
         return local
     if collective == EXCHANGE:
         return _exchange(local, step, mesh, coordinate, async_op=async_op)
+    if isinstance(mesh_dim, tuple):
+        return _flattened_reduction(local, step, mesh, coordinate, async_op=async_op)
     if collective == SLICE:
         return _slice(local, step, coordinate)
     if collective == MAKE_PARTIAL:

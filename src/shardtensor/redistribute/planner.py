@@ -11,6 +11,9 @@ States are `Layout`s (placements, shard order and exact pieces). A step changes 
     R    -> P           make_partial      local, internal: only towards a Partial target
     P(x) -> P(y)        -                 not direct: reduce first
     any  -> any         relabel           on a mesh dim of size 1 the local tensor does not change
+    P..P -> R..R        all_reduce        several Partial mesh dims (same reduce op) at once, over
+    P..P -> S..S(b)     reduce_scatter    their flattened sub-mesh: reaches the lower bound where a
+                                          reduction per mesh dim moves more (e.g. 1.5x for (P,P)->(R,R))
     all mesh dims       batch_p2p         straight to the target, no Partial on either side: every
                                           rank receives exactly the target elements it lacks
 
@@ -32,7 +35,6 @@ import heapq
 import itertools
 import math
 from dataclasses import dataclass
-from fractions import Fraction
 
 from ..layout import Layout
 from ..placement import Partial, Placement, Replicate, Shard
@@ -93,10 +95,11 @@ class Step:
     """One mesh dim changes placement. `bytes_per_rank` is the most bytes any rank receives.
 
     A `batch_p2p` step changes every mesh dim at once: its `mesh_dim` is None and its placements
-    are the whole placement tuples.
+    are the whole placement tuples. A flattened all_reduce / reduce_scatter over several Partial
+    mesh dims has a tuple `mesh_dim` and placement tuples for those mesh dims.
     """
 
-    mesh_dim: int | None
+    mesh_dim: int | tuple[int, ...] | None
     source_placement: Placement | tuple[Placement, ...]
     target_placement: Placement | tuple[Placement, ...]
     collective: str
@@ -107,8 +110,9 @@ class Step:
     after: Layout
 
     def __str__(self) -> str:
-        if self.mesh_dim is None:
-            where = f"all mesh dims: [{', '.join(map(str, self.source_placement))}] -> "
+        if self.mesh_dim is None or isinstance(self.mesh_dim, tuple):
+            where = "all mesh dims" if self.mesh_dim is None else f"mesh dims {self.mesh_dim}"
+            where += f": [{', '.join(map(str, self.source_placement))}] -> "
             where += f"[{', '.join(map(str, self.target_placement))}]"
         else:
             where = f"mesh dim {self.mesh_dim}: {self.source_placement} -> {self.target_placement}"
@@ -263,6 +267,18 @@ def _make_step(before: Layout, after: Layout, mesh_dim: int, itemsize: int, cost
     )
 
 
+def _flattened_step(before: Layout, after: Layout, mesh_dims: tuple[int, ...], itemsize: int,
+                    cost_model: CostModel) -> Step:
+    target = after.placements[mesh_dims[0]]
+    collective = ALL_REDUCE if isinstance(target, Replicate) else REDUCE_SCATTER
+    group_size = math.prod(before.mesh_shape[mesh_dim] for mesh_dim in mesh_dims)
+    bytes_per_rank = _step_bytes(before, after, collective, group_size, itemsize)
+    return Step(
+        mesh_dims, tuple(before.placements[m] for m in mesh_dims), tuple(after.placements[m] for m in mesh_dims),
+        collective, group_size, bytes_per_rank, cost_model.step_cost(collective, bytes_per_rank), before, after,
+    )
+
+
 def _exchange_step(before: Layout, after: Layout, itemsize: int, cost_model: CostModel) -> Step:
     bytes_per_rank = _most_missing(before, after) * itemsize
     return Step(
@@ -279,6 +295,7 @@ def _exchange_allowed(state: Layout, target: Layout) -> bool:
 # ---- lower bound ---------------------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=65536)
 def lower_bound_bytes(source: Layout, target: Layout, itemsize: int) -> int:
     """Bytes that the busiest rank must receive in any plan from `source` to `target`.
 
@@ -306,19 +323,17 @@ def lower_bound_bytes(source: Layout, target: Layout, itemsize: int) -> int:
     for coordinate, target_box in zip(coordinates, target_boxes):
         key = tuple(c for mesh_dim, c in enumerate(coordinate) if mesh_dim not in reduced)
         group_targets.setdefault(key, set()).add(target_box)
-    most = Fraction(0)
+    most_times_group = 0  # integers scaled by the group size: no fractions on the hot path
     for coordinate, source_box, target_box in zip(coordinates, _boxes(source), target_boxes):
-        held = _overlap(source_box, target_box)
         target_numel = math.prod(target_box[1])
         if group == 1:
-            need = Fraction(target_numel - held)
+            need_times_group = target_numel - _overlap(source_box, target_box)
         else:
             key = tuple(c for mesh_dim, c in enumerate(coordinate) if mesh_dim not in reduced)
             union = sum(math.prod(box[1]) for box in group_targets[key])
-            reduced_share = Fraction(union, group)
-            need = (group - 1) * reduced_share + target_numel - min(Fraction(target_numel), reduced_share)
-        most = max(most, need)
-    return math.floor(most * itemsize)
+            need_times_group = (group - 1) * union + group * target_numel - min(group * target_numel, union)
+        most_times_group = max(most_times_group, need_times_group)
+    return most_times_group * itemsize // group
 
 
 # ---- search --------------------------------------------------------------------------------------
@@ -378,28 +393,51 @@ def _neighbors(state: Layout, target: Layout):
     for mesh_dim in range(state.mesh_ndim):
         for placement, pieces in _moves(state, target, mesh_dim):
             yield mesh_dim, state.transition(mesh_dim, placement, pieces=pieces)
+    yield from _flattened_reductions(state, target)
     if _exchange_allowed(state, target):
         yield None, target
+
+
+def _flattened_reductions(state: Layout, target: Layout):
+    """(mesh dims, layout after) for one reduction over two or more Partial mesh dims at once.
+
+    The new shards are appended in ascending mesh-dim order, which is the row-major order of the
+    flattened sub-mesh that `comm` uses, so peer i of the reduce_scatter receives piece i.
+    """
+    moving = [
+        mesh_dim for mesh_dim, placement in enumerate(state.placements)
+        if isinstance(placement, Partial) and state.mesh_shape[mesh_dim] > 1 and target.placements[mesh_dim] != placement
+    ]
+    for count in range(2, len(moving) + 1):
+        for mesh_dims in itertools.combinations(moving, count):
+            yield mesh_dims, functools.reduce(lambda layout, m: layout.transition(m, Replicate()), mesh_dims, state)
+            for dim in range(state.ndim):
+                after = state
+                for mesh_dim in mesh_dims:
+                    after = after.transition(mesh_dim, Shard(dim), pieces=_target_pieces(after, target, mesh_dim, dim))
+                yield mesh_dims, after
 
 
 def _remaining_cost(state: Layout, target: Layout, itemsize: int, cost_model: CostModel) -> float:
     """Admissible estimate of the cost from `state` to `target` (never above the true cost).
 
-    Every mesh dim that must leave a Partial needs its own collective; mesh dims that must leave a
-    Shard need at least one more (one exchange can move them all). Every rank must receive the
-    target elements it does not hold (each step's busiest rank receives at least that).
+    Partial mesh dims that must be reduced need at least one collective (a flattened one may
+    reduce them all). Each Shard mesh dim that must change needs its own collective, unless one
+    exchange moves them all. Bytes: the lower bound of what the busiest rank must still receive.
     """
     partial_moves = shard_moves = 0
     for mesh_dim, (current, wanted) in enumerate(zip(state.placements, target.placements)):
         if current == wanted or state.mesh_shape[mesh_dim] == 1:
             continue
         if isinstance(current, Partial):
-            partial_moves += 1
+            partial_moves = 1
         elif isinstance(current, Shard):
-            shard_moves = 1
-    missing = _most_missing(state, target)
+            shard_moves += 1
+    # with Partial mesh dims to reduce, the lower bound also counts the reduction's bytes
+    missing = lower_bound_bytes(state, target, 1) if partial_moves else _most_missing(state, target)
     latency = partial_moves * cost_model.latency_us
-    latency += shard_moves * min(cost_model.latency_us, cost_model.exchange_latency_us)
+    if shard_moves:
+        latency += min(shard_moves * cost_model.latency_us, cost_model.exchange_latency_us)
     return latency + missing * itemsize / cost_model.bytes_per_us
 
 
@@ -465,6 +503,8 @@ def _cached_plan(source: Layout, target: Layout, itemsize: int, cost_model: Cost
                 continue
             if mesh_dim is None:
                 step = _exchange_step(state, after, itemsize, cost_model)
+            elif isinstance(mesh_dim, tuple):
+                step = _flattened_step(state, after, mesh_dim, itemsize, cost_model)
             else:
                 step = _make_step(state, after, mesh_dim, itemsize, cost_model)
             new_cost = cost + step.cost_us

@@ -1,0 +1,202 @@
+"""Matrix products on DTensors: einsum-spec rules for mm, bmm, mv, dot, addmm, baddbmm (and the
+matmul / linear / einsum calls that decompose into them), forward and backward against one device."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from spmd import spmd
+
+import shardtensor
+from shardtensor import DTensor, Partial, Replicate, Shard, comm, distribute_tensor
+from shardtensor.dispatch import fallback_counts
+from shardtensor.ops.matrix import einsum_rows
+
+MESHES = [(1,), (2,), (4,), (2, 2)]
+MATRIX_OPS = ("aten.mm.default", "aten.bmm.default", "aten.mv.default", "aten.dot.default",
+              "aten.addmm.default", "aten.baddbmm.default")
+R, P = Replicate(), Partial()
+
+
+def _fallbacks() -> dict:
+    return {name: fallback_counts[name] for name in MATRIX_OPS}
+
+
+def _leaf(full: torch.Tensor, mesh, placement) -> DTensor:
+    """`full` distributed with `placement` on every mesh dim; a Partial holds a random operand per rank."""
+    if isinstance(placement, Partial):
+        generator = torch.Generator().manual_seed(mesh.get_rank() + 1)
+        operand = torch.randn(full.shape, generator=generator, dtype=full.dtype)
+        return DTensor.from_local(operand, mesh, [placement] * mesh.ndim)
+    return distribute_tensor(full.clone().requires_grad_(), mesh, [placement] * mesh.ndim)
+
+
+def test_einsum_rows_follow_the_spec():
+    assert [str(row) for row in einsum_rows("mk,kn->mn")] == [
+        "[R <- R, R]", "[S(0) <- S(0), R]", "[P(sum) <- S(1), S(0)]", "[S(1) <- R, S(1)]",
+        "[P(sum) <- P(sum), R]", "[P(sum) <- R, P(sum)]",
+    ]
+    assert "[S(0) <- S(0), S(0)]" in [str(row) for row in einsum_rows("bmk,bkn->bmn")]
+
+
+MM_CASES = [  # (a, b, output placement, collectives in the op)
+    (Shard(0), R, Shard(0), 0),  # row-sharded activations, replicated weight
+    (R, Shard(1), Shard(1), 0),  # column-sharded weight
+    (Shard(1), Shard(0), P, 0),  # contraction sharded: partial sums, no communication yet
+    (P, R, P, 0),  # linear in a
+    (R, R, R, 0),
+]
+
+
+@pytest.mark.parametrize("case", range(len(MM_CASES)))
+@spmd(meshes=MESHES)
+def test_mm_rows_are_chosen_without_communication(mesh, case):
+    a_placement, b_placement, expected, _ = MM_CASES[case]
+    a_full, b_full = torch.randn(5, 7, dtype=torch.float64), torch.randn(7, 3, dtype=torch.float64)
+    a, b = _leaf(a_full, mesh, a_placement), _leaf(b_full, mesh, b_placement)
+    with shardtensor.strict_mode(), comm.observe() as records:
+        product = torch.mm(a, b)
+    assert list(records) == []
+    if mesh.size() > 1:
+        assert product.placements == (expected,) * mesh.ndim
+    torch.testing.assert_close(product.full_tensor(), a.full_tensor() @ b.full_tensor())
+
+
+@spmd(meshes=[(2,), (4,), (2, 2)])
+def test_mm_backward_and_partial_operands(mesh):
+    a_full, b_full = torch.randn(6, 5, dtype=torch.float64), torch.randn(5, 4, dtype=torch.float64)
+    before = _fallbacks()
+    a, b = _leaf(a_full, mesh, Shard(1)), _leaf(b_full, mesh, Shard(0))
+    (torch.mm(a, b) * 2).sum().backward()
+    reference_a, reference_b = a_full.clone().requires_grad_(), b_full.clone().requires_grad_()
+    (torch.mm(reference_a, reference_b) * 2).sum().backward()
+    torch.testing.assert_close(a.grad.full_tensor(), reference_a.grad)
+    torch.testing.assert_close(b.grad.full_tensor(), reference_b.grad)
+    partial_a, partial_b = _leaf(a_full, mesh, P), _leaf(b_full, mesh, P)  # both Partial: one must be reduced
+    with shardtensor.strict_mode(), comm.observe() as records:
+        product = torch.mm(partial_a, partial_b)
+    assert records and {record.kind for record in records} == {"all_reduce"}  # one operand reduced, no gather
+    torch.testing.assert_close(product.full_tensor(), partial_a.full_tensor() @ partial_b.full_tensor())
+    assert _fallbacks() == before
+
+
+@spmd(meshes=[(2, 2)])
+def test_mm_on_a_2d_mesh_mixes_rows_per_mesh_dim(mesh):
+    a_full, b_full = torch.randn(6, 5, dtype=torch.float64), torch.randn(5, 3, dtype=torch.float64)
+    a = distribute_tensor(a_full, mesh, [Shard(0), Shard(1)])
+    b = distribute_tensor(b_full, mesh, [R, Shard(0)])
+    with shardtensor.strict_mode(), comm.observe() as records:
+        product = torch.mm(a, b)
+    assert list(records) == [] and product.placements == (Shard(0), P)
+    torch.testing.assert_close(product.full_tensor(), a_full @ b_full)
+
+
+BATCHED_CASES = [  # (batch1, batch2, output)
+    (Shard(0), Shard(0), Shard(0)),  # batch
+    (Shard(1), R, Shard(1)),
+    (R, Shard(2), Shard(2)),
+    (Shard(2), Shard(1), P),  # contraction
+]
+
+
+@pytest.mark.parametrize("case", range(len(BATCHED_CASES)))
+@spmd(meshes=MESHES)
+def test_bmm_and_baddbmm_forward_and_backward(mesh, case):
+    first_placement, second_placement, expected = BATCHED_CASES[case]
+    first_full, second_full = torch.randn(4, 5, 6, dtype=torch.float64), torch.randn(4, 6, 3, dtype=torch.float64)
+    addend_full = torch.randn(5, 3, dtype=torch.float64)  # broadcast over the batch
+    first, second = _leaf(first_full, mesh, first_placement), _leaf(second_full, mesh, second_placement)
+    addend = _leaf(addend_full, mesh, R)
+    before = _fallbacks()
+    with shardtensor.strict_mode(), comm.observe() as records:
+        product = torch.bmm(first, second)
+        fused = torch.baddbmm(addend, first, second, beta=0.5, alpha=2.0)
+    assert list(records) == []
+    if mesh.size() > 1:
+        assert product.placements == (expected,) * mesh.ndim and fused.placements == product.placements
+    torch.testing.assert_close(product.full_tensor(), torch.bmm(first_full, second_full))
+    torch.testing.assert_close(fused.full_tensor(), torch.baddbmm(addend_full, first_full, second_full, beta=0.5, alpha=2.0))
+    (product.sum() + fused.sum()).backward()
+    references = [tensor.clone().requires_grad_() for tensor in (first_full, second_full, addend_full)]
+    first_reference, second_reference, addend_reference = references
+    fused_reference = torch.baddbmm(addend_reference, first_reference, second_reference, beta=0.5, alpha=2.0)
+    (torch.bmm(first_reference, second_reference).sum() + fused_reference.sum()).backward()
+    for leaf, reference in zip((first, second, addend), references):
+        torch.testing.assert_close(leaf.grad.full_tensor(), reference.grad)
+    assert _fallbacks() == before
+
+
+ADDMM_CASES = [  # (bias shape, bias, a, b, output)
+    ((3,), R, Shard(1), Shard(0), P),  # partial product: the bias becomes Partial, added once
+    ((5, 3), Shard(0), Shard(0), R, Shard(0)),
+    ((1, 3), R, Shard(0), R, Shard(0)),  # bias broadcast along the sharded dim stays Replicate
+    ((3,), Shard(0), R, Shard(1), Shard(1)),
+]
+
+
+@pytest.mark.parametrize("case", range(len(ADDMM_CASES)))
+@spmd(meshes=MESHES)
+def test_addmm_adds_the_bias_once(mesh, case):
+    bias_shape, bias_placement, a_placement, b_placement, expected = ADDMM_CASES[case]
+    bias_full = torch.randn(bias_shape, dtype=torch.float64)
+    a_full, b_full = torch.randn(5, 6, dtype=torch.float64), torch.randn(6, 3, dtype=torch.float64)
+    bias, a, b = (_leaf(full, mesh, placement) for full, placement in
+                  ((bias_full, bias_placement), (a_full, a_placement), (b_full, b_placement)))
+    with shardtensor.strict_mode(), comm.observe() as records:
+        result = torch.addmm(bias, a, b, beta=1.5)
+    assert list(records) == []
+    if mesh.size() > 1:
+        assert result.placements == (expected,) * mesh.ndim
+    torch.testing.assert_close(result.full_tensor(), torch.addmm(bias_full, a_full, b_full, beta=1.5))
+    result.sum().backward()
+    references = [tensor.clone().requires_grad_() for tensor in (bias_full, a_full, b_full)]
+    torch.addmm(*references, beta=1.5).sum().backward()
+    for leaf, reference in zip((bias, a, b), references):
+        torch.testing.assert_close(leaf.grad.full_tensor(), reference.grad)
+
+
+@spmd(meshes=MESHES)
+def test_mv_and_dot_shard_the_contraction_into_partial(mesh):
+    matrix_full, vector_full, other_full = (torch.randn(shape, dtype=torch.float64) for shape in ((5, 7), (7,), (7,)))
+    before = _fallbacks()
+    matrix, vector, other = _leaf(matrix_full, mesh, Shard(1)), _leaf(vector_full, mesh, Shard(0)), _leaf(other_full, mesh, Shard(0))
+    with shardtensor.strict_mode(), comm.observe() as records:
+        product, inner = torch.mv(matrix, vector), torch.dot(vector, other)
+    assert list(records) == []
+    if mesh.size() > 1:
+        assert product.placements == (P,) * mesh.ndim and inner.placements == (P,) * mesh.ndim
+    torch.testing.assert_close(product.full_tensor(), matrix_full @ vector_full)
+    torch.testing.assert_close(inner.full_tensor(), vector_full @ other_full)
+    (product.sum() + inner * 3).backward()
+    references = [tensor.clone().requires_grad_() for tensor in (matrix_full, vector_full, other_full)]
+    ((references[0] @ references[1]).sum() + (references[1] @ references[2]) * 3).backward()
+    for leaf, reference in zip((matrix, vector, other), references):
+        torch.testing.assert_close(leaf.grad.full_tensor(), reference.grad)
+    rows = distribute_tensor(matrix_full, mesh, [Shard(0)] * mesh.ndim)
+    replicated = distribute_tensor(vector_full, mesh, [R] * mesh.ndim)
+    with shardtensor.strict_mode(), comm.observe() as records:
+        by_rows = torch.mv(rows, replicated)
+    assert list(records) == [] and by_rows.placements == (Shard(0),) * mesh.ndim
+    torch.testing.assert_close(by_rows.full_tensor(), matrix_full @ vector_full)
+    assert _fallbacks() == before
+
+
+@spmd(meshes=MESHES)
+def test_matmul_linear_and_einsum_use_the_matrix_rules(mesh):
+    inputs_full = torch.randn(4, 3, 6, dtype=torch.float64)
+    weight_full, bias_full = torch.randn(5, 6, dtype=torch.float64), torch.randn(5, dtype=torch.float64)
+    other_full = torch.randn(4, 6, 2, dtype=torch.float64)
+    before = _fallbacks()
+    inputs = _leaf(inputs_full, mesh, Shard(0))
+    weight, bias, other = _leaf(weight_full, mesh, R), _leaf(bias_full, mesh, R), _leaf(other_full, mesh, Shard(0))
+    results = [F.linear(inputs, weight, bias), torch.matmul(inputs, weight.t()), torch.einsum("bmk,bkn->bmn", inputs, other),
+               torch.matmul(inputs, other)]
+    references = [tensor.clone().requires_grad_() for tensor in (inputs_full, weight_full, bias_full, other_full)]
+    x, w, b, o = references
+    expected = [F.linear(x, w, b), torch.matmul(x, w.t()), torch.einsum("bmk,bkn->bmn", x, o), torch.matmul(x, o)]
+    for result, reference in zip(results, expected):
+        torch.testing.assert_close(result.full_tensor(), reference)
+    sum(result.sum() for result in results).backward()
+    sum(reference.sum() for reference in expected).backward()
+    for leaf, reference in zip((inputs, weight, bias, other), references):
+        torch.testing.assert_close(leaf.grad.full_tensor(), reference.grad)
+    assert _fallbacks() == before

@@ -1,0 +1,62 @@
+"""A representative slice of PyTorch's OpInfo database on DTensors (the full sweep: tools/opinfo_sweep.py).
+
+Every op in the slice must give the single-device result, forward and backward, on a 1-D mesh of
+4 and on 2x2, natively or through the replicate fallback; EXPECTED_FAILURES lists the exceptions
+with a reason each, and an expected failure that starts passing fails the test so that the list
+only shrinks.
+"""
+
+import pathlib
+import sys
+
+import pytest
+from spmd import spmd
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tools"))
+import opinfo_sweep  # noqa: E402
+
+SLICE = {
+    "pointwise": ["add", "mul", "div.no_rounding_mode", "exp", "pow", "where", "addcmul"],
+    "reductions": ["sum", "mean", "amax", "argmax", "max.reduction_with_dim", "var", "logsumexp", "cumsum"],
+    "matrix": ["mm", "bmm", "addmm", "matmul", "einsum", "nn.functional.linear"],
+    "views": ["view", "reshape", "transpose", "permute", "expand", "cat", "split", "select"],
+    "indexing": ["index_select", "gather", "masked_fill", "__getitem__", "topk"],
+    "nn": ["softmax", "log_softmax", "nn.functional.layer_norm", "nn.functional.gelu", "nn.functional.embedding",
+           "nn.functional.cross_entropy"],
+}
+KEYS = [key for family in SLICE.values() for key in family]
+# Samples per op: the first few cover the common shapes; the full sweep uses more.
+MAX_SAMPLES = 2
+
+# (op key, mesh shape) -> why it fails today (a core bug or a missing piece, not a flaky comparison).
+EXPECTED_FAILURES: dict[tuple[str, tuple[int, ...]], str] = {
+    ("nn.functional.cross_entropy", (2, 2)): "wrong value: input (S(0), S(1)) with target (S(0), R) gives twice "
+                                             "the mean loss",
+}
+
+
+@pytest.mark.parametrize("key", KEYS)
+@spmd(meshes=[(4,), (2, 2)])
+def test_opinfo_slice_matches_single_device(mesh, key):
+    result = opinfo_sweep.check_op("shardtensor", mesh, key, MAX_SAMPLES)
+    assert result.status != "skipped", f"{key} is not comparable here ({result.reason}): take it out of SLICE"
+    expected_failure = EXPECTED_FAILURES.get((key, tuple(mesh.shape)))
+    if expected_failure:
+        assert result.status == "failing", (
+            f"{key} on mesh {tuple(mesh.shape)} now passes ({result.status}); remove it from "
+            f"EXPECTED_FAILURES (it was listed because: {expected_failure})"
+        )
+    else:
+        assert result.status in ("native", "fallback"), f"{key} on mesh {tuple(mesh.shape)}: {result.reason}"
+
+
+def test_summary_line_counts_each_status():
+    results = {
+        "a": opinfo_sweep.OpResult("a", "native"),
+        "b": opinfo_sweep.OpResult("b", "fallback", "replicate fallback for aten.b.default"),
+        "c": opinfo_sweep.OpResult("c", "failing", "output 0: mismatch"),
+        "d": opinfo_sweep.OpResult("d", "skipped", "draws random numbers"),
+    }
+    assert opinfo_sweep.summary_line(results) == (
+        "ops: 3 total, 1 natively sharded, 1 via fallback, 1 failing (1 skipped)"
+    )

@@ -1,0 +1,143 @@
+"""Partial algebra: elementwise ops keep Partial only where that is exact, and reduce first otherwise."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from spmd import spmd
+
+import shardtensor
+from shardtensor import DTensor, Partial, Replicate, Shard, comm, distribute_tensor
+
+MESHES = [(1,), (2,), (4,), (2, 2)]
+
+
+def _operand(rank: int, seed: int = 0, dtype=torch.float64) -> torch.Tensor:
+    """What rank `rank` holds: different on every rank, so a wrong reduction shows."""
+    return (torch.linspace(-1, 2, 6, dtype=dtype).reshape(2, 3) * (rank + 1 + seed) - rank).to(dtype)
+
+
+def _partial(mesh, reduce_op="sum", seed=0, dtype=torch.float64):
+    """A DTensor Partial(reduce_op) on every mesh dim and its single-device value."""
+    local = _operand(dist.get_rank(), seed, dtype)
+    operands = torch.stack([_operand(rank, seed, dtype) for rank in range(mesh.size())])
+    value = {"sum": operands.sum(0), "avg": operands.mean(0), "max": operands.amax(0), "min": operands.amin(0)}
+    return DTensor.from_local(local, mesh, [Partial(reduce_op)] * mesh.ndim), value[reduce_op]
+
+
+def _replicate(mesh, full):
+    return distribute_tensor(full, mesh, [Replicate()] * mesh.ndim)
+
+
+def _check(result, value, placements=None, *, exact=False):
+    if placements is not None:
+        assert result.placements == placements, (result.placements, placements)
+    tolerance = dict(rtol=0, atol=0) if exact else dict(rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(result.full_tensor(), value, **tolerance)
+
+
+@spmd(meshes=MESHES)
+def test_partial_sum_plus_scalar_or_replicate_adds_it_once(mesh):
+    partial, value = _partial(mesh)
+    r_full = torch.arange(6.0, dtype=torch.float64).reshape(2, 3)
+    with shardtensor.strict_mode():
+        plus_scalar, plus_replicate, minus = partial + 1.5, partial + _replicate(mesh, r_full), 2 - partial
+    _check(plus_scalar, value + 1.5)
+    _check(plus_replicate, value + r_full)
+    _check(minus, 2 - value)
+    assert not any(p.is_partial() for p in plus_scalar.placements + minus.placements)
+    # P(sum) + R may stay P(sum) by making R Partial too (R on one coordinate, zeros elsewhere): exact and local.
+
+
+@spmd(meshes=MESHES)
+def test_linear_ops_keep_partial_sum_without_communication(mesh):
+    a, a_value = _partial(mesh, seed=0)
+    b, b_value = _partial(mesh, seed=3)
+    r_full = torch.linspace(0.5, 1.5, 6, dtype=torch.float64).reshape(2, 3)
+    r = _replicate(mesh, r_full)
+    partial = (Partial(),) * mesh.ndim
+    with shardtensor.strict_mode(), comm.observe() as records:
+        results = [a + b, a - b, torch.add(a, b, alpha=2), -a, a * 3, 3 * a, a / 4, a * r, r * a, a / r,
+                   torch.lerp(a, b, 0.25), torch.addcmul(a, b, r), torch.where(r > 1, a, b)]
+    assert list(records) == []
+    expected = [a_value + b_value, a_value - b_value, a_value + 2 * b_value, -a_value, a_value * 3, 3 * a_value,
+                a_value / 4, a_value * r_full, r_full * a_value, a_value / r_full, torch.lerp(a_value, b_value, 0.25),
+                torch.addcmul(a_value, b_value, r_full), torch.where(r_full > 1, a_value, b_value)]
+    for result, reference in zip(results, expected):
+        _check(result, reference, partial)
+
+
+@spmd(meshes=MESHES)
+def test_nonlinear_ops_reduce_partial_first(mesh):
+    a, a_value = _partial(mesh, seed=0)
+    b, b_value = _partial(mesh, seed=3)
+    with shardtensor.strict_mode():
+        results = [a * b, a / b, a.exp(), a.relu(), torch.maximum(a, b), a > 0.5, a ** 2, a.abs()]
+    expected = [a_value * b_value, a_value / b_value, a_value.exp(), a_value.relu(), torch.maximum(a_value, b_value),
+                a_value > 0.5, a_value ** 2, a_value.abs()]
+    for result, reference in zip(results, expected):
+        if result is not results[0] and result is not results[1]:  # a * b may reduce only b and stay P(sum)
+            assert not any(p.is_partial() for p in result.placements)
+        _check(result, reference)
+
+
+@spmd(meshes=MESHES)
+def test_max_and_min_partials(mesh):
+    high, high_value = _partial(mesh, "max")
+    low, low_value = _partial(mesh, "min", seed=2)
+    r_full = torch.linspace(-1, 1, 6, dtype=torch.float64).reshape(2, 3)
+    r = _replicate(mesh, r_full)
+    maximum, minimum = (Partial("max"),) * mesh.ndim, (Partial("min"),) * mesh.ndim
+    with shardtensor.strict_mode(), comm.observe() as records:
+        kept = [(-high, minimum), (-low, maximum), (high.relu(), maximum), (high.exp(), maximum),
+                (low.clamp(-1, 1), minimum), (high * 2, maximum), (high * -2, minimum),
+                (torch.maximum(high, r), maximum)]
+    assert list(records) == []
+    expected = [-high_value, -low_value, high_value.relu(), high_value.exp(), low_value.clamp(-1, 1), high_value * 2,
+                high_value * -2, torch.maximum(high_value, r_full)]
+    for (result, placements), reference in zip(kept, expected):
+        _check(result, reference, placements, exact=True)
+    with shardtensor.strict_mode():  # not monotone, or a sum of maxima: reduce first
+        reduced = [high + 1, high * high, high.sin(), high + low, torch.minimum(high, low)]
+    expected = [high_value + 1, high_value * high_value, high_value.sin(), high_value + low_value,
+                torch.minimum(high_value, low_value)]
+    for result, reference in zip(reduced, expected):
+        _check(result, reference, exact=True)
+    assert not any(p.is_partial() for result in reduced[:4] for p in result.placements)
+
+
+@spmd(meshes=MESHES)
+def test_partial_avg_commutes_with_adding_a_replicated_value(mesh):
+    average, value = _partial(mesh, "avg")
+    with shardtensor.strict_mode(), comm.observe() as records:
+        results = [average + 1, average * 3, average - average]
+    assert list(records) == []
+    for result, reference in zip(results, [value + 1, value * 3, value - value]):
+        _check(result, reference, (Partial("avg"),) * mesh.ndim)
+
+
+@spmd(meshes=MESHES)
+def test_casts_keep_partial_only_when_widening_floats(mesh):
+    single, value = _partial(mesh, dtype=torch.float32)
+    with shardtensor.strict_mode(), comm.observe() as records:
+        wider = single.to(torch.float64)
+    assert list(records) == [] and wider.placements == (Partial(),) * mesh.ndim
+    torch.testing.assert_close(wider.full_tensor(), value.double(), rtol=1e-6, atol=1e-6)
+    double, double_value = _partial(mesh)
+    with shardtensor.strict_mode():
+        narrower, integer = double.to(torch.float32), double.to(torch.int64)
+    assert not any(p.is_partial() for p in narrower.placements + integer.placements)
+    assert torch.equal(narrower.full_tensor(), double_value.float())
+    assert torch.equal(integer.full_tensor(), double_value.to(torch.int64))
+    high, high_value = _partial(mesh, "max")
+    with shardtensor.strict_mode():
+        narrowed = high.to(torch.float32)
+    assert narrowed.placements == (Partial("max"),) * mesh.ndim
+    assert torch.equal(narrowed.full_tensor(), high_value.float())
+
+
+@pytest.mark.parametrize("length", [5, 3])
+@spmd(meshes=[(2,), (4,)])
+def test_mean_over_uneven_shards_is_weighted(mesh, length):
+    full = torch.linspace(1, 3, length, dtype=torch.float64)
+    x = distribute_tensor(full, mesh, [Shard(0)])
+    torch.testing.assert_close((x * 2 + 1).mean().full_tensor(), (full * 2 + 1).mean(), rtol=1e-12, atol=1e-12)

@@ -1,0 +1,180 @@
+"""Reductions and scans on DTensors: Partial outputs where exact, gathers where not, empty shards,
+Partial inputs, and backward, all against one device."""
+
+import pytest
+import torch
+from spmd import spmd
+
+import shardtensor
+from shardtensor import DTensor, Partial, Shard, comm, distribute_tensor
+
+MESHES = [(1,), (2,), (4,), (2, 2)]
+
+# (reduction over dim 0 or all dims, Partial reduce op of its output when dim 0 is sharded)
+PARTIAL_CASES = [
+    (lambda x: x.sum(0), "sum"),
+    (lambda x: x.sum((0, 1), keepdim=True, dtype=torch.float32), "sum"),
+    (lambda x: x.mean(0), "sum"),  # local sum / global count: exact with uneven shards
+    (lambda x: x.mean(), "sum"),
+    (lambda x: x.prod(0), "product"),
+    (lambda x: x.amax(0), "max"),
+    (lambda x: x.amin(0, keepdim=True), "min"),
+    (lambda x: x.max(), "max"),
+    (lambda x: x.min(), "min"),
+    (lambda x: (x > 0.3).any(0), "max"),
+    (lambda x: (x > -1.5).all(), "min"),
+    (lambda x: torch.linalg.vector_norm(x, float("inf"), dim=0), "max"),
+    (lambda x: torch.linalg.vector_norm(x, -float("inf")), "min"),
+    (lambda x: torch.linalg.vector_norm(x, 1, dim=(0, 1)), "sum"),
+]
+
+
+@pytest.mark.parametrize("case", range(len(PARTIAL_CASES)))
+@spmd(meshes=MESHES)
+def test_reducing_a_sharded_dim_gives_an_exact_partial(mesh, case):
+    reduction, reduce_op = PARTIAL_CASES[case]
+    full = torch.randn(5, 3, dtype=torch.float64)  # 5 rows on 4 ranks: pieces 2, 2, 1, 0 (one empty shard)
+    x = distribute_tensor(full, mesh, [Shard(0)] * mesh.ndim)
+    with shardtensor.strict_mode(), comm.observe() as records:
+        result = reduction(x)
+    assert list(records) == []
+    if mesh.size() > 1:
+        assert result.placements == (Partial(reduce_op),) * mesh.ndim
+    torch.testing.assert_close(result.full_tensor(), reduction(full))
+
+
+# Reductions whose shards do not combine: a sharded reduced dim is gathered, other dims stay sharded.
+GATHER_CASES = [
+    lambda x: x.argmax(0),
+    lambda x: x.argmin(),
+    lambda x: x.max(0),
+    lambda x: x.min(0, keepdim=True),
+    lambda x: x.var(0),
+    lambda x: x.std((0, 1), correction=0),
+    lambda x: torch.var_mean(x, 0, correction=2),
+    lambda x: torch.std_mean(x, 0),
+    lambda x: x.logsumexp(0),
+    lambda x: torch.linalg.vector_norm(x, dim=0),
+]
+
+
+def _values(result):
+    return [result] if isinstance(result, torch.Tensor) else list(result)
+
+
+@pytest.mark.parametrize("case", range(len(GATHER_CASES)))
+@spmd(meshes=MESHES)
+def test_reductions_that_need_the_whole_dim(mesh, case):
+    reduction = GATHER_CASES[case]
+    full = torch.randn(3, 4, dtype=torch.float64)  # 3 rows on 4 ranks: one empty shard (PyTorch hangs on max)
+    with shardtensor.strict_mode():
+        reduced = reduction(distribute_tensor(full, mesh, [Shard(0)] * mesh.ndim))
+        for result, reference in zip(_values(reduced), _values(reduction(full))):
+            torch.testing.assert_close(result.full_tensor(), reference)
+
+
+# Reducing a dim that is not sharded: local, the other dim keeps its shard (dim 1 -> output dim 0).
+LOCAL_CASES = [
+    (lambda x: x.sum(1), 0),
+    (lambda x: x.mean(-1, keepdim=True), 0),
+    (lambda x: x.max(1), 0),
+    (lambda x: x.argmin(1), 0),
+    (lambda x: x.var(1), 0),
+    (lambda x: x.logsumexp(1), 0),
+    (lambda x: torch.linalg.vector_norm(x, 3, dim=1), 0),
+    (lambda x: x.cumsum(1), 0),
+    (lambda x: x.cummax(1), 0),
+]
+
+
+@spmd(meshes=MESHES)
+def test_reducing_an_unsharded_dim_is_local_and_keeps_the_shard(mesh):
+    full = torch.randn(6, 4, dtype=torch.float64)
+    x = distribute_tensor(full, mesh, [Shard(0)] * mesh.ndim)
+    for reduction, output_dim in LOCAL_CASES:
+        with shardtensor.strict_mode(), comm.observe() as records:
+            reduced = reduction(x)
+        assert list(records) == []
+        for result, reference in zip(_values(reduced), _values(reduction(full))):
+            assert result.placements == (Shard(output_dim),) * mesh.ndim
+            torch.testing.assert_close(result.full_tensor(), reference)
+    if mesh.ndim == 2:
+        mixed = distribute_tensor(full, mesh, [Shard(0), Shard(1)])
+        with shardtensor.strict_mode(), comm.observe() as records:
+            column_sums = mixed.sum(0)
+        assert list(records) == [] and column_sums.placements == (Partial(), Shard(0))
+        torch.testing.assert_close(column_sums.full_tensor(), full.sum(0))
+
+
+@spmd(meshes=[(2,), (4,), (2, 2)])
+def test_partial_inputs(mesh):
+    operand = torch.randn(4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(mesh.get_rank()))
+    partial = DTensor.from_local(operand, mesh, [Partial()] * mesh.ndim)
+    full = partial.full_tensor()
+    with shardtensor.strict_mode(), comm.observe() as records:
+        linear = [partial.sum(1), partial.mean(0), partial.sum(), partial.cumsum(1)]
+    assert list(records) == []  # sum, mean and cumsum of a P(sum) stay P(sum)
+    for result, reference in zip(linear, [full.sum(1), full.mean(0), full.sum(), full.cumsum(1)]):
+        assert result.placements == (Partial(),) * mesh.ndim
+        torch.testing.assert_close(result.full_tensor(), reference)
+    with shardtensor.strict_mode():  # nonlinear reductions reduce the Partial first
+        nonlinear = [partial.amax(1), partial.max(), partial.max(0).indices, partial.var(1), partial.prod(0),
+                     torch.linalg.vector_norm(partial, dim=1)]
+    expected = [full.amax(1), full.max(), full.max(0).indices, full.var(1), full.prod(0), torch.linalg.vector_norm(full, dim=1)]
+    for result, reference in zip(nonlinear, expected):
+        torch.testing.assert_close(result.full_tensor(), reference)
+    maximum = DTensor.from_local(operand, mesh, [Partial("max")] * mesh.ndim)
+    with shardtensor.strict_mode(), comm.observe() as records:
+        largest = maximum.amax(0)
+    assert list(records) == [] and largest.placements == (Partial("max"),) * mesh.ndim
+    torch.testing.assert_close(largest.full_tensor(), maximum.full_tensor().amax(0))
+
+
+@spmd(meshes=MESHES)
+def test_scans_along_a_sharded_dim_gather_it(mesh):
+    full = torch.rand(5, 3, dtype=torch.float64) + 0.5
+    x = distribute_tensor(full, mesh, [Shard(0)] * mesh.ndim)
+    with shardtensor.strict_mode():
+        for scan in (torch.cumsum, torch.cumprod, torch.logcumsumexp, torch.cummin):
+            for result, reference in zip(_values(scan(x, 0)), _values(scan(full, 0))):
+                torch.testing.assert_close(result.full_tensor(), reference)
+                assert not any(placement.is_shard(0) for placement in result.placements)
+
+
+@spmd(meshes=[(2,), (4,)])
+def test_mean_of_uneven_explicit_shards_is_weighted(mesh):
+    """PyTorch averaged the shards' means unweighted (pytorch#162692); we divide by the global count."""
+    sizes = [1] + [3] * (mesh.size() - 1)
+    full = torch.arange(float(sum(sizes)))
+    offset = sum(sizes[:mesh.get_rank()])
+    local = full[offset:offset + sizes[mesh.get_rank()]].clone()
+    x = DTensor.from_local(local, mesh, [Shard(0)], shape=full.shape, shard_sizes={0: sizes})
+    with shardtensor.strict_mode():
+        assert x.mean().full_tensor().item() == full.mean().item()
+
+
+# Backward of each reduction, through the single-device autograd graph (the leaf is sharded on dim 0 or 1).
+# Not prod/cumprod: their backward formulas mix plain `torch.ones`/`zeros` (not 0-d) into DTensor ops (refused).
+BACKWARD_CASES = [
+    lambda x: x.sum(0).pow(2).sum(),
+    lambda x: x.mean(0).pow(2).sum() + x.mean(),
+    lambda x: x.amax(0).sum() + x.amin(1).sum(),
+    lambda x: x.max() + x.max(1).values.sum() + x.min(0)[0].sum(),
+    lambda x: x.var(0).sum() + x.std(1, correction=0).sum(),
+    lambda x: torch.linalg.vector_norm(x) + torch.linalg.vector_norm(x, 1, dim=0).sum(),
+    lambda x: x.logsumexp(0).sum(),
+    lambda x: (x.cumsum(1) ** 2).sum() + x.cumsum(0)[-1].sum(),
+]
+
+
+@pytest.mark.parametrize("case", range(len(BACKWARD_CASES)))
+@spmd(meshes=[(1,), (4,), (2, 2)])
+def test_backward_matches_single_device(mesh, case):
+    loss_of = BACKWARD_CASES[case]
+    full = torch.rand(5, 4, dtype=torch.float64) + 0.5
+    for dim in (0, 1):
+        leaf = distribute_tensor(full.clone().requires_grad_(), mesh, [Shard(dim)] * mesh.ndim)
+        loss_of(leaf).full_tensor().backward()
+        reference = full.clone().requires_grad_()
+        loss_of(reference).backward()
+        torch.testing.assert_close(leaf.grad.full_tensor(), reference.grad)
