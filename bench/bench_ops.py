@@ -1,32 +1,33 @@
-"""Per-op eager overhead of shardtensor vs torch.distributed.tensor, same run, 4 local ranks.
+"""Per-op eager overhead of shardtensor vs torch.distributed.tensor, same run, local gloo ranks.
 
-    .venv/bin/python bench/bench_ops.py            # prints the markdown table for bench/README.md
+    .venv/bin/python bench/bench_ops.py              # 4 ranks; prints the table for bench/README.md
+    .venv/bin/python bench/bench_ops.py --ranks 1    # one rank: the least noisy on a busy machine
 
-Small tensors, so the time is dispatch overhead, not compute. Each row: microseconds per op
-(median over repeats, rank 0) for both libraries and the ratio ours/theirs; plus propagation on a
-cache miss (no processes: `propagation.decide` on layouts of 1-D and 3-D meshes).
+Small tensors, so the time is dispatch overhead, not compute. Each repeat times `ITERATIONS` calls
+of ours and then of theirs back to back (so both see the same machine load), rank 0's clock. Each
+row: microseconds per op, min and median over the repeats, for both libraries, and the ratios
+ours/theirs of the mins and of the medians (noise only adds time, so the min ratio is the steadier
+one). Last rows: propagation on a cache miss (no processes: `propagation.decide` on layouts of
+1-D and 3-D meshes).
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 
 import torch
 
 ITERATIONS = 200
-REPEATS = 7
+REPEATS = 15
 
 
-def _time_per_call(function, iterations=ITERATIONS, repeats=REPEATS) -> float:
-    function()  # warm: decisions cached
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(iterations):
-            function()
-        samples.append((time.perf_counter() - start) / iterations * 1e6)
-    return statistics.median(samples)
+def _time_per_call(function, iterations=ITERATIONS) -> float:
+    start = time.perf_counter()
+    for _ in range(iterations):
+        function()
+    return (time.perf_counter() - start) / iterations * 1e6
 
 
 def _workloads(library, mesh, shard, replicate):
@@ -65,7 +66,7 @@ def _workloads(library, mesh, shard, replicate):
     }
 
 
-def _rank_body():
+def _rank_body(repeats: int):
     import torch.distributed as dist
     from torch.distributed import tensor as torch_tensor
     from torch.distributed.device_mesh import init_device_mesh as torch_init_device_mesh
@@ -77,12 +78,15 @@ def _rank_body():
     ours = _workloads(shardtensor, shardtensor.init_device_mesh("cpu", (world,)), shardtensor.Shard, shardtensor.Replicate)
     theirs = _workloads(torch_tensor, torch_init_device_mesh("cpu", (world,)), torch_tensor.Shard, torch_tensor.Replicate)
     results = {}
-    for name in ours:
-        dist.barrier()
-        our_time = _time_per_call(ours[name][0]) / ours[name][1]
-        dist.barrier()
-        their_time = _time_per_call(theirs[name][0]) / theirs[name][1]
-        results[name] = (our_time, their_time)
+    for name, (our_function, ops_per_call) in ours.items():
+        their_function = theirs[name][0]
+        our_function(), their_function()  # warm: decisions cached
+        our_samples, their_samples = [], []
+        for _ in range(repeats):
+            dist.barrier()
+            our_samples.append(_time_per_call(our_function) / ops_per_call)
+            their_samples.append(_time_per_call(their_function) / ops_per_call)
+        results[name] = (our_samples, their_samples)
     fallbacks = dict(shardtensor.dispatch.fallback_counts)
     return results, fallbacks
 
@@ -103,7 +107,7 @@ def _propagation_miss_us(mesh_shape) -> float:
     call = OpCall(torch.ops.aten.add.Tensor, (meta, meta), (meta, meta), ())
     rule = RULES[torch.ops.aten.add.Tensor]
     samples = []
-    for _ in range(REPEATS * 3):
+    for _ in range(REPEATS):
         clear_cache()
         _cached_plan.cache_clear()
         start = time.perf_counter()
@@ -115,15 +119,28 @@ def _propagation_miss_us(mesh_shape) -> float:
 def main() -> None:
     from shardtensor.launch import spawn
 
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=4, help="local gloo ranks (a 1-D mesh of them)")
+    parser.add_argument("--repeats", type=int, default=REPEATS, help="timed repeats per row and library")
+    options = parser.parse_args()
     torch.set_num_threads(1)
-    results, fallbacks = spawn(_rank_body, 4)[0]
-    lines = ["| op (4 ranks, 8x8 float32, S(0)) | shardtensor us/op | torch DTensor us/op | ours/theirs |",
-             "|---|---:|---:|---:|"]
-    for name, (ours, theirs) in results.items():
-        lines.append(f"| {name} | {ours:.1f} | {theirs:.1f} | {ours / theirs:.2f} |")
+    results, fallbacks = spawn(_rank_body, options.ranks, options.repeats)[0]
+    lines = [
+        f"| op ({options.ranks} ranks, 8x8 float32, S(0)) | ours us/op min | median | torch DTensor us/op min "
+        f"| median | ours/theirs (min) | ours/theirs (median) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, (our_samples, their_samples) in results.items():
+        our_min, our_median = min(our_samples), statistics.median(our_samples)
+        their_min, their_median = min(their_samples), statistics.median(their_samples)
+        lines.append(
+            f"| {name} | {our_min:.1f} | {our_median:.1f} | {their_min:.1f} | {their_median:.1f} "
+            f"| {our_min / their_min:.2f} | {our_median / their_median:.2f} |"
+        )
     for mesh_shape in [(4,), (2, 2, 2)]:
         shape_text = "x".join(map(str, mesh_shape))
-        lines.append(f"| propagation cache miss, add S/S, mesh {shape_text} | {_propagation_miss_us(mesh_shape):.0f} | | |")
+        miss = _propagation_miss_us(mesh_shape)
+        lines.append(f"| propagation cache miss, add S/S, mesh {shape_text} (median) | | {miss:.0f} | | | | |")
     print("\n".join(lines))
     print(f"\nops through the replicate fallback (rank 0): {fallbacks or 'none'}")
 

@@ -4,6 +4,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from spmd import spmd
 
 from shardtensor import DeviceMesh, DTensor, Partial, Replicate, Shard, comm
@@ -171,3 +173,49 @@ def test_hand_off_refuses_partial_layouts():
     partial = Layout.create((2,), [Partial()], (4,))
     with pytest.raises(ValueError, match="reduce the Partial mesh dims first"):
         hand_off(partial, (0, 1), Layout.create((2,), [R], (4,)), (2, 3))
+
+
+# ---- property: random cross-mesh moves ---------------------------------------------------------------
+
+# Meshes of a world of 4 as rank arrays: full 1-D and 2x2 meshes in several rank orders, sub-meshes of 2.
+RANDOM_MESHES = [
+    [0, 1, 2, 3], [3, 1, 0, 2], [[0, 1], [2, 3]], [[2, 0], [3, 1]], [[3, 2], [1, 0]], [0, 1], [3, 1], [2, 0],
+]
+
+
+@st.composite
+def _cross_mesh_moves(draw):
+    shape = tuple(draw(st.lists(st.integers(1, 7), min_size=1, max_size=3)))
+    source_ranks, target_ranks = draw(st.lists(st.sampled_from(RANDOM_MESHES), min_size=2, max_size=2, unique_by=str))
+    shards = [Shard(dim) for dim in range(len(shape))]
+
+    def placements(ranks, choices):
+        mesh_ndim = 2 if isinstance(ranks[0], list) else 1
+        return draw(st.lists(st.sampled_from(choices), min_size=mesh_ndim, max_size=mesh_ndim))
+
+    source_placements = placements(source_ranks, shards + [R, Partial()])
+    target_placements = placements(target_ranks, shards + [R])
+    return shape, source_ranks, target_ranks, source_placements, target_placements
+
+
+def _draw_cross_mesh_moves(count):
+    """Examples drawn on the pytest side with hypothesis, sent to the ranks as plain data."""
+    drawn = []
+
+    @settings(max_examples=count, database=None, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(_cross_mesh_moves())
+    def collect(move):
+        drawn.append(move)
+
+    collect()
+    return drawn
+
+
+@pytest.mark.parametrize("moves", [_draw_cross_mesh_moves(40)], ids=["random-moves"])
+@spmd(meshes=[(4,)])
+def test_random_cross_mesh_moves_preserve_values_and_gradients(mesh, moves):
+    meshes = {}
+    for shape, source_ranks, target_ranks, source_placements, target_placements in moves:
+        for ranks in (source_ranks, target_ranks):
+            meshes.setdefault(str(ranks), DeviceMesh("cpu", ranks))
+        _check_move(meshes[str(source_ranks)], meshes[str(target_ranks)], source_placements, target_placements, shape)

@@ -164,3 +164,37 @@ def test_repr_shows_layout(mesh):
     text = repr(dtensor)
     assert text.startswith("DTensor(local_tensor=") and "placements=(Shard(dim=0)" in text
     assert "device_mesh=" in text
+
+
+# ---- plain tensors that torch itself mixes in: one_hot's arange, backward formulas' ones/zeros -----
+
+
+@spmd(meshes=[(2,), (2, 2)])
+def test_one_hot_of_sharded_labels(mesh):
+    import shardtensor
+
+    labels = torch.tensor([3, 0, 2, 2, 1])
+    x = distribute_tensor(labels, mesh, [Shard(0)] + [Replicate()] * (mesh.ndim - 1))
+    with shardtensor.strict_mode(), comm.observe() as records:
+        encoded = torch.nn.functional.one_hot(x, 4)
+    assert records == [] and encoded.placements[0] == Shard(0)
+    assert torch.equal(encoded.full_tensor(), torch.nn.functional.one_hot(labels, 4))
+    with pytest.raises(RuntimeError, match="plain torch.Tensor"):  # outside comparisons: still refused
+        x + torch.ones(5, dtype=torch.int64)
+
+
+@pytest.mark.parametrize("reduction", ["prod_dim", "prod", "cumprod"])
+@spmd(meshes=[(2,), (2, 2)])
+def test_backward_formulas_with_plain_tensors(mesh, reduction):
+    """prod's backward cats a plain torch.ones, cumprod's uses plain zeros in where: read as Replicate."""
+    functions = {
+        "prod_dim": lambda tensor: tensor.prod(0),
+        "prod": lambda tensor: tensor.prod(),
+        "cumprod": lambda tensor: tensor.cumprod(1),
+    }
+    full = torch.tensor([[1.0, 2.0, -1.0], [0.5, 0.0, 2.0], [3.0, 1.0, 2.0], [-2.0, 1.0, 0.5]], dtype=torch.float64)
+    x = distribute_tensor(full, mesh, [Shard(0)] * mesh.ndim).requires_grad_()
+    functions[reduction](x).sum().backward()
+    reference = full.clone().requires_grad_()
+    functions[reduction](reference).sum().backward()
+    torch.testing.assert_close(x.grad.full_tensor(), reference.grad, rtol=0, atol=1e-12)

@@ -200,3 +200,27 @@ def test_matmul_linear_and_einsum_use_the_matrix_rules(mesh):
     for leaf, reference in zip((inputs, weight, bias, other), references):
         torch.testing.assert_close(leaf.grad.full_tensor(), reference.grad)
     assert _fallbacks() == before
+
+
+@pytest.mark.xfail(strict=True, reason="needs dispatch.py to handle in-place views (squeeze_): matmul(vector, "
+                                       "matrix) ends in squeeze_(0), which leaves the DTensor's shape (1, n)")
+@spmd(meshes=[(1,), (2,), (2, 2)])
+def test_matmul_with_a_vector_operand_forward_and_backward(mesh):
+    """Regression: `matmul(vector, matrix)` is `unsqueeze(0)`, `mm`, then the in-place `squeeze_(0)`; the
+    result kept the shape (1, n), so its backward raised in to_local on every rank."""
+    for a_shape, b_shape in [((5,), (5, 3)), ((3, 5), (5,)), ((5,), (2, 5, 3)), ((5,), (5,))]:
+        for placement in (R, Shard(0)):
+            a_full, b_full = torch.randn(a_shape, dtype=torch.float64), torch.randn(b_shape, dtype=torch.float64)
+            a, b = _leaf(a_full, mesh, placement), _leaf(b_full, mesh, placement)
+            references = [full.clone().requires_grad_() for full in (a_full, b_full)]
+            with shardtensor.strict_mode():
+                product = torch.matmul(a, b)
+            expected = torch.matmul(*references)
+            assert product.shape == expected.shape
+            torch.testing.assert_close(product.full_tensor(), expected)
+            grad = torch.randn_like(expected)
+            with shardtensor.strict_mode():
+                product.backward(distribute_tensor(grad, mesh, [R] * mesh.ndim))
+            expected.backward(grad)
+            for dtensor, reference in zip((a, b), references):
+                torch.testing.assert_close(dtensor.grad.full_tensor(), reference.grad)

@@ -1,5 +1,7 @@
 """nn ops on DTensors, forward and backward, against the single-device computation."""
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 from spmd import spmd
@@ -161,6 +163,37 @@ def test_cross_entropy_on_an_uneven_batch_and_on_sharded_classes(mesh):
                 assert_close(_grad(logits), reference.grad)
 
 
+@spmd(meshes=[(2, 2)])
+def test_cross_entropy_with_batch_and_classes_sharded_over_different_mesh_dims(mesh):
+    """Regression: (S(0), S(1)) logits with 'mean' divided each batch shard by its own total weight
+    (twice the loss), and a class weight broke the local shapes of sharded outputs; every per-mesh-dim
+    mix of batch, class and no sharding must be exact."""
+    logits_full = torch.randn(7, 5, dtype=torch.float64)
+    target_full = torch.tensor([0, 4, 2, -100, 1, 3, 4])
+    class_weight = torch.rand(5, dtype=torch.float64) + 0.5
+    per_mesh_dim = [R, Shard(0), Shard(1)]  # nothing, the batch, the classes
+    for logits_placements in itertools.product(per_mesh_dim, repeat=2):
+        target_placements = [Shard(0) if p == Shard(0) else R for p in logits_placements]
+        for reduction, weight_full, ignore_index in [("mean", None, -100), ("mean", class_weight, 4),
+                                                     ("sum", class_weight, -100), ("none", None, 1),
+                                                     ("none", class_weight, -100)]:
+            ignored_target_full = target_full.masked_fill(target_full == -100, ignore_index)
+            logits, reference = _leaf(logits_full, mesh, list(logits_placements)), _reference(logits_full)
+            target = distribute_tensor(ignored_target_full, mesh, target_placements)
+            weight = None if weight_full is None else distribute_tensor(weight_full, mesh, [R, R])
+            with shardtensor.strict_mode(), comm.observe() as records:
+                loss = F.cross_entropy(logits, target, weight=weight, reduction=reduction, ignore_index=ignore_index)
+            assert {record.kind for record in records} <= {"all_reduce"}  # the logits never move
+            expected = F.cross_entropy(reference, ignored_target_full, weight=weight_full, reduction=reduction,
+                                       ignore_index=ignore_index)
+            assert_close(loss.full_tensor(), expected)
+            grad = torch.rand_like(expected)
+            with shardtensor.strict_mode():
+                _backward(loss, grad)
+            expected.backward(grad)
+            assert_close(_grad(logits), reference.grad)
+
+
 @spmd(meshes=MESHES)
 def test_convolution_sharded_on_batch_and_channels(mesh):
     for function, spatial in ((F.conv1d, (9,)), (F.conv2d, (5, 6))):
@@ -193,6 +226,34 @@ def test_convolution_sharded_on_batch_and_channels(mesh):
 
 
 @spmd(meshes=MESHES)
+def test_transposed_convolution_on_an_uneven_batch_with_groups(mesh):
+    """Regression: the bias gradient's local size came from the weight's dim 0 (the input channels of
+    a transposed convolution), so ranks with a batch shard raised and the others hung."""
+    for function, spatial in ((F.conv_transpose1d, (4,)), (F.conv_transpose2d, (3, 4))):
+        input_full = torch.randn(2, 4, *spatial, dtype=torch.float64)  # 2 rows: empty shards on 4 ranks
+        weight_full = torch.randn(4, 3, *(2,) * len(spatial), dtype=torch.float64)
+        bias_full = torch.randn(6, dtype=torch.float64)
+        for input_placements in ([Shard(0)] * mesh.ndim, [Shard(1)] * mesh.ndim):
+            tensors = [_leaf(input_full, mesh, input_placements), _leaf(weight_full, mesh, [R] * mesh.ndim),
+                       _leaf(bias_full, mesh, [Shard(0)] * mesh.ndim)]
+            references = [_reference(t) for t in (input_full, weight_full, bias_full)]
+            options = dict(stride=3, padding=1, output_padding=2, groups=2, dilation=2)
+            with shardtensor.strict_mode():
+                y = function(*tensors, **options)
+            assert all(p in (Shard(0), R) for p in y.placements)  # batch sharding, never Shard(1)
+            if input_placements[0] == Shard(0):
+                assert y.placements == tuple(input_placements)
+            expected = function(*references, **options)
+            assert_close(y.full_tensor(), expected)
+            grad = torch.randn_like(expected)
+            with shardtensor.strict_mode():
+                _backward(y, grad)
+            expected.backward(grad)
+            for dtensor, reference in zip(tensors, references):
+                assert_close(_grad(dtensor), reference.grad)
+
+
+@spmd(meshes=MESHES)
 def test_scaled_dot_product_attention_on_batch_or_heads_is_local(mesh):
     shape = (4, 4, 5, 3)
     fulls = [torch.randn(shape, dtype=torch.float64) for _ in range(3)]
@@ -210,3 +271,37 @@ def test_scaled_dot_product_attention_on_batch_or_heads_is_local(mesh):
             expected.backward(grad)
             for dtensor, reference in zip(tensors, references):
                 assert_close(_grad(dtensor), reference.grad)
+
+
+@spmd(meshes=[(4,), (2, 2)])
+def test_scaled_dot_product_attention_with_fewer_heads_than_ranks(mesh):
+    """Regression: a rank holding no heads ran the CPU kernel, which dies on zero heads (SIGFPE)."""
+    shape = (2, 2, 5, 3)
+    fulls = [torch.randn(shape, dtype=torch.float64) for _ in range(3)]
+    grad = torch.randn(shape, dtype=torch.float64)
+    tensors = [_leaf(full, mesh, [Shard(1)] * mesh.ndim) for full in fulls]
+    references = [_reference(full) for full in fulls]
+    with shardtensor.strict_mode(), comm.observe() as records:
+        y = F.scaled_dot_product_attention(*tensors, is_causal=True)
+    assert list(records) == [] and y.placements == (Shard(1),) * mesh.ndim
+    expected = F.scaled_dot_product_attention(*references, is_causal=True)
+    assert_close(y.full_tensor(), expected)
+    with shardtensor.strict_mode():
+        _backward(y, grad)
+    expected.backward(grad)
+    for dtensor, reference in zip(tensors, references):
+        assert_close(_grad(dtensor), reference.grad)
+
+
+@spmd(meshes=[(2,), (2, 2)])
+def test_group_norm_backward_from_an_expanded_gradient(mesh):
+    """Regression: `full_tensor().sum().backward()` hands group_norm an expanded (stride 0) shard whose
+    wrapper looks contiguous; the CPU kernel read it as contiguous and returned garbage."""
+    full, weight_full = torch.randn(3, 6, dtype=torch.float64), torch.randn(6, dtype=torch.float64)
+    for placements in ([R] * mesh.ndim, [Shard(0)] * mesh.ndim):
+        x, weight = _leaf(full, mesh, placements), _leaf(weight_full, mesh, [Shard(0)] * mesh.ndim)
+        references = [_reference(full), _reference(weight_full)]
+        F.group_norm(x, 2, weight).full_tensor().sum().backward()
+        F.group_norm(references[0], 2, references[1]).sum().backward()
+        assert_close(_grad(x), references[0].grad)
+        assert_close(_grad(weight), references[1].grad)

@@ -29,10 +29,7 @@ KEYS = [key for family in SLICE.values() for key in family]
 MAX_SAMPLES = 2
 
 # (op key, mesh shape) -> why it fails today (a core bug or a missing piece, not a flaky comparison).
-EXPECTED_FAILURES: dict[tuple[str, tuple[int, ...]], str] = {
-    ("nn.functional.cross_entropy", (2, 2)): "wrong value: input (S(0), S(1)) with target (S(0), R) gives twice "
-                                             "the mean loss",
-}
+EXPECTED_FAILURES: dict[tuple[str, tuple[int, ...]], str] = {}
 
 
 @pytest.mark.parametrize("key", KEYS)

@@ -304,3 +304,23 @@ def test_the_optimum_is_no_worse_than_every_two_step_path():
                 if end == target:
                     cost = plan(source, middle, 4).total_cost_us + plan(middle, end, 4).total_cost_us
                     assert best <= cost + 1e-9
+
+
+def test_a_star_finds_the_same_optimum_as_an_uninformed_search(monkeypatch):
+    """The heuristic is admissible: Dijkstra (heuristic 0) never finds a cheaper plan, nested
+    shard orders and Partial sources included (the cases where the heuristic prunes most)."""
+    from shardtensor.redistribute import planner
+
+    shape = (16, 9)
+    choices = [R, Shard(0), Shard(1)]
+    sources = [[Shard(0), Shard(0), R], [Shard(1), R, Shard(0)], [Partial(), Partial(), R], [Partial(), Shard(0), Shard(0)]]
+    pairs = []
+    for source_placements in sources:
+        source = Layout.create((2, 2, 2), source_placements, shape)
+        pairs += [(source, source.with_placements(target)) for target in itertools.product(choices, repeat=3)]
+    informed = [plan(source, target, 4).total_cost_us for source, target in pairs]
+    planner._cached_plan.cache_clear()
+    monkeypatch.setattr(planner, "_remaining_cost", lambda *arguments: 0.0)
+    uninformed = [plan(source, target, 4).total_cost_us for source, target in pairs]
+    planner._cached_plan.cache_clear()
+    assert informed == pytest.approx(uninformed, abs=1e-9)

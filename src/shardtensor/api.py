@@ -105,7 +105,9 @@ def distribute_tensor(
     The source is the rank at coordinate `src_data_rank` along every mesh dim (as in PyTorch, a
     rank within each mesh dim's group; default 0). `src_data_rank=None` slices each rank's own
     `tensor` without communication. A Partial placement holds the value on coordinate 0 and the
-    reduce op's identity elsewhere. The result is a leaf with `tensor.requires_grad`.
+    reduce op's identity elsewhere. The result is a leaf with `tensor.requires_grad`. On a rank
+    outside the mesh the result has the global metadata and a local tensor without elements
+    (shape `(0,) * ndim`), and no collective runs there.
 
     >>> x = distribute_tensor(torch.arange(8.0).reshape(4, 2), mesh, [Shard(0)])  # doctest: +SKIP
     >>> x.to_local()  # on rank 1 of 2
@@ -117,9 +119,11 @@ def distribute_tensor(
         )
     mesh, placements = _mesh_and_placements(device_mesh, placements)
     layout = Layout.create(mesh.shape, placements, tensor.shape)
-    coordinate = tuple(mesh.get_coordinate())
+    coordinate = mesh.get_coordinate()
     data = tensor.detach()
-    if src_data_rank is None:
+    if coordinate is None:  # a rank outside the mesh takes no part and holds no elements
+        local = data.new_empty((0,) * max(data.ndim, 1))
+    elif src_data_rank is None:
         local = _box(data, layout.local_offset(coordinate), layout.local_shape(coordinate)).contiguous()
     else:
         if not all(0 <= src_data_rank < size for size in layout.mesh_shape):
@@ -204,8 +208,12 @@ def _factory(make_local: Callable, size, requires_grad, dtype, layout, device_me
     mesh, placements = _mesh_and_placements(device_mesh, placements)
     dtype = dtype if dtype is not None else torch.get_default_dtype()
     shard_layout = Layout.create(mesh.shape, placements, shape)
-    coordinate = tuple(mesh.get_coordinate())
-    local = make_local(shard_layout, coordinate, dtype, torch.device(mesh.device_type))
+    coordinate = mesh.get_coordinate()
+    device = torch.device(mesh.device_type)
+    if coordinate is None:  # a rank outside the mesh holds no elements
+        local = torch.empty((0,) * max(len(shape), 1), dtype=dtype, device=device)
+    else:
+        local = make_local(shard_layout, tuple(coordinate), dtype, device)
     local = partial_from_replicate(local, shard_layout, mesh)
     spec = DTensorSpec(mesh, shard_layout, contiguous_stride(shape), dtype)
     return DTensor(local, spec, requires_grad=requires_grad)

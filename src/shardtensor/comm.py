@@ -393,9 +393,37 @@ def reduce_scatter(tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: MeshDims, *
             stacked = torch.stack([pieces[c] for c in peers.group_order])
         work = _reduce_scatter_single(output.view(-1), stacked.reshape(-1), op=_REDUCE_OPS[op], group=peers.group, async_op=async_op)
     else:
-        inputs = [pieces[c].contiguous() for c in peers.group_order]
-        work = dist.reduce_scatter(output, inputs, op=_REDUCE_OPS[op], group=peers.group, async_op=async_op)
+        return _reduce_scatter_uneven(tensor, pieces, op, peers, async_op)
     return _complete(work, lambda: output.to(torch.bool) if tensor.dtype == torch.bool else output, async_op)
+
+
+_LOCAL_REDUCTIONS = {"sum": torch.add, "avg": torch.add, "product": torch.mul, "max": torch.maximum, "min": torch.minimum}
+
+
+def _reduce_scatter_uneven(tensor: torch.Tensor, pieces: Sequence[torch.Tensor], op: str, peers: _Peers, async_op: bool):
+    """Unequal pieces: one all_to_all sends piece c to coordinate c, then this rank reduces what arrived.
+
+    Moves exactly the ideal bytes ((n-1) pieces of this rank's size) and is several times faster
+    on gloo than its list reduce_scatter, which reduces piece by piece with a collective each.
+    """
+    me = peers.coordinate
+    own = pieces[me]
+    send = [None if c == me else pieces[c] for c in range(peers.size)]
+    shapes = [None if c == me else own.shape for c in range(peers.size)]
+    work, received, _, _ = _exchange(send, shapes, own, peers, async_op)
+    combine = _LOCAL_REDUCTIONS[op]
+
+    def finish() -> torch.Tensor:
+        arrived = received()
+        output = own.clone(memory_format=torch.contiguous_format)
+        for c in range(peers.size):
+            if c != me:
+                combine(output, arrived[c], out=output)
+        if op == "avg":
+            output.div_(peers.size)
+        return output.to(torch.bool) if tensor.dtype == torch.bool else output
+
+    return _complete(work, finish, async_op)
 
 
 def broadcast(tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: MeshDims, *, src: int = 0, async_op: bool = False):

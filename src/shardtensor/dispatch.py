@@ -1,8 +1,10 @@
 """Run a torch op on DTensors: unwrap, decide layouts, redistribute, run locally, wrap.
 
 `DTensor.__torch_dispatch__` calls `dispatch`. The hot path: a key built from the op, the
-identity of each DTensor argument's spec and the other arguments finds a `_Plan` (the decision
-with the output specs already built), which runs the local op and wraps its outputs. On a miss,
+identity of each DTensor argument's spec (specs are interned: equal metadata, one object) and the
+other arguments finds a `_Plan` (the decision with the output specs and, for rules with local
+arguments such as `view`, this rank's arguments already built), which runs the local op and wraps
+its outputs. On a miss,
 an op with a rule in `ops.registry.RULES` gets a (cached) decision from `propagation.decide`; an
 op without one goes to the fallback, which gathers every input to Replicate, runs the op on full
 tensors and returns the single-device result, logged once per op and counted in
@@ -18,6 +20,7 @@ Two switches, each a context manager and an environment variable read once at im
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 from collections import Counter
@@ -26,8 +29,10 @@ from collections.abc import Iterator
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from . import dtensor as _dtensor_module
 from . import ops  # noqa: F401  (registers every op family)
-from .dtensor import DTensor, DTensorSpec, partial_from_replicate, without_partial
+from . import propagation
+from .dtensor import DTensor, DTensorSpec, interned_spec, partial_from_replicate, without_partial
 from .layout import Layout
 from .ops.registry import RULES
 from .placement import Replicate
@@ -139,7 +144,12 @@ def _common_mesh(op, dtensors: list[DTensor]):
 
 
 def _plain_tensors_as_replicate(op, flat: list, mesh, accepted: bool) -> None:
-    """Refuse plain tensors that are not 0-d, or (for rules that accept them) make them Replicate."""
+    """Refuse plain tensors that are not 0-d, or (for rules that accept them) make them Replicate.
+
+    Inside a backward formula every op accepts them: autograd formulas build plain tensors from
+    global sizes only (`torch.ones` in prod's, `zeros` in cumprod's), so they are equal on every rank.
+    """
+    accepted = accepted or torch._C._current_autograd_node() is not None
     for index, value in enumerate(flat):
         if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.ndim > 0:
             if accepted:
@@ -172,16 +182,22 @@ def _mutated(op, args: tuple, kwargs: dict) -> list[DTensor]:
     return mutated
 
 
-def _hashable(value):
-    if isinstance(value, list):
-        return tuple(_hashable(item) for item in value)
+def _frozen(value):
+    """A call's non-tensor argument as a hashable value: lists become tuples (at any depth), a 0-d
+    plain tensor its `PlainTensor` (its dtype matters to the op, not its value)."""
+    if isinstance(value, (list, tuple)):
+        return tuple(_frozen(item) for item in value)
     if isinstance(value, torch.Tensor):
-        return PlainTensor(value.dtype)  # a 0-d plain tensor: its dtype matters to the op, not its value
+        return PlainTensor(value.dtype)
     return value
 
 
-def _decision_cache_key(op, layouts, call: OpCall):
-    key = (op, tuple(layouts), call.inputs, call.args, call.kwargs)
+def _decision_cache_key(op, layouts, call: OpCall, coordinate: tuple[int, ...] | None, flat: list):
+    """What a decision depends on. The type of every argument is in it because 2, 2.0 and True are
+    equal keys but give other dtypes; the coordinate because local arguments and local ops are this
+    rank's, and two meshes of one shape may place this rank at different coordinates."""
+    types = tuple(type(value) for value in flat)
+    key = (op, tuple(layouts), call.inputs, call.args, call.kwargs, types, coordinate)
     try:
         hash(key)
     except TypeError:
@@ -195,7 +211,10 @@ def _decision_cache_key(op, layouts, call: OpCall):
 # alive, so an id cannot be reused while its key exists.
 _plans: dict[tuple, _Plan] = {}
 _MAX_PLANS = 8192
-_KEY_SCALAR_TYPES = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout)
+_KEY_SCALAR_TYPES = frozenset(
+    (int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout)
+)
+_KEY_LIST_ITEM_TYPES = frozenset((int, float, bool, type(None)))
 
 
 def clear_plans() -> None:
@@ -216,8 +235,12 @@ def _key_value(value, key: list) -> bool:
         if value.ndim:
             return False
         key.append(value.dtype)
-    elif kind in (list, tuple) and all(type(item) in (int, float, bool, type(None)) for item in value):
+    elif kind is list or kind is tuple:
+        item_types = tuple(type(item) for item in value)
+        if not _KEY_LIST_ITEM_TYPES.issuperset(item_types):
+            return False
         key.append(kind)
+        key.append(item_types)  # [1, 2] and [1.0, 2.0] hash alike
         key.append(tuple(value))
     else:
         return False
@@ -225,9 +248,11 @@ def _key_value(value, key: list) -> bool:
 
 
 def _fast_key(op, args: tuple, kwargs: dict) -> tuple | None:
-    key = [op]
+    key = [id(op)]  # ops live as long as the process; hashing an OpOverload runs Python code
     for value in args:
-        if not _key_value(value, key):
+        if type(value) is DTensor:  # the common case, without a call
+            key.append(id(value._spec))
+        elif not _key_value(value, key):
             return None
     if kwargs:
         for name, value in kwargs.items():
@@ -237,61 +262,107 @@ def _fast_key(op, args: tuple, kwargs: dict) -> tuple | None:
     return tuple(key)
 
 
+def _template(decision: Decision, args: tuple, kwargs: dict) -> tuple[list, dict, list] | None:
+    """The decision's local arguments as a template for a plan: (args, kwargs, where each of the call's
+    tensors goes). None when a placeholder is nested in a list (the slow path handles those)."""
+    local_args, local_kwargs = decision.local_arguments
+    placeholders = (TensorMeta, PlainTensor)
+    destinations = [(False, index) for index, value in enumerate(local_args) if isinstance(value, placeholders)]
+    destinations += [(True, name) for name, value in local_kwargs.items() if isinstance(value, placeholders)]
+    tensors = sum(isinstance(value, torch.Tensor) for value in (*args, *kwargs.values()))
+    nested, _ = tree_flatten((local_args, local_kwargs))
+    if len(destinations) != tensors or sum(isinstance(value, placeholders) for value in nested) != tensors:
+        return None
+    return list(local_args), dict(local_kwargs), destinations
+
+
 class _Plan:
-    """A decision for flat calls with everything per call precomputed: which arguments are
-    DTensors, where each must move (None: stays), and the output specs."""
+    """A decision for flat calls with everything per call precomputed: where each tensor argument
+    comes from and goes to (a rule's local arguments are a template filled with the local tensors),
+    where each DTensor must move (None: stays), and the output specs."""
 
     __slots__ = (
-        "rule", "op", "mesh", "specs", "arg_slots", "kwarg_slots", "moves", "output_specs", "local_op", "mutates",
+        "generation", "op", "mesh", "specs", "slots", "moves", "output_specs", "call", "mutates",
+        "local_args", "local_kwargs", "writes_kwargs", "simple_positions", "single_spec",
     )
 
-    def __init__(self, op, rule, mesh, args: tuple, kwargs: dict, decision: Decision, mutates: bool):
-        self.op, self.rule, self.mesh, self.mutates = op, rule, mesh, mutates
-        self.local_op = decision.local_op
-        slots = [("arg", index) for index, value in enumerate(args) if isinstance(value, DTensor)]
-        slots += [("kwarg", name) for name, value in kwargs.items() if isinstance(value, DTensor)]
-        dtensors = [args[where] if kind == "arg" else kwargs[where] for kind, where in slots]
+    def __init__(self, op, mesh, args: tuple, kwargs: dict, decision: Decision, mutates: bool, template):
+        self.op, self.mesh, self.mutates = op, mesh, mutates
+        self.generation = propagation.generation  # a rule registered later makes the plan stale
+        self.call = op if decision.local_op is None else functools.partial(decision.local_op, mesh)
+        # Every tensor argument in flattened order (DTensors are the decision's inputs, in that order).
+        sources = [(False, index) for index, value in enumerate(args) if isinstance(value, torch.Tensor)]
+        sources += [(True, name) for name, value in kwargs.items() if isinstance(value, torch.Tensor)]
+        values = [kwargs[where] if in_kwargs else args[where] for in_kwargs, where in sources]
+        dtensors = [value for value in values if isinstance(value, DTensor)]
         self.specs = tuple(dtensor._spec for dtensor in dtensors)
-        targets = [
+        targets = iter(
             None if target == dtensor.sharding else target
             for dtensor, target in zip(dtensors, decision.input_layouts)
-        ]
-        self.moves = any(target is not None for target in targets)
-        self.arg_slots = tuple((where, target) for (kind, where), target in zip(slots, targets) if kind == "arg")
-        self.kwarg_slots = tuple((where, target) for (kind, where), target in zip(slots, targets) if kind == "kwarg")
+        )
+        if template is None:
+            self.local_args = self.local_kwargs = None
+            destinations = sources
+        else:
+            self.local_args, self.local_kwargs, destinations = template
+        slots = []
+        for (in_kwargs, source), destination, value in zip(sources, destinations, values):
+            is_dtensor = isinstance(value, DTensor)
+            if is_dtensor or template is not None:  # without a template a plain 0-d tensor stays where it is
+                slots.append((in_kwargs, source, is_dtensor, next(targets) if is_dtensor else None) + destination)
+        self.slots = tuple(slots)
+        self.moves = any(target is not None for *_, target, _, _ in self.slots)
+        self.writes_kwargs = any(to_kwargs for *_, to_kwargs, _ in self.slots)
         self.output_specs = tuple(
-            None if layout is None else DTensorSpec(mesh, layout, meta.stride, meta.dtype)
+            None if layout is None else interned_spec(DTensorSpec(mesh, layout, meta.stride, meta.dtype))
             for layout, meta in zip(decision.output_layouts, decision.output_metas)
         )
-
-    def _local(self, dtensor: DTensor, target: Layout | None) -> torch.Tensor:
-        local = dtensor._local_tensor
-        if target is None:
-            return local
-        return redistribute_local_tensor(local, dtensor._spec.layout, target, self.mesh)
+        single = not mutates and len(self.output_specs) == 1 and self.output_specs[0] is not None
+        self.single_spec = self.output_specs[0] if single else None
+        # The common case, run by a short loop: positional DTensors that stay where they are.
+        simple = single and template is None and not self.moves and not self.writes_kwargs
+        self.simple_positions = tuple(source for _, source, *_ in self.slots) if simple else None
 
     def run(self, args: tuple, kwargs: dict):
+        positions = self.simple_positions
+        if positions is not None:
+            local_args = list(args)
+            for index in positions:
+                local_args[index] = args[index]._local_tensor
+            result = self.call(*local_args, **kwargs)
+            if type(result) is torch.Tensor:
+                return DTensor._wrap(result, self.single_spec)
+            return self._wrap_result(result, [])
         if self.moves and _is_explicit():
-            dtensors = [args[where] for where, _ in self.arg_slots] + [kwargs[where] for where, _ in self.kwarg_slots]
-            targets = [target for _, target in self.arg_slots + self.kwarg_slots]
+            dtensors = [(kwargs if in_kwargs else args)[where] for in_kwargs, where, is_dtensor, *_ in self.slots
+                        if is_dtensor]
+            targets = [target for _, _, is_dtensor, target, _, _ in self.slots if is_dtensor]
             raise _implicit_communication_error(self.op, dtensors, targets, "its sharding rule needs other layouts")
-        local_args = list(args)
-        inputs = []
-        for where, target in self.arg_slots:
-            local_args[where] = self._local(args[where], target)
-            inputs.append((local_args[where], args[where]))
-        local_kwargs = kwargs
-        if self.kwarg_slots:
-            local_kwargs = dict(kwargs)
-            for where, target in self.kwarg_slots:
-                local_kwargs[where] = self._local(kwargs[where], target)
-                inputs.append((local_kwargs[where], kwargs[where]))
-        if self.local_op is None:
-            result = self.op(*local_args, **local_kwargs)
+        if self.local_args is None:
+            local_args, local_kwargs = list(args), kwargs
         else:
-            result = self.local_op(self.mesh, *local_args, **local_kwargs)
-        if type(result) is torch.Tensor and not self.mutates:
-            return DTensor(result, self.output_specs[0])
+            local_args, local_kwargs = list(self.local_args), self.local_kwargs
+        if self.writes_kwargs:
+            local_kwargs = dict(local_kwargs)
+        inputs = []
+        for in_kwargs, source, is_dtensor, target, to_kwargs, destination in self.slots:
+            value = kwargs[source] if in_kwargs else args[source]
+            local = value
+            if is_dtensor:
+                local = value._local_tensor
+                if target is not None:
+                    local = redistribute_local_tensor(local, value._spec.layout, target, self.mesh)
+                if self.mutates:
+                    inputs.append((local, value))
+            if to_kwargs:
+                local_kwargs[destination] = local
+            else:
+                local_args[destination] = local
+        return self._wrap_result(self.call(*local_args, **local_kwargs), inputs)
+
+    def _wrap_result(self, result, inputs: list):
+        if self.single_spec is not None and type(result) is torch.Tensor:
+            return DTensor._wrap(result, self.single_spec)
         if isinstance(result, torch.Tensor):
             return self._wrap(result, 0, inputs)
         outputs, output_tree = tree_flatten(result)
@@ -303,7 +374,7 @@ class _Plan:
         for local, dtensor in inputs:
             if output is local:  # in-place and out= ops return their argument
                 return dtensor
-        return DTensor(output, self.output_specs[position])
+        return DTensor._wrap(output, self.output_specs[position])
 
 
 def dispatch(op, args: tuple, kwargs: dict):
@@ -311,15 +382,16 @@ def dispatch(op, args: tuple, kwargs: dict):
     key = _fast_key(op, args, kwargs)
     if key is not None:
         plan = _plans.get(key)
-        if plan is not None and plan.rule is RULES.get(op):
+        if plan is not None and plan.generation == propagation.generation:
             return plan.run(args, kwargs)
     return _dispatch_slowly(op, args, kwargs, key)
 
 
-def _is_fast(decision: Decision, mutated: list[DTensor], dtensors: list[DTensor]) -> bool:
-    """A plan can run a decision if it keeps the op's arguments and moves no mutated input."""
-    if decision.local_arguments is not None:
-        return False
+_dtensor_module._dispatch = dispatch  # `DTensor.__torch_dispatch__` calls it directly from now on
+
+
+def _moves_no_mutated_input(decision: Decision, mutated: list[DTensor], dtensors: list[DTensor]) -> bool:
+    """A plan runs an op on the local tensors it is given, so it cannot write a moved copy back."""
     mutated_ids = {id(dtensor) for dtensor in mutated}
     return all(
         target == dtensor.sharding
@@ -344,16 +416,25 @@ def _dispatch_slowly(op, args: tuple, kwargs: dict, key: tuple | None):
     stand_ins = list(flat)
     for index, meta in zip(positions, metas):
         stand_ins[index] = meta
-    call_args, call_kwargs = tree_unflatten([_hashable(value) for value in stand_ins], tree)
-    call = OpCall(op, metas, tuple(call_args), tuple(sorted(call_kwargs.items())))
+    call_args, call_kwargs = tree_unflatten(stand_ins, tree)
+    call = OpCall(op, metas, _frozen(call_args), tuple(sorted((name, _frozen(value)) for name, value in call_kwargs.items())))
     layouts = [dtensor.sharding for dtensor in dtensors]
-    decision = decide(call, layouts, rule, mesh.get_coordinate(), _decision_cache_key(op, layouts, call))
-    if key is not None and _is_fast(decision, mutated, dtensors):
-        if len(_plans) >= _MAX_PLANS:
-            _plans.clear()
-        plan = _Plan(op, rule, mesh, args, kwargs, decision, bool(_mutated_arguments[op]))
-        _plans[key] = plan
-        return plan.run(args, kwargs)
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:  # this rank is not in the mesh: the layouts the mesh's ranks get, no data
+        decision = decide(call, layouts, rule, (0,) * mesh.ndim, None)
+        if _is_explicit() and decision.moves_inputs(layouts):
+            raise _implicit_communication_error(op, dtensors, decision.input_layouts, "its sharding rule needs other layouts")
+        return _outside_mesh(op, flat, tree, positions, dtensors, mesh, decision.output_layouts)
+    coordinate = tuple(coordinate)
+    decision = decide(call, layouts, rule, coordinate, _decision_cache_key(op, layouts, call, coordinate, flat))
+    if key is not None and _moves_no_mutated_input(decision, mutated, dtensors):
+        template = None if decision.local_arguments is None else _template(decision, args, kwargs)
+        if decision.local_arguments is None or template is not None:
+            if len(_plans) >= _MAX_PLANS:
+                _plans.clear()
+            plan = _Plan(op, mesh, args, kwargs, decision, bool(_mutated_arguments[op]), template)
+            _plans[key] = plan
+            return plan.run(args, kwargs)
     if _is_explicit() and decision.moves_inputs(layouts):
         raise _implicit_communication_error(op, dtensors, decision.input_layouts, "its sharding rule needs other layouts")
     if decision.local_arguments is not None:
@@ -383,11 +464,42 @@ def _fallback(op, flat, tree, positions, dtensors, mutated, mesh):
     replicated = [d.sharding.with_placements([Replicate()] * d.sharding.mesh_ndim) for d in dtensors]
     if _is_explicit() and any(target != d.sharding for d, target in zip(dtensors, replicated)):
         raise _implicit_communication_error(op, dtensors, replicated, "it has no sharding rule: replicate fallback")
+    if mesh.get_coordinate() is None:
+        return _outside_mesh(op, flat, tree, positions, dtensors, mesh, None)
     name = str(op)
     if name not in fallback_counts:
         logger.info("%s has no sharding rule: gathering its inputs (%s) to Replicate", name, _describe(dtensors))
     fallback_counts[name] += 1
     return _run(op, flat, tree, positions, dtensors, mutated, mesh, replicated, None, None)
+
+
+def _outside_mesh(op, flat, tree, positions, dtensors, mesh, output_layouts):
+    """The op on a rank outside the mesh: no data and no communication, only metadata.
+
+    The op runs on meta tensors of the global shapes; outputs are DTensors with the layouts the
+    mesh's ranks get (`output_layouts`, or the fallback's when None) and a local tensor without
+    elements, and in-place or `out=` ops return their DTensor argument.
+    """
+    meta_flat, arguments = list(flat), {}
+    for index, dtensor in zip(positions, dtensors):
+        meta_flat[index] = torch.empty_strided(dtensor.shape, dtensor.stride(), dtype=dtensor.dtype, device="meta")
+        arguments[id(meta_flat[index])] = dtensor
+    meta_args, meta_kwargs = tree_unflatten(meta_flat, tree)
+    outputs, output_tree = tree_flatten(op(*meta_args, **meta_kwargs))
+    wrapped = []
+    for position, output in enumerate(outputs):
+        if not isinstance(output, torch.Tensor) or id(output) in arguments:
+            wrapped.append(arguments.get(id(output), output))
+            continue
+        if output_layouts is not None:
+            layout = output_layouts[position]
+        elif tuple(output.shape) == tuple(dtensors[0].shape):
+            layout = without_partial(dtensors[0].sharding)
+        else:
+            layout = Layout.create(mesh.shape, [Replicate()] * mesh.ndim, output.shape)
+        local = torch.empty((0,) * max(output.ndim, 1), dtype=output.dtype, device=mesh.device_type)
+        wrapped.append(DTensor(local, DTensorSpec(mesh, layout, tuple(output.stride()), output.dtype)))
+    return tree_unflatten(wrapped, output_tree)
 
 
 def _run(op, flat, tree, positions, dtensors, mutated, mesh, input_layouts, output_layouts, output_metas, local_op=None):

@@ -11,6 +11,7 @@ are cached by (op, input layouts, dtypes, non-tensor arguments): the hot path is
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Callable, Sequence
@@ -290,11 +291,47 @@ def _exact_output_layouts(call, rule, mesh_shape, placements, metas, input_layou
     return tuple(layouts)
 
 
+def _aligned_pieces(layouts: Sequence[Layout], targets: tuple[Layout, ...]) -> tuple[Layout, ...]:
+    """Targets whose co-sharded tensor dims have the same pieces, taken from an input that keeps them.
+
+    A row that shards two inputs over the same mesh dims pairs their pieces coordinate by coordinate.
+    `with_placements` gives a newly sharded dim `torch.chunk` pieces in the default shard order, so
+    an input moved next to an unevenly sharded one (`a + b`, `a` with explicit shard sizes) would
+    not line up. A target dim sharded over the same mesh dims as a dim that some input keeps as it
+    is, with the same global size, takes that input's shard order and pieces (the first such input);
+    the redistribute planner reaches exact target pieces.
+    """
+    reference: dict[tuple[tuple[int, ...], int], tuple[tuple[int, ...], tuple[int, ...]]] = {}
+    for layout, target in zip(layouts, targets):
+        for dim, order in enumerate(target.shard_order):
+            if order and order == layout.shard_order[dim]:
+                reference.setdefault((tuple(sorted(order)), target.shape[dim]), (order, target.pieces[dim]))
+    if not reference:
+        return targets
+    aligned = []
+    for target in targets:
+        orders, pieces = list(target.shard_order), list(target.pieces)
+        for dim, order in enumerate(target.shard_order):
+            if order:
+                orders[dim], pieces[dim] = reference.get((tuple(sorted(order)), target.shape[dim]), (order, pieces[dim]))
+        if tuple(pieces) == target.pieces and tuple(orders) == target.shard_order:
+            aligned.append(target)
+        else:
+            aligned.append(dataclasses.replace(target, shard_order=tuple(orders), pieces=tuple(pieces)))
+    return tuple(aligned)
+
+
 _cache: dict = {}
+
+# Counts `clear_cache` calls: a dispatch plan built from a decision is valid while this is unchanged.
+generation = 0
 
 
 def clear_cache() -> None:
+    """Forget every decision (a rule was added or replaced), and with them the dispatch plans."""
+    global generation
     _cache.clear()
+    generation += 1
 
 
 def decide(
@@ -314,8 +351,9 @@ def decide(
         raise NotImplementedError(f"the sharding rule of {call.op} returned no way to compute it")
     mesh_shape = layouts[0].mesh_shape
     chosen = _choose_rows(rows, layouts, call.inputs)
-    input_layouts = tuple(
-        layout.with_placements([row.inputs[index] for row in chosen]) for index, layout in enumerate(layouts)
+    input_layouts = _aligned_pieces(
+        layouts,
+        tuple(layout.with_placements([row.inputs[index] for row in chosen]) for index, layout in enumerate(layouts)),
     )
     metas = tuple(run_on_meta(call.op, call.args, dict(call.kwargs)))
     placements: list[tuple[Placement, ...] | None] = []

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from torch.utils._pytree import tree_map_only
 
 from .. import comm
 from ..layout import Layout
@@ -152,6 +153,16 @@ class GroupNorm(ShardingRule):
         args[self.batch_argument] = input_layouts[self.tensors - 1].local_shape(coordinate)[0]
         return tuple(args), dict(call.kwargs)
 
+    def local_op(self, call, input_layouts, coordinate):
+        """The CPU kernels read their tensors as contiguous without checking; autograd's `.contiguous()`
+        sees the wrapper's strides, not the shard's (an expanded gradient has stride 0: garbage)."""
+        op = call.op
+
+        def contiguous_shards(mesh, *args):
+            return op(*(arg.contiguous() if isinstance(arg, torch.Tensor) else arg for arg in args))
+
+        return contiguous_shards
+
 
 # ---- embedding ---------------------------------------------------------------------------------------
 
@@ -279,7 +290,7 @@ class NllLoss(ShardingRule):
         batch_mesh_dims, class_mesh_dims = self_layout.shard_order[0], self_layout.shard_order[1]
         if class_mesh_dims:
             first, columns = self_layout.local_offset(coordinate)[1], self_layout.local_shape(coordinate)[1]
-            return _on_shards(call.op, _class_sharded_nll(first, columns, reduction))
+            return _on_shards(_without_weight, _class_sharded_nll(first, columns, batch_mesh_dims))
         if not batch_mesh_dims or reduction != _MEAN:
             return None
 
@@ -307,7 +318,15 @@ def _picked(tensor, target, weight, ignore_index, first, columns):
     return values, weights, inside, local.clamp(0, max(columns - 1, 0))
 
 
-def _class_sharded_nll(first: int, columns: int, reduction: int):
+def _without_weight(tensor, target, weight, reduction, ignore_index):
+    """Local output shapes of a class-sharded nll_loss: the op refuses a weight longer than the local classes."""
+    return aten.nll_loss_forward(tensor, target, None, reduction, ignore_index)
+
+
+def _class_sharded_nll(first: int, columns: int, batch_mesh_dims: tuple[int, ...]):
+    """The local op for class-sharded logits; with the batch also sharded ('mean'), the divisor is the
+    total weight of the whole batch, all_reduced over the batch's mesh dims, not this rank's rows."""
+
     def class_sharded(mesh, tensor, target, weight, reduction, ignore_index):
         values, weights, _, _ = _picked(tensor, target, weight, ignore_index, first, columns)
         losses = -values * weights
@@ -316,6 +335,7 @@ def _class_sharded_nll(first: int, columns: int, reduction: int):
             return losses, torch.zeros((), dtype=tensor.dtype)
         if reduction == _SUM:
             return losses.sum(), total_weight
+        total_weight = _all_reduce(total_weight, mesh, batch_mesh_dims, "sum")
         return losses.sum() / total_weight, total_weight
 
     return class_sharded
@@ -425,8 +445,10 @@ class ConvolutionBackward(ShardingRule):
     def local_arguments(self, call, input_layouts, coordinate):
         if call.args[3] is None:
             return None
+        # bias_sizes: the output channels of the local convolution, which grad_output's local dim 1
+        # holds (the weight's dim 0 is not it for a transposed or grouped convolution).
         args = list(call.args)
-        args[3] = [input_layouts[2].local_shape(coordinate)[0]]  # bias_sizes: the local output channels
+        args[3] = [input_layouts[0].local_shape(coordinate)[1]]
         return tuple(args), dict(call.kwargs)
 
     def local_op(self, call, input_layouts, coordinate):
@@ -460,21 +482,40 @@ def _attention_rows(call: OpCall, outputs: int, attention_inputs: int, query: Te
     return rows
 
 
-def attention(call: OpCall) -> list[Row]:
-    """`_scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p, ...)` -> (out, logsumexp).
+class Attention(ShardingRule):
+    """`_scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p, ...)` -> (out, logsumexp), and
+    its backward `(grad_out, q, k, v, out, logsumexp, dropout_p, is_causal, attn_mask, scale)` -> grads
+    of q, k, v.
 
-    With dropout_p > 0 it stays Replicate: its dropout draws torch's per-rank generator.
+    With dropout_p > 0 it stays Replicate: its dropout draws torch's per-rank generator. A rank whose
+    shard holds no heads (2 heads on 4 ranks) returns empty results without calling the CPU kernel,
+    which dies of a division by zero on zero heads and would leave the other ranks waiting.
     """
-    if (call.args[3] if len(call.args) > 3 else call.kwarg("dropout_p", 0.0)) > 0:
-        return [Row((R, R), (R,) * len(call.inputs))]
-    return _attention_rows(call, 2, 3, call.inputs[0])
+
+    def __init__(self, name: str, backward: bool):
+        self.__name__, self.backward = name, backward
+
+    def rows(self, call: OpCall) -> list[Row]:
+        if self.backward:
+            outputs, attention_inputs, dropout = 3, 6, call.args[6]
+        else:
+            outputs, attention_inputs = 2, 3
+            dropout = call.args[3] if len(call.args) > 3 else call.kwarg("dropout_p", 0.0)
+        if dropout > 0:
+            return [Row((R,) * outputs, (R,) * len(call.inputs))]
+        return _attention_rows(call, outputs, attention_inputs, call.inputs[int(self.backward)])
+
+    def local_op(self, call, input_layouts, coordinate):
+        if all(layout.local_shape(coordinate)[1] for layout in input_layouts if layout.ndim == 4):
+            return None
+        return _on_shards(call.op, lambda mesh, *args, **kwargs: _empty_results(call.op, args, kwargs))
 
 
-def attention_backward(call: OpCall) -> list[Row]:
-    """(grad_out, q, k, v, out, logsumexp, dropout_p, is_causal, attn_mask, scale) -> grads of q, k, v."""
-    if call.args[6] > 0:
-        return [Row((R, R, R), (R,) * len(call.inputs))]
-    return _attention_rows(call, 3, 6, call.inputs[1])
+def _empty_results(op, args: tuple, kwargs: dict):
+    """`op`'s results for shards with an empty dim: shapes from the op on meta tensors, no kernel run."""
+    meta_args, meta_kwargs = tree_map_only(torch.Tensor, lambda tensor: tensor.to("meta"), (args, kwargs))
+    results = op(*meta_args, **meta_kwargs)
+    return tree_map_only(torch.Tensor, lambda meta: torch.zeros(meta.shape, dtype=meta.dtype), results)
 
 
 register_rule([aten._softmax.default], Softmax("softmax", log=False, backward=False))
@@ -491,5 +532,6 @@ register_rule([aten.nll_loss_forward.default], NllLoss())
 register_rule([aten.nll_loss_backward.default], NllLossBackward())
 register_rule([aten.convolution.default], Convolution())
 register_rule([aten.convolution_backward.default], ConvolutionBackward())
-register_rule([aten._scaled_dot_product_flash_attention_for_cpu.default], attention)
-register_rule([aten._scaled_dot_product_flash_attention_for_cpu_backward.default], attention_backward)
+register_rule([aten._scaled_dot_product_flash_attention_for_cpu.default], Attention("attention", backward=False))
+register_rule([aten._scaled_dot_product_flash_attention_for_cpu_backward.default],
+              Attention("attention_backward", backward=True))

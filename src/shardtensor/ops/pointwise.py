@@ -17,6 +17,7 @@ input shards). On top of that, an op family may keep Partial inputs Partial wher
                   maximum(P(max), P(max)) -> P(max)
     select        where(R, P(x), P(x)) -> P(x), any x         picks one operand elementwise
     cast          float -> wider float keeps P(sum)/P(avg)    see `_cast`
+    comparison    none; plain tensors join as Replicate       one_hot compares with a plain arange
 """
 
 from __future__ import annotations
@@ -28,10 +29,10 @@ from collections.abc import Callable
 import torch
 
 from ..placement import Partial, Placement, Replicate
-from ..propagation import OpCall, Row, TensorMeta
+from ..propagation import OpCall, Row, RowsRule, TensorMeta
 from .registry import pointwise, register_rule
 
-__all__ = ["PARTIAL_FAMILIES"]
+__all__ = ["PARTIAL_FAMILIES", "ComparisonRule"]
 
 aten = torch.ops.aten
 
@@ -223,7 +224,6 @@ _NONLINEAR = [
     aten.pow, aten.float_power, aten.remainder, aten.fmod, aten.floor_divide, aten.atan2, aten.hypot,
     aten.copysign, aten.nextafter, aten.xlogy, aten.special_xlog1py, aten.special_zeta, aten.logaddexp,
     aten.logaddexp2, aten.heaviside, aten.igamma, aten.igammac,
-    aten.eq, aten.ne, aten.lt, aten.le, aten.gt, aten.ge,
     aten.logical_and, aten.logical_or, aten.logical_xor,
     aten.bitwise_and, aten.bitwise_or, aten.bitwise_xor, aten.bitwise_left_shift, aten.bitwise_right_shift,
     aten.__lshift__, aten.__rshift__, aten.__and__, aten.__or__, aten.__xor__,
@@ -287,6 +287,21 @@ def _output_and_buffer(call: OpCall) -> list[Row]:
     return [Row(row.outputs * 2, row.inputs) for row in pointwise(call)]
 
 
+class ComparisonRule(RowsRule):
+    """Comparisons also take plain tensors, as Replicate: torch's `one_hot` on a tensor subclass
+    compares it with a plain `arange(num_classes)`, which is the same on every rank.
+
+    PyTorch refuses plain non-scalar tensors next to DTensors in every op; we keep that refusal for
+    all other ops and make this one exception so that `one_hot` works. A user comparing a DTensor
+    with a plain tensor must pass the same tensor on every rank (not checked: that needs a collective).
+    """
+
+    accepts_plain_tensors = True
+
+
+_COMPARISONS = [aten.eq, aten.ne, aten.lt, aten.le, aten.gt, aten.ge]
+
 for _packets, _partial_rows in PARTIAL_FAMILIES:
     register_rule(_with_in_place(_packets), _elementwise_rule(_partial_rows))
+register_rule(_with_in_place(_COMPARISONS), ComparisonRule(_elementwise_rule(_no_partial)))
 register_rule([aten.log_sigmoid_forward.default], _output_and_buffer)

@@ -24,7 +24,6 @@ from ..layout import Layout
 from ..placement import REDUCE_OPS, Partial, Replicate, Shard
 from ..propagation import OpCall, Row, ShardingRule, run_on_meta
 from .registry import register_rule
-from .tensor_ops import only_matching_pieces
 
 __all__ = ["KeptDim", "ViewRule", "view_dim_map"]
 
@@ -119,7 +118,7 @@ class ViewRule(ShardingRule):
             keepable = {k.input_dim for k in kept}
             valid = [k for k in kept if k.always_whole() or _whole_in_every_target(k, layouts[0], keepable)]
             if len(valid) == len(kept):
-                return only_matching_pieces(self._rows(call, valid), layouts)
+                return self._rows(call, valid)
             kept = valid
 
     def local_arguments(self, call, input_layouts, coordinate):

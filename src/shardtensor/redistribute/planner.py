@@ -167,18 +167,33 @@ def _coordinates(mesh_shape: tuple[int, ...]):
 
 
 @functools.lru_cache(maxsize=65536)
+def _intervals(mesh_shape: tuple[int, ...], order: tuple[int, ...], pieces: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    """(start, length) on one tensor dim of the shard at every coordinate, in `itertools.product` order.
+
+    Keyed by that tensor dim's cut alone, so the many layouts a search visits that differ only on
+    other tensor dims share it.
+    """
+    starts = tuple(itertools.accumulate(pieces, initial=0))
+    intervals = []
+    for coordinate in _coordinates(mesh_shape):
+        index = 0
+        for mesh_dim in order:
+            index = index * mesh_shape[mesh_dim] + coordinate[mesh_dim]
+        intervals.append((starts[index], pieces[index]))
+    return tuple(intervals)
+
+
+def _dim_intervals(layout: Layout, dim: int) -> tuple[tuple[int, int], ...]:
+    return _intervals(layout.mesh_shape, layout.shard_order[dim], layout.pieces[dim])
+
+
+@functools.lru_cache(maxsize=65536)
 def _boxes(layout: Layout) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]:
     """(offset, shape) of the local shard at every coordinate, in `itertools.product` order."""
-    starts = [tuple(itertools.accumulate(pieces, initial=0)) for pieces in layout.pieces]
-    boxes = []
-    for coordinate in _coordinates(layout.mesh_shape):
-        offset, shape = [], []
-        for dim in range(layout.ndim):
-            index = layout.piece_index(dim, coordinate)
-            offset.append(starts[dim][index])
-            shape.append(layout.pieces[dim][index])
-        boxes.append((tuple(offset), tuple(shape)))
-    return tuple(boxes)
+    if not layout.ndim:
+        return (((), ()),) * math.prod(layout.mesh_shape)
+    columns = zip(*(_dim_intervals(layout, dim) for dim in range(layout.ndim)))
+    return tuple((tuple(start for start, _ in column), tuple(length for _, length in column)) for column in columns)
 
 
 def _overlap(first, second) -> int:
@@ -189,28 +204,42 @@ def _overlap(first, second) -> int:
     return count
 
 
-def _changed_dims(first: Layout, second: Layout) -> tuple[int, ...]:
-    """Tensor dims cut differently by two layouts; on the others every rank holds the same range."""
+@functools.lru_cache(maxsize=65536)
+def _kept_lengths(held: tuple[tuple[int, int], ...], wanted: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
+    """Per coordinate, on one tensor dim: (length of held ∩ wanted, wanted length)."""
     return tuple(
-        dim
-        for dim in range(first.ndim)
-        if first.pieces[dim] != second.pieces[dim] or first.shard_order[dim] != second.shard_order[dim]
+        (max(0, min(held_start + held_length, start + length) - max(held_start, start)), length)
+        for (held_start, held_length), (start, length) in zip(held, wanted)
     )
 
 
 def _most_missing(held: Layout, wanted: Layout) -> int:
-    """Max over ranks of the elements of its `wanted` shard that its `held` shard lacks."""
-    changed = _changed_dims(held, wanted)
+    """Max over ranks of the elements of its `wanted` shard that its `held` shard lacks.
+
+    A box is a product of per-dim intervals: missing = (product of unchanged lengths) *
+    (product of wanted lengths - product of kept lengths) over the changed dims.
+    """
+    changed, unchanged = [], []
+    for dim in range(wanted.ndim):
+        if held.pieces[dim] != wanted.pieces[dim] or held.shard_order[dim] != wanted.shard_order[dim]:
+            changed.append(_kept_lengths(_dim_intervals(held, dim), _dim_intervals(wanted, dim)))
+        else:
+            unchanged.append(_dim_intervals(wanted, dim))
+    if not changed:
+        return 0
     most = 0
-    for (held_offset, held_shape), (offset, shape) in zip(_boxes(held), _boxes(wanted)):
-        numel = math.prod(shape)
-        kept = numel
-        for dim in changed:
-            if not kept:
-                break
-            stop = min(held_offset[dim] + held_shape[dim], offset[dim] + shape[dim])
-            kept = kept // shape[dim] * max(0, stop - max(held_offset[dim], offset[dim]))
-        most = max(most, numel - kept)
+    for index in range(len(changed[0])):
+        wanted_numel = kept = 1
+        for column in changed:
+            kept_length, length = column[index]
+            wanted_numel *= length
+            kept *= kept_length
+        if wanted_numel == kept:
+            continue
+        for column in unchanged:
+            wanted_numel *= column[index][1]
+            kept *= column[index][1]
+        most = max(most, wanted_numel - kept)
     return most
 
 
@@ -250,10 +279,15 @@ def _step_bytes(before: Layout, after: Layout, collective: str, group_size: int,
         return 0
     if collective in (ALL_GATHER, ALL_TO_ALL, EXCHANGE):
         return _most_missing(before, after) * itemsize
-    return max(
-        received_bytes(collective, group_size, before_box, after_box, itemsize)
-        for before_box, after_box in zip(_boxes(before), _boxes(after))
-    )
+    # a reduction's bytes grow with the rank's piece after it: the largest piece is the busiest rank
+    largest = ((0,), (max(map(math.prod, _shard_shapes(after))),))
+    return received_bytes(collective, group_size, largest, largest, itemsize)
+
+
+@functools.lru_cache(maxsize=65536)
+def _shard_shapes(layout: Layout) -> tuple[tuple[int, ...], ...]:
+    """The local shard shape at every coordinate, in `itertools.product` order."""
+    return tuple(shape for _, shape in _boxes(layout))
 
 
 def _make_step(before: Layout, after: Layout, mesh_dim: int, itemsize: int, cost_model: CostModel) -> Step:
@@ -311,29 +345,32 @@ def lower_bound_bytes(source: Layout, target: Layout, itemsize: int) -> int:
     The bound is the maximum over ranks times `itemsize`, rounded down. A plan's `total_bytes` sums
     the busiest rank of each step, so it is never below this bound.
     """
-    reduced = [
+    reduced = tuple(
         mesh_dim
         for mesh_dim, placement in enumerate(source.placements)
         if isinstance(placement, Partial) and target.placements[mesh_dim] != placement
-    ]
+    )
     group = math.prod(source.mesh_shape[mesh_dim] for mesh_dim in reduced)
-    coordinates = list(_coordinates(source.mesh_shape))
-    target_boxes = _boxes(target)
-    group_targets: dict[tuple, set] = {}
-    for coordinate, target_box in zip(coordinates, target_boxes):
-        key = tuple(c for mesh_dim, c in enumerate(coordinate) if mesh_dim not in reduced)
-        group_targets.setdefault(key, set()).add(target_box)
-    most_times_group = 0  # integers scaled by the group size: no fractions on the hot path
-    for coordinate, source_box, target_box in zip(coordinates, _boxes(source), target_boxes):
-        target_numel = math.prod(target_box[1])
-        if group == 1:
-            need_times_group = target_numel - _overlap(source_box, target_box)
-        else:
-            key = tuple(c for mesh_dim, c in enumerate(coordinate) if mesh_dim not in reduced)
-            union = sum(math.prod(box[1]) for box in group_targets[key])
-            need_times_group = (group - 1) * union + group * target_numel - min(group * target_numel, union)
-        most_times_group = max(most_times_group, need_times_group)
-    return most_times_group * itemsize // group
+    if group == 1:
+        return _most_missing(source, target) * itemsize
+    return _reduction_bound(target, reduced) * itemsize // group
+
+
+@functools.lru_cache(maxsize=65536)
+def _reduction_bound(target: Layout, reduced: tuple[int, ...]) -> int:
+    """`lower_bound_bytes` in elements times the group size G, when the mesh dims `reduced` (G > 1
+    ranks) are reduced: it depends on the target alone, so a search prices it once per set."""
+    group = math.prod(target.mesh_shape[mesh_dim] for mesh_dim in reduced)
+    kept = [mesh_dim for mesh_dim in range(target.mesh_ndim) if mesh_dim not in reduced]
+    keys = [tuple(coordinate[mesh_dim] for mesh_dim in kept) for coordinate in _coordinates(target.mesh_shape)]
+    numels = [math.prod(shape) for shape in _shard_shapes(target)]
+    group_targets: dict[tuple, dict] = {}
+    for key, box, numel in zip(keys, _boxes(target), numels):
+        group_targets.setdefault(key, {})[box] = numel
+    unions = {key: sum(boxes.values()) for key, boxes in group_targets.items()}
+    return max(
+        (group - 1) * unions[key] + group * numel - min(group * numel, unions[key]) for key, numel in zip(keys, numels)
+    )
 
 
 # ---- search --------------------------------------------------------------------------------------
@@ -422,16 +459,16 @@ def _remaining_cost(state: Layout, target: Layout, itemsize: int, cost_model: Co
     """Admissible estimate of the cost from `state` to `target` (never above the true cost).
 
     Partial mesh dims that must be reduced need at least one collective (a flattened one may
-    reduce them all). Each Shard mesh dim that must change needs its own collective, unless one
+    reduce them all). Each Shard mesh dim that must move needs its own collective, unless one
     exchange moves them all. Bytes: the lower bound of what the busiest rank must still receive.
     """
     partial_moves = shard_moves = 0
-    for mesh_dim, (current, wanted) in enumerate(zip(state.placements, target.placements)):
-        if current == wanted or state.mesh_shape[mesh_dim] == 1:
+    for mesh_dim, current in enumerate(state.placements):
+        if state.mesh_shape[mesh_dim] == 1:
             continue
         if isinstance(current, Partial):
-            partial_moves = 1
-        elif isinstance(current, Shard):
+            partial_moves = partial_moves or int(current != target.placements[mesh_dim])
+        elif isinstance(current, Shard) and _shard_must_move(state, target, mesh_dim, current.dim):
             shard_moves += 1
     # with Partial mesh dims to reduce, the lower bound also counts the reduction's bytes
     missing = lower_bound_bytes(state, target, 1) if partial_moves else _most_missing(state, target)
@@ -439,6 +476,19 @@ def _remaining_cost(state: Layout, target: Layout, itemsize: int, cost_model: Co
     if shard_moves:
         latency += min(shard_moves * cost_model.latency_us, cost_model.exchange_latency_us)
     return latency + missing * itemsize / cost_model.bytes_per_us
+
+
+def _shard_must_move(state: Layout, target: Layout, mesh_dim: int, dim: int) -> bool:
+    """Whether `mesh_dim`, which shards tensor dim `dim`, must move at least once to reach `target`.
+
+    Only the innermost mesh dim of a shard order can leave it, so while `mesh_dim` stays, the
+    mesh dims before it (and its own position) stay too: if that prefix differs from the
+    target's, `mesh_dim` has to move. This counts the nested re-orderings that placements alone
+    do not show (e.g. (S0, S0) with order (0, 1) -> the same placements with order (1, 0)).
+    """
+    order = state.shard_order[dim]
+    depth = order.index(mesh_dim) + 1
+    return order[:depth] != target.shard_order[dim][:depth]
 
 
 def _plan_error(source: Layout, target: Layout, problem: str, allowed: str) -> ValueError:
