@@ -27,7 +27,7 @@ import torch
 from .. import comm
 from ..layout import Layout
 from ..placement import Partial, Replicate
-from .executor import _Assembled, _Done, _narrow, _region, execute
+from .executor import _narrow, _region, exchange_into, execute
 from .planner import _boxes, plan
 
 __all__ = ["Transfer", "HandOff", "hand_off", "redistribute_across_meshes", "empty_shard"]
@@ -145,13 +145,4 @@ def redistribute_across_meshes(local: torch.Tensor, source: Layout, source_mesh,
             operations.append(comm.PointToPoint("recv", buffer, transfer.sender))
             regions.append(region)
 
-    def assemble(received) -> torch.Tensor:
-        for region, piece in zip(regions, received):
-            _narrow(output, wanted_offset, region).copy_(piece)
-        return output
-
-    if not operations:
-        return _Done(output) if async_op else output
-    if async_op:
-        return _Assembled(comm.batch_p2p(operations, async_op=True), assemble)
-    return assemble(comm.batch_p2p(operations))
+    return exchange_into(output, wanted_offset, operations, regions, async_op=async_op)

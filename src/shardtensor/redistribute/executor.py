@@ -181,9 +181,15 @@ def _exchange(local: torch.Tensor, step: Step, mesh, me: tuple[int, ...], *, asy
     if kept is not None:
         _narrow(output, wanted[me][0], kept).copy_(_narrow(local, box[me][0], kept))
 
+    return exchange_into(output, wanted[me][0], operations, placements, async_op=async_op)
+
+
+def exchange_into(output: torch.Tensor, output_offset, operations: list, regions: list, *, async_op: bool):
+    """Run point-to-point `operations` and copy each received piece into its region of `output`."""
+
     def assemble(received) -> torch.Tensor:
-        for region, piece in zip(placements, received):
-            _narrow(output, wanted[me][0], region).copy_(piece)
+        for region, piece in zip(regions, received):
+            _narrow(output, output_offset, region).copy_(piece)
         return output
 
     if not operations:
