@@ -165,3 +165,17 @@ def test_leaf_gradients_have_the_leaf_layout(mesh):
         ((reference * weight_full).relu() * reference).sum().backward()
     assert isinstance(leaf.grad, shardtensor.DTensor) and leaf.grad.placements == leaf.placements
     torch.testing.assert_close(leaf.grad.full_tensor(), reference.grad)
+
+
+@spmd(meshes=MESHES)
+def test_in_place_views_change_the_dtensor_shape(mesh):
+    full = torch.arange(12.0).reshape(4, 3)
+    x = distribute_tensor(full, mesh, _sharded(mesh))
+    with shardtensor.strict_mode():
+        assert x.unsqueeze_(0) is x and x.shape == (1, 4, 3)
+        assert torch.equal(x.full_tensor(), full.unsqueeze(0))
+        x.squeeze_(0)
+        assert x.shape == (4, 3) and torch.equal(x.full_tensor(), full)
+        x.t_()
+        assert x.shape == (3, 4) and torch.equal(x.full_tensor(), full.t())
+        assert tuple(x.to_local().shape) == x.sharding.local_shape(mesh.get_coordinate())

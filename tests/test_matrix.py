@@ -202,8 +202,6 @@ def test_matmul_linear_and_einsum_use_the_matrix_rules(mesh):
     assert _fallbacks() == before
 
 
-@pytest.mark.xfail(strict=True, reason="needs dispatch.py to handle in-place views (squeeze_): matmul(vector, "
-                                       "matrix) ends in squeeze_(0), which leaves the DTensor's shape (1, n)")
 @spmd(meshes=[(1,), (2,), (2, 2)])
 def test_matmul_with_a_vector_operand_forward_and_backward(mesh):
     """Regression: `matmul(vector, matrix)` is `unsqueeze(0)`, `mm`, then the in-place `squeeze_(0)`; the

@@ -27,6 +27,7 @@ from collections import Counter
 from collections.abc import Iterator
 
 import torch
+from torch.utils._python_dispatch import return_and_correct_aliasing
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import dtensor as _dtensor_module
@@ -402,6 +403,8 @@ def _moves_no_mutated_input(decision: Decision, mutated: list[DTensor], dtensors
 
 def _dispatch_slowly(op, args: tuple, kwargs: dict, key: tuple | None):
     """The miss path: flatten the arguments, decide (or fall back), run, and store a plan."""
+    if torch.Tag.inplace_view in op.tags:
+        return _inplace_view(op, args, kwargs)
     flat, tree = tree_flatten((args, kwargs))
     positions = [index for index, value in enumerate(flat) if isinstance(value, DTensor)]
     mesh = _common_mesh(op, [flat[index] for index in positions])
@@ -561,3 +564,16 @@ def _wrap_fallback_output(output: torch.Tensor, first: DTensor, mesh) -> DTensor
         return DTensor(output, spec)
     local = redistribute_local_tensor(output, replicate, target, mesh)
     return DTensor(local, DTensorSpec(mesh, target, tuple(output.stride()), output.dtype))
+
+
+def _inplace_view(op, args: tuple, kwargs: dict):
+    """`squeeze_`, `unsqueeze_`, `transpose_`, `t_`...: change a DTensor's shape in place.
+
+    Runs the out-of-place view through its own rule, then gives the DTensor that result's shard and
+    spec, and its wrapper the new sizes (matmul of a vector ends in `squeeze_(0)`).
+    """
+    out_of_place = getattr(getattr(torch.ops.aten, op._schema.name.split("::")[1].rstrip("_")), op._overloadname)
+    view = out_of_place(*args, **kwargs)
+    dtensor = args[0]
+    dtensor._take_value_of(view)
+    return return_and_correct_aliasing(op, args, kwargs, dtensor)

@@ -176,6 +176,10 @@ class DTensor(torch.Tensor):
             self._pending = None
         return self._local_value
 
+    def _take_value_of(self, other: DTensor) -> None:
+        """Become `other` in place (its shard and spec): how in-place views such as `squeeze_` land."""
+        self._local_value, self._pending, self._spec = other._local_tensor, None, other._spec
+
     @property
     def device_mesh(self) -> DeviceMesh:
         return self._spec.mesh
