@@ -179,3 +179,26 @@ def test_in_place_views_change_the_dtensor_shape(mesh):
         x.t_()
         assert x.shape == (3, 4) and torch.equal(x.full_tensor(), full.t())
         assert tuple(x.to_local().shape) == x.sharding.local_shape(mesh.get_coordinate())
+
+
+@pytest.mark.parametrize(
+    "name", ["bfloat16_round_trip", "softmax_with_dtype", "quantile"],
+)
+@spmd(meshes=MESHES)
+def test_ops_with_a_device_argument_propagate(mesh, name):
+    """Ops whose aten form names a device (`_to_copy(..., device=cpu)`) must still run on meta tensors."""
+    functions = {
+        "bfloat16_round_trip": lambda x: x.bfloat16().float().sum(),
+        "softmax_with_dtype": lambda x: torch.softmax(x, 1, dtype=torch.float64).sum(),
+        "quantile": lambda x: torch.quantile(x, 0.3),
+    }
+    function = functions[name]
+    full = torch.randn(4, 3)
+    x = distribute_tensor(full, mesh, _sharded(mesh)).requires_grad_()
+    result = function(x)
+    result.backward()
+    reference = full.clone().requires_grad_()
+    expected = function(reference)
+    expected.backward()
+    torch.testing.assert_close(result.full_tensor(), expected)
+    torch.testing.assert_close(x.grad.full_tensor(), reference.grad)

@@ -222,12 +222,17 @@ def _choose_rows(rows: Sequence[Row], layouts: Sequence[Layout], metas: Sequence
     return best
 
 
+_META = torch.device("meta")
+
+
 def _to_meta_tensor(value, local_metas: list | None = None):
     if isinstance(value, TensorMeta):
         meta = local_metas.pop(0) if local_metas is not None else value
         return torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device="meta")
     if isinstance(value, PlainTensor):
         return torch.empty((), dtype=value.dtype, device="meta")
+    if isinstance(value, torch.device):
+        return _META  # `_to_copy(..., device=cpu)` on meta inputs would try to copy data out of meta
     return value
 
 
