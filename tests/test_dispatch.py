@@ -178,6 +178,8 @@ def test_in_place_views_change_the_dtensor_shape(mesh):
         assert x.shape == (4, 3) and torch.equal(x.full_tensor(), full)
         x.t_()
         assert x.shape == (3, 4) and torch.equal(x.full_tensor(), full.t())
+        x.transpose_(0, 1)
+        assert x.shape == (4, 3) and torch.equal(x.full_tensor(), full)
         assert tuple(x.to_local().shape) == x.sharding.local_shape(mesh.get_coordinate())
 
 

@@ -572,7 +572,8 @@ def _inplace_view(op, args: tuple, kwargs: dict):
     Runs the out-of-place view through its own rule, then gives the DTensor that result's shard and
     spec, and its wrapper the new sizes (matmul of a vector ends in `squeeze_(0)`).
     """
-    out_of_place = getattr(getattr(torch.ops.aten, op._schema.name.split("::")[1].rstrip("_")), op._overloadname)
+    # The packet picks the overload: `transpose_.default` corresponds to `transpose.int`.
+    out_of_place = getattr(torch.ops.aten, op._schema.name.split("::")[1].rstrip("_"))
     view = out_of_place(*args, **kwargs)
     dtensor = args[0]
     dtensor._take_value_of(view)
