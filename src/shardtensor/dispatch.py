@@ -284,7 +284,7 @@ class _Plan:
 
     __slots__ = (
         "generation", "op", "mesh", "specs", "slots", "moves", "output_specs", "call", "mutates",
-        "local_args", "local_kwargs", "writes_kwargs", "simple_positions", "single_spec",
+        "local_args", "local_kwargs", "writes_kwargs", "simple_positions", "single_spec", "view_of_copy",
     )
 
     def __init__(self, op, mesh, args: tuple, kwargs: dict, decision: Decision, mutates: bool, template):
@@ -313,6 +313,7 @@ class _Plan:
                 slots.append((in_kwargs, source, is_dtensor, next(targets) if is_dtensor else None) + destination)
         self.slots = tuple(slots)
         self.moves = any(target is not None for *_, target, _, _ in self.slots)
+        self.view_of_copy = self.moves and _returns_view(op)
         self.writes_kwargs = any(to_kwargs for *_, to_kwargs, _ in self.slots)
         self.output_specs = tuple(
             None if layout is None else interned_spec(DTensorSpec(mesh, layout, meta.stride, meta.dtype))
@@ -334,6 +335,8 @@ class _Plan:
             if type(result) is torch.Tensor:
                 return DTensor._wrap(result, self.single_spec)
             return self._wrap_result(result, [])
+        if self.mutates:
+            _refuse_writes_into_views_of_copies(self.op, _mutated(self.op, args, kwargs))
         if self.moves and _is_explicit():
             dtensors = [(kwargs if in_kwargs else args)[where] for in_kwargs, where, is_dtensor, *_ in self.slots
                         if is_dtensor]
@@ -359,7 +362,8 @@ class _Plan:
                 local_kwargs[destination] = local
             else:
                 local_args[destination] = local
-        return self._wrap_result(self.call(*local_args, **local_kwargs), inputs)
+        result = self._wrap_result(self.call(*local_args, **local_kwargs), inputs)
+        return _mark_views_of_copies(result) if self.view_of_copy else result
 
     def _wrap_result(self, result, inputs: list):
         if self.single_spec is not None and type(result) is torch.Tensor:
@@ -413,6 +417,7 @@ def _dispatch_slowly(op, args: tuple, kwargs: dict, key: tuple | None):
     positions = [index for index, value in enumerate(flat) if isinstance(value, DTensor)]
     dtensors = [flat[index] for index in positions]
     mutated = _mutated(op, args, kwargs)
+    _refuse_writes_into_views_of_copies(op, mutated)
     if rule is None:
         return _fallback(op, flat, tree, positions, dtensors, mutated, mesh)
     metas = tuple(TensorMeta(tuple(dtensor.shape), dtensor._spec.stride, dtensor.dtype) for dtensor in dtensors)
@@ -512,12 +517,14 @@ def _run(op, flat, tree, positions, dtensors, mutated, mesh, input_layouts, outp
     Partial read as Replicate) when the output has the first input's shape.
     """
     local_flat = list(flat)
+    moved = False
     copies: dict[int, tuple[DTensor, Layout, torch.Tensor]] = {}  # id(copy) -> (mutated DTensor, copy's layout, copy)
     passed_through: dict[int, DTensor] = {}
     mutated_ids = {id(dtensor) for dtensor in mutated}
     for index, dtensor, target in zip(positions, dtensors, input_layouts):
         local = dtensor._local_tensor
         if target != dtensor.sharding:
+            moved = True
             local = redistribute_local_tensor(local, dtensor.sharding, target, mesh)
             if id(dtensor) in mutated_ids:
                 copies[id(local)] = (dtensor, target, local)
@@ -542,7 +549,46 @@ def _run(op, flat, tree, positions, dtensors, mutated, mesh, input_layouts, outp
         else:
             meta = output_metas[position]
             wrapped.append(DTensor(output, DTensorSpec(mesh, output_layouts[position], meta.stride, meta.dtype)))
-    return tree_unflatten(wrapped, output_tree)
+    result = tree_unflatten(wrapped, output_tree)
+    return _mark_views_of_copies(result) if moved and _returns_view(op) else result
+
+
+_returns_view_by_op: dict = {}
+
+
+def _returns_view(op) -> bool:
+    """Whether the op's result aliases an input (`diagonal`, `view`, `as_strided`, ...)."""
+    known = _returns_view_by_op.get(op)
+    if known is None:
+        known = any(
+            returned.alias_info is not None and not returned.alias_info.is_write for returned in op._schema.returns
+        )
+        _returns_view_by_op[op] = known
+    return known
+
+
+def _mark_views_of_copies(result):
+    """A view op whose input had to move returns a view of the moved copy, not of the input: mark it.
+
+    Reading it is exact; writing into it in place would never reach the input, so such writes raise
+    (`_refuse_writes_into_views_of_copies`) instead of being silently lost.
+    """
+    for output in tree_flatten(result)[0]:
+        if isinstance(output, DTensor):
+            output._view_of_copy = True
+    return result
+
+
+def _refuse_writes_into_views_of_copies(op, mutated: list) -> None:
+    for dtensor in mutated:
+        if getattr(dtensor, "_view_of_copy", False):
+            raise RuntimeError(
+                f"{op} writes in place into a DTensor that is a view of a redistributed copy (a view op "
+                f"whose input had to move, e.g. through the replicate fallback): the write would not reach "
+                f"the tensor it views. Placements of the view: {list(dtensor.placements)}. Redistribute the "
+                f"base tensor to a layout the view op keeps (often Replicate) before taking the view, or "
+                f"write with an out-of-place op and copy_ into the base"
+            )
 
 
 def _write_back(op, dtensor: DTensor, local: torch.Tensor, layout: Layout, mesh) -> None:

@@ -280,6 +280,48 @@ class SqueezeRule(ViewRule):
         return lambda mesh, local, *arguments: aten.squeeze.dims(local, dims)
 
 
+class DiagonalRule(ViewRule):
+    """diagonal(self, offset, dim1, dim2): other dims keep their shard; a shard of dim1 or dim2 becomes
+    a shard of the new last dim, each rank shifting `offset` by its piece's offsets (as tril/triu do).
+
+    The result is a view of the local shard, so in-place writes through it (the backward of
+    `linalg.qr` halves a diagonal in place) reach the input. Only one of dim1/dim2 may stay sharded:
+    a rank holding a block of rows and columns would hold a diagonal piece no placement describes.
+    """
+
+    def __init__(self):
+        super().__init__(self._kept, name="diagonal")
+
+    @staticmethod
+    def _diagonal_dims(call: OpCall) -> tuple[int, int, int]:
+        ndim = call.inputs[0].ndim
+        offset = _argument(call, 1, "offset", 0)
+        return offset, _dim(_argument(call, 2, "dim1", 0), ndim), _dim(_argument(call, 3, "dim2", 1), ndim)
+
+    def _kept(self, call: OpCall) -> tuple[KeptDim, ...]:
+        """The other dims in order, then dim1 (and dim2, see `rows_for_layouts`) onto the last dim."""
+        ndim = call.inputs[0].ndim
+        _, dim1, dim2 = self._diagonal_dims(call)
+        others = [dim for dim in range(ndim) if dim not in (dim1, dim2)]
+        kept = [KeptDim(dim, position) for position, dim in enumerate(others)]
+        return tuple(kept + [KeptDim(dim1, len(others)), KeptDim(dim2, len(others))])
+
+    def rows_for_layouts(self, call: OpCall, layouts: Sequence[Layout]) -> list[Row]:
+        _, dim1, dim2 = self._diagonal_dims(call)
+        # Offer one diagonal dim only: the one the input is sharded on (dim1 when it is both).
+        dropped = dim1 if not layouts[0].shard_order[dim1] and layouts[0].shard_order[dim2] else dim2
+        return self._rows(call, [k for k in self._kept(call) if k.input_dim != dropped])
+
+    def rows(self, call: OpCall) -> list[Row]:
+        _, dim1, dim2 = self._diagonal_dims(call)
+        return self._rows(call, [k for k in self._kept(call) if k.input_dim != dim2])
+
+    def local_arguments(self, call, input_layouts, coordinate):
+        offset, dim1, dim2 = self._diagonal_dims(call)
+        offsets = input_layouts[0].local_offset(coordinate)
+        return (call.args[0], offset + offsets[dim1] - offsets[dim2], dim1, dim2), {}
+
+
 VIEW_RULES: list[tuple[list, ShardingRule]] = [
     ([aten.view.default, aten._unsafe_view.default], ViewRule(reshaped, size_argument=1)),
     ([aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims], SqueezeRule()),
@@ -294,6 +336,7 @@ VIEW_RULES: list[tuple[list, ShardingRule]] = [
     ([aten.select_backward.default], ViewRule(select_backward_map, size_argument=1)),
     ([aten.slice_backward.default], ViewRule(slice_backward_map, size_argument=1)),
     ([aten.as_strided.default], ViewRule(nothing_kept)),
+    ([aten.diagonal.default], DiagonalRule()),
 ]
 
 for view_ops, view_rule in VIEW_RULES:
