@@ -32,6 +32,16 @@ def _grad(dtensor):
     return dtensor.grad.full_tensor()
 
 
+def _compare_with_single_device(y, expected, grad, pairs):
+    """Forward values, then the gradients of (DTensor, reference) pairs after a strict-mode backward."""
+    assert_close(y.full_tensor(), expected)
+    with shardtensor.strict_mode():
+        _backward(y, grad)
+    expected.backward(grad)
+    for dtensor, reference in pairs:
+        assert_close(_grad(dtensor), reference.grad)
+
+
 def _on(mesh, one_dim, two_dim):
     return one_dim if mesh.ndim == 1 else two_dim
 
@@ -90,12 +100,7 @@ def test_group_norm_and_rms_norm_on_an_uneven_batch(mesh):
         y = F.group_norm(x, 3, weight, bias)
     assert list(records) == [] and y.placements == x.placements
     expected = F.group_norm(references[0], 3, references[1], references[2])
-    assert_close(y.full_tensor(), expected)
-    with shardtensor.strict_mode():
-        _backward(y, grad)
-    expected.backward(grad)
-    for dtensor, reference in zip((x, weight, bias), references):
-        assert_close(_grad(dtensor), reference.grad)
+    _compare_with_single_device(y, expected, grad, zip((x, weight, bias), references))
     # rms_norm decomposes into pointwise ops and a mean (rules of other families).
     x, weight = _leaf(full, mesh, placements), _leaf(full[0, 0], mesh, [R] * mesh.ndim)
     references = [_reference(full), _reference(full[0, 0])]
@@ -216,13 +221,7 @@ def test_convolution_sharded_on_batch_and_channels(mesh):
             if mesh.size() > 1:
                 assert y.placements[0] == output_placement and list(records) == []
             expected = function(*references, padding=1)
-            assert_close(y.full_tensor(), expected)
-            grad = torch.randn_like(expected)
-            with shardtensor.strict_mode():
-                _backward(y, grad)
-            expected.backward(grad)
-            for dtensor, reference in zip(tensors, references):
-                assert_close(_grad(dtensor), reference.grad)
+            _compare_with_single_device(y, expected, torch.randn_like(expected), zip(tensors, references))
 
 
 @spmd(meshes=MESHES)
@@ -244,13 +243,7 @@ def test_transposed_convolution_on_an_uneven_batch_with_groups(mesh):
             if input_placements[0] == Shard(0):
                 assert y.placements == tuple(input_placements)
             expected = function(*references, **options)
-            assert_close(y.full_tensor(), expected)
-            grad = torch.randn_like(expected)
-            with shardtensor.strict_mode():
-                _backward(y, grad)
-            expected.backward(grad)
-            for dtensor, reference in zip(tensors, references):
-                assert_close(_grad(dtensor), reference.grad)
+            _compare_with_single_device(y, expected, torch.randn_like(expected), zip(tensors, references))
 
 
 @spmd(meshes=MESHES)
