@@ -204,3 +204,19 @@ def test_ops_with_a_device_argument_propagate(mesh, name):
     expected.backward()
     torch.testing.assert_close(result.full_tensor(), expected)
     torch.testing.assert_close(x.grad.full_tensor(), reference.grad)
+
+
+@spmd(meshes=MESHES)
+def test_ops_whose_shapes_depend_on_data_take_the_fallback(mesh):
+    """Boolean-mask indexing runs `nonzero`, which meta tensors cannot evaluate: correct via the fallback."""
+    full = torch.randn(6, 3)
+    mask_full = full > 0
+    x = distribute_tensor(full, mesh, _sharded(mesh)).requires_grad_()
+    mask = distribute_tensor(mask_full, mesh, _sharded(mesh))
+    selected = x[mask]
+    reference = full.clone().requires_grad_()
+    expected = reference[mask_full]
+    assert torch.equal(selected.full_tensor(), expected)
+    (selected * 2).sum().backward()
+    (expected * 2).sum().backward()
+    assert torch.equal(x.grad.full_tensor(), reference.grad)

@@ -37,7 +37,7 @@ from .dtensor import DTensor, DTensorSpec, interned_spec, partial_from_replicate
 from .layout import Layout
 from .ops.registry import RULES
 from .placement import Replicate
-from .propagation import Decision, OpCall, PlainTensor, TensorMeta, decide
+from .propagation import DataDependentOutput, Decision, OpCall, PlainTensor, TensorMeta, decide
 from .redistribute import explain, redistribute_local_tensor
 
 __all__ = [
@@ -434,7 +434,10 @@ def _dispatch_slowly(op, args: tuple, kwargs: dict, key: tuple | None):
             raise _implicit_communication_error(op, dtensors, decision.input_layouts, "its sharding rule needs other layouts")
         return _outside_mesh(op, flat, tree, positions, dtensors, mesh, decision.output_layouts)
     coordinate = tuple(coordinate)
-    decision = decide(call, layouts, rule, coordinate, _decision_cache_key(op, layouts, call, coordinate, flat))
+    try:
+        decision = decide(call, layouts, rule, coordinate, _decision_cache_key(op, layouts, call, coordinate, flat))
+    except DataDependentOutput:  # every rank reaches the same verdict: the replicate fallback computes it
+        return _fallback(op, flat, tree, positions, dtensors, mutated, mesh)
     if key is not None and _moves_no_mutated_input(decision, mutated, dtensors):
         template = None if decision.local_arguments is None else _template(decision, args, kwargs)
         if decision.local_arguments is None or template is not None:

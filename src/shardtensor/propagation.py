@@ -25,7 +25,7 @@ from .placement import Partial, Placement, Replicate, Shard
 from .redistribute.planner import plan as plan_redistribute
 
 __all__ = [
-    "Row", "TensorMeta", "PlainTensor", "OpCall", "ShardingRule", "RowsRule", "Decision", "decide",
+    "Row", "TensorMeta", "PlainTensor", "DataDependentOutput", "OpCall", "ShardingRule", "RowsRule", "Decision", "decide",
     "transition_cost", "clear_cache",
 ]
 
@@ -81,6 +81,10 @@ class OpCall:
             if key == name:
                 return value
         return default
+
+
+class DataDependentOutput(Exception):
+    """The op's output metadata depends on tensor values, so no rule can decide it ahead of the data."""
 
 
 class ShardingRule:
@@ -360,7 +364,10 @@ def decide(
         layouts,
         tuple(layout.with_placements([row.inputs[index] for row in chosen]) for index, layout in enumerate(layouts)),
     )
-    metas = tuple(run_on_meta(call.op, call.args, dict(call.kwargs)))
+    try:
+        metas = tuple(run_on_meta(call.op, call.args, dict(call.kwargs)))
+    except NotImplementedError as error:  # e.g. `nonzero` inside boolean indexing: shapes depend on data
+        raise DataDependentOutput(f"{call.op} cannot be evaluated on meta tensors: {error}") from error
     placements: list[tuple[Placement, ...] | None] = []
     for meta in metas:  # rows name tensor outputs only, in order
         tensor_index = len([p for p in placements if p is not None])
