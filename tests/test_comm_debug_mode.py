@@ -75,16 +75,16 @@ def test_local_ops_issue_nothing_and_fallback_ops_are_named(mesh):
     assert mode.get_total_counts() == 0 and mode.get_fallback_counts() == {}
     assert torch.equal(total.full_tensor(), torch.arange(16.0).reshape(4, 4) + 1)
 
-    factor = torch.linalg.cholesky(2 * torch.eye(4) + 0.5)
-    sharded_factor = distribute_tensor(factor, mesh, [Shard(0)])
+    matrix = 2 * torch.eye(4) + 0.5
+    sharded_matrix = distribute_tensor(matrix, mesh, [Shard(0)])
     with CommDebugMode() as mode:
-        inverse = torch.cholesky_inverse(sharded_factor)  # no sharding rule: replicate fallback
-    assert mode.get_fallback_counts() == {"aten.cholesky_inverse.default": 1}
-    assert mode.get_comm_counts_by_op() == {"aten.cholesky_inverse.default": {"all_gather": 1}}
-    torch.testing.assert_close(inverse.full_tensor(), torch.cholesky_inverse(factor))
+        reflectors, _ = torch.geqrf(sharded_matrix)  # no sharding rule (no meta kernel): replicate fallback
+    assert mode.get_fallback_counts() == {"aten.geqrf.default": 1}
+    assert mode.get_comm_counts_by_op() == {"aten.geqrf.default": {"all_gather": 1}}
+    torch.testing.assert_close(reflectors.full_tensor(), torch.geqrf(matrix)[0])
     table = mode.generate_comm_debug_tracing_table(noise_level=1)
-    assert "aten.cholesky_inverse.default: all_gather x1" in table
-    assert "Replicate fallback (no sharding rule):\n  aten.cholesky_inverse.default: 1" in table
+    assert "aten.geqrf.default: all_gather x1" in table
+    assert "Replicate fallback (no sharding rule):\n  aten.geqrf.default: 1" in table
 
 
 @spmd(meshes=[(2,)])

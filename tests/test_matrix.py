@@ -1,5 +1,6 @@
-"""Matrix products on DTensors: einsum-spec rules for mm, bmm, mv, dot, addmm, baddbmm (and the
-matmul / linear / einsum calls that decompose into them), forward and backward against one device."""
+"""Matrix products on DTensors: einsum-spec rules for mm, bmm, mv, dot, vdot, addmm, addmv, addr,
+addbmm, baddbmm (and the matmul / linear / einsum calls that decompose into them), forward and
+backward against one device."""
 
 import pytest
 import torch
@@ -222,3 +223,56 @@ def test_matmul_with_a_vector_operand_forward_and_backward(mesh):
             expected.backward(grad)
             for dtensor, reference in zip((a, b), references):
                 torch.testing.assert_close(dtensor.grad.full_tensor(), reference.grad)
+
+
+ADDEND_CASES = [  # (op, shapes of (addend, first, second), their placements, output placement)
+    (torch.addmv, ((5,), (5, 6), (6,)), (R, Shard(1), Shard(0)), P),  # contraction sharded: addend made Partial
+    (torch.addmv, ((5,), (5, 6), (6,)), (Shard(0), Shard(0), R), Shard(0)),
+    (torch.addmv, ((1,), (5, 6), (6,)), (R, Shard(0), R), Shard(0)),  # 4 ranks: a shard without rows
+    (torch.addmv, ((), (5, 3), (3,)), (R, Shard(1), Shard(0)), P),  # 4 ranks: a shard without columns
+    (torch.addr, ((5, 3), (5,), (3,)), (Shard(0), Shard(0), R), Shard(0)),
+    (torch.addr, ((1, 3), (5,), (3,)), (R, Shard(0), R), Shard(0)),  # addend broadcast along the sharded dim
+    (torch.addr, ((3,), (5,), (3,)), (Shard(0), R, Shard(0)), Shard(1)),
+    (torch.addbmm, ((5, 3), (3, 5, 6), (3, 6, 3)), (R, Shard(0), Shard(0)), P),  # the (uneven) batch is summed
+    (torch.addbmm, ((5, 3), (3, 5, 6), (3, 6, 3)), (Shard(0), Shard(1), R), Shard(0)),
+]
+
+
+@spmd(meshes=MESHES)
+def test_addmv_addr_addbmm_add_the_addend_once(mesh):
+    for function, shapes, placements, expected in ADDEND_CASES:
+        fulls = [torch.randn(shape, dtype=torch.float64) for shape in shapes]
+        leaves = [_leaf(full, mesh, placement) for full, placement in zip(fulls, placements)]
+        with shardtensor.strict_mode(), comm.observe() as records:
+            result = function(*leaves, beta=0.5, alpha=2.0)
+        assert list(records) == [], function
+        if mesh.size() > 1:
+            assert result.placements == (expected,) * mesh.ndim, function
+        references = [full.clone().requires_grad_() for full in fulls]
+        reference = function(*references, beta=0.5, alpha=2.0)
+        torch.testing.assert_close(result.full_tensor(), reference)
+        with shardtensor.strict_mode():
+            (result * 3).sum().backward()
+        (reference * 3).sum().backward()
+        for leaf, reference_leaf in zip(leaves, references):
+            torch.testing.assert_close(leaf.grad.full_tensor(), reference_leaf.grad)
+
+
+@spmd(meshes=MESHES)
+def test_vdot_and_vecdot_shard_the_contraction_into_partial(mesh):
+    first_full, second_full = torch.randn(7, dtype=torch.float64), torch.randn(7, dtype=torch.float64)
+    first, second = _leaf(first_full, mesh, Shard(0)), _leaf(second_full, mesh, Shard(0))
+    with shardtensor.strict_mode(), comm.observe() as records:
+        results = [torch.vdot(first, second), torch.linalg.vecdot(first, second)]
+    assert list(records) == []
+    references = [full.clone().requires_grad_() for full in (first_full, second_full)]
+    expected = [torch.vdot(*references), torch.linalg.vecdot(*references)]
+    for result, reference in zip(results, expected):
+        if mesh.size() > 1:
+            assert result.placements == (P,) * mesh.ndim
+        torch.testing.assert_close(result.full_tensor(), reference)
+    with shardtensor.strict_mode():
+        sum(results).backward()
+    sum(expected).backward()
+    for leaf, reference in zip((first, second), references):
+        torch.testing.assert_close(leaf.grad.full_tensor(), reference.grad)

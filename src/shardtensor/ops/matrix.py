@@ -1,15 +1,17 @@
-"""Sharding rules: matrix products (mm, bmm, mv, dot, addmm, baddbmm), generated from einsum specs.
+"""Sharding rules: matrix products (mm, bmm, mv, dot, vdot, addmm, addmv, addr, addbmm, baddbmm),
+generated from einsum specs.
 
-`matmul`, `linear` and `einsum` reach `__torch_dispatch__` as these ops plus views, so these rules
-cover them too. One spec gives the rows for one mesh dim:
+`matmul`, `linear`, `einsum`, `inner`, `tensordot`, `kron`, `linalg.multi_dot` and
+`linalg.vecdot` (`vdot` for vectors) reach `__torch_dispatch__` as these ops plus views, so these
+rules cover them too. One spec gives the rows for one mesh dim:
 
     every letter kept in the output   S(its output dim) <- S in each operand that has it, R elsewhere
     every contracted letter           P(sum) <- S in each operand that has it, R elsewhere
     linearity in each operand         P(sum) <- P(sum) in that operand, R elsewhere
     and all Replicate first, so that replicated operands stay where they are on a tie.
 
-`addmm`/`baddbmm` add a broadcast addend: it lies like the output, except that it is Replicate
-along a dim it broadcasts and Partial(sum) when the product is (adding a Replicate addend to a
+`addmm`/`addmv`/`addr`/`addbmm`/`baddbmm` add a broadcast addend: it lies like the output, except
+that it is Replicate along a dim it broadcasts and Partial(sum) when the product is (adding a Replicate addend to a
 Partial product would add it once per rank; the planner makes a Replicate addend Partial locally).
 """
 
@@ -23,7 +25,7 @@ from ..placement import Partial, Placement, Replicate, Shard
 from ..propagation import OpCall, PlainTensor, Row, ShardingRule
 from .registry import register_rule
 
-__all__ = ["einsum_rows", "EinsumRule", "AddendEinsumRule"]
+__all__ = ["einsum_rows", "EinsumRule", "AddendEinsumRule", "AddmvRule"]
 
 aten = torch.ops.aten
 
@@ -87,13 +89,30 @@ class AddendEinsumRule(EinsumRule):
         return Shard(addend_dim) if spans else Replicate()
 
 
+def _addmv_with_full_addend(mesh, addend, matrix, vector, **kwargs):
+    return aten.addmv.default(addend.expand(matrix.shape[:1]), matrix, vector, **kwargs)
+
+
+class AddmvRule(AddendEinsumRule):
+    """`addmv` returns its addend's own shape, not the output's, when the matrix has no elements:
+    a shard with no rows (5 rows on 4 ranks) or no columns would come out as shape (1,) or ().
+    Expanding the addend to the local output first gives the local value one device computes."""
+
+    def local_op(self, call, input_layouts, coordinate):
+        return _addmv_with_full_addend
+
+
 _PRODUCTS = {
     aten.mm.default: EinsumRule("mk,kn->mn"),
     aten.bmm.default: EinsumRule("bmk,bkn->bmn"),
     aten.mv.default: EinsumRule("mk,k->m"),
     aten.dot.default: EinsumRule("k,k->"),
+    aten.vdot.default: EinsumRule("k,k->"),  # conj(a) . b: conjugation is additive, so still linear in a
     aten.addmm.default: AddendEinsumRule("mk,kn->mn"),
     aten.baddbmm.default: AddendEinsumRule("bmk,bkn->bmn"),
+    aten.addmv.default: AddmvRule("mk,k->m"),
+    aten.addr.default: AddendEinsumRule("m,n->mn"),
+    aten.addbmm.default: AddendEinsumRule("bmk,bkn->mn"),  # the batch is summed too: S(b) gives P(sum)
 }
 
 for _op, _rule in _PRODUCTS.items():
