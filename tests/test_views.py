@@ -197,3 +197,49 @@ def test_partial_passes_through_views(mesh):
         moved = partial.t().reshape(2, 6)[1]
     assert list(records) == [] and moved.placements == (Partial(),) * mesh.ndim
     assert torch.equal(moved.full_tensor(), (local * mesh.size()).t().reshape(2, 6)[1])
+
+
+COPIES = [
+    torch.alias_copy,
+    lambda x: torch.transpose_copy(x, 0, 2),
+    lambda x: torch.permute_copy(x, (2, 0, 1)),
+    lambda x: torch.t_copy(x[:, 0]),
+    lambda x: torch.view_copy(x, (5, 12)),
+    lambda x: torch.squeeze_copy(x[:, :1]),
+    lambda x: torch.squeeze_copy(x[:, :1], 1),
+    lambda x: torch.squeeze_copy(x[:, :1], (1, 2)),
+    lambda x: torch.unsqueeze_copy(x, 1),
+    lambda x: torch.expand_copy(x, (2, 5, 3, 4)),
+    lambda x: torch.split_copy(x, 2, 1),
+    lambda x: torch.split_with_sizes_copy(x, [1, 3], -1),
+    lambda x: torch.unsafe_split(x, 2, 0),
+    lambda x: torch.unsafe_chunk(x, 2, 2),
+    lambda x: torch.unsafe_split_with_sizes(x, [2, 1], 1),
+    lambda x: torch.unbind_copy(x, 1),
+    lambda x: torch.select_copy(x, 2, -1),
+    lambda x: torch.slice_copy(x, 0, 1, 5, 2),
+    lambda x: torch.narrow_copy(x, 0, 1, 3),
+    lambda x: torch.narrow_copy(x, 2, -3, 2),
+    lambda x: torch.diagonal_copy(x, 1, 0, 2),
+    lambda x: x.unfold(1, 2, 1),
+    lambda x: x.unfold(0, 2, 2),
+    lambda x: torch.unfold_copy(x, 2, 3, 1),
+    lambda x: torch.as_strided_copy(x, (2, 3), (4, 1), 2),
+]
+
+
+@spmd(meshes=MESHES)
+def test_copy_variants_reuse_their_views_rule(mesh):
+    full = torch.arange(60.0).reshape(5, 3, 4)
+    for function in COPIES:
+        for placements in (placements_for(mesh, 0, 2), placements_for(mesh, 2, 1)):
+            check(mesh, full, placements, function)
+    x = distribute_tensor(full, mesh, placements_for(mesh, 0, 2))
+    with shardtensor.strict_mode(), comm.observe() as records:
+        copies = [torch.transpose_copy(x, 1, 2), torch.view_copy(x, (5, 3, 2, 2)), torch.narrow_copy(x, 0, 1, 3),
+                  torch.unfold_copy(x, 1, 2, 1), torch.detach_copy(x)]
+    assert list(records) == []  # kept shards: no collective
+    assert copies[0].placements == tuple(placements_for(mesh, 0, 1))
+    for copy in copies:  # a copy, not a view: writing into it leaves the input alone
+        copy.zero_()
+    assert torch.equal(x.full_tensor(), full)

@@ -9,23 +9,28 @@ Merging and splitting dims (`view`) keeps a shard on the outermost dim of a grou
 rank's piece stays contiguous and whole: a piece of `p` rows of the input dim is `p * inner_in`
 elements, i.e. `p * inner_in / inner_out` rows of the output dim. When that is not whole for
 every piece size the input could have, the rule does not offer the row (never silently wrong).
+
+A `*_copy` op (`view_copy`, `t_copy`, ...) reuses its view's rule (`COPY_OF_VIEW`) and copies the
+local view out. Shape ops that compute (pads, diagonals written into zeros) are in `shape_ops`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+from torch.utils._pytree import tree_map
 
 from ..layout import Layout
 from ..placement import REDUCE_OPS, Partial, Replicate, Shard
 from ..propagation import OpCall, Row, ShardingRule, run_on_meta
-from .registry import register_rule
+from .registry import RULES, register_rule
 
-__all__ = ["KeptDim", "ViewRule", "view_dim_map"]
+__all__ = ["KeptDim", "ViewRule", "CopyOfView", "view_dim_map"]
 
 aten = torch.ops.aten
 
@@ -92,12 +97,16 @@ class ViewRule(ShardingRule):
 
     `size_argument` names the argument position that holds the output's global sizes (`view`,
     `expand`, `slice_backward`); each coordinate gets its local sizes there. All tensor inputs
-    (the list of `cat`) and all outputs (the list of `split`) share a row's placement.
+    (the list of `cat`) and all outputs (the list of `split`) share a row's placement. `partials`
+    are the reduce ops that pass through: all of them for ops that only move elements or fill
+    zeros, fewer for ops that add elements up (`unfold_backward`).
     """
 
-    def __init__(self, dim_map: DimMap, *, size_argument: int | None = None, name: str = ""):
+    def __init__(self, dim_map: DimMap, *, size_argument: int | None = None, name: str = "",
+                 partials: Sequence[str] = REDUCE_OPS):
         self.dim_map = dim_map
         self.size_argument = size_argument
+        self.partials = tuple(partials)
         self.__name__ = name or dim_map.__name__
 
     def _rows(self, call: OpCall, kept: Sequence[KeptDim]) -> list[Row]:
@@ -105,7 +114,7 @@ class ViewRule(ShardingRule):
         outputs = len([meta for meta in run_on_meta(call.op, call.args, dict(call.kwargs)) if meta is not None])
         rows = [Row((Replicate(),) * outputs, (Replicate(),) * inputs)]
         rows += [Row((Shard(k.output_dim),) * outputs, (Shard(k.input_dim),) * inputs) for k in kept]
-        return rows + [Row((Partial(op),) * outputs, (Partial(op),) * inputs) for op in REDUCE_OPS]
+        return rows + [Row((Partial(op),) * outputs, (Partial(op),) * inputs) for op in self.partials]
 
     def rows(self, call: OpCall) -> list[Row]:
         """Metadata only: the rows that are right whatever the shard sizes."""
@@ -165,7 +174,7 @@ def permuted(call: OpCall) -> tuple[KeptDim, ...]:
     ndim = call.inputs[0].ndim
     if call.op == aten.permute.default:
         order = [_dim(dim, ndim) for dim in call.args[1]]
-    elif call.op == aten.t.default and ndim < 2:
+    elif ndim == 0 or (call.op == aten.t.default and ndim < 2):  # transpose(scalar, 0, 0) is allowed
         order = list(range(ndim))
     else:
         first, second = (call.args[1], call.args[2]) if call.op == aten.transpose.int else (0, 1)
@@ -229,6 +238,20 @@ def slice_backward_map(call: OpCall) -> tuple[KeptDim, ...]:
     """slice_backward(grad, input_sizes, dim, ...): the sliced dim is rebuilt whole (Replicate)."""
     ndim = call.inputs[0].ndim
     return _all_but(ndim, _dim(call.args[2], ndim))
+
+
+def unfolded(call: OpCall) -> tuple[KeptDim, ...]:
+    """unfold(self, dimension, size, step): windows of `dimension` overlap shards, so it is Replicate;
+    the other dims keep their place (the window dim is a new last dim)."""
+    ndim = call.inputs[0].ndim
+    return tuple(KeptDim(dim, dim) for dim in range(ndim) if dim != _dim(call.args[1], ndim))
+
+
+def unfold_backward_map(call: OpCall) -> tuple[KeptDim, ...]:
+    """unfold_backward(grad, input_sizes, dim, size, step): the unfolded dim and the window dim are
+    summed back into the input's dim (Replicate); the other dims keep their place."""
+    ndim = len(call.args[1])
+    return tuple(KeptDim(dim, dim) for dim in range(ndim) if dim != _dim(call.args[2], ndim))
 
 
 def nothing_kept(call: OpCall) -> tuple[KeptDim, ...]:
@@ -322,6 +345,55 @@ class DiagonalRule(ViewRule):
         return (call.args[0], offset + offsets[dim1] - offsets[dim2], dim1, dim2), {}
 
 
+class CopyOfView(ShardingRule):
+    """A `*_copy` op (`view_copy`, `t_copy`, ...): the rule of its view, and a copy of the local view.
+
+    The view's rule sees the call as the view's (`to_view` rewrites arguments where the schemas
+    differ: `narrow_copy` is a `slice`); each rank runs the view on its shard and copies the result
+    out contiguously, so the output never aliases the input.
+    """
+
+    def __init__(self, view_op, to_view: Callable[[OpCall], OpCall] | None = None):
+        self.view_op = view_op
+        self.view_rule = RULES[view_op]
+        self.to_view = to_view
+        self.__name__ = f"copy of {view_op}"
+
+    def _view_call(self, call: OpCall) -> OpCall:
+        call = dataclasses.replace(call, op=self.view_op)
+        return call if self.to_view is None else self.to_view(call)
+
+    def rows(self, call):
+        return self.view_rule.rows(self._view_call(call))
+
+    def rows_for_layouts(self, call, layouts):
+        return self.view_rule.rows_for_layouts(self._view_call(call), layouts)
+
+    def local_arguments(self, call, input_layouts, coordinate):
+        view_call = self._view_call(call)
+        arguments = self.view_rule.local_arguments(view_call, input_layouts, coordinate)
+        if arguments is None and self.to_view is not None:
+            return view_call.args, dict(view_call.kwargs)
+        return arguments
+
+    def local_op(self, call, input_layouts, coordinate):
+        view = self.view_rule.local_op(self._view_call(call), input_layouts, coordinate)
+        view_op = self.view_op
+
+        def copy_of_view(mesh, *args, **kwargs):
+            result = view_op(*args, **kwargs) if view is None else view(mesh, *args, **kwargs)
+            return tree_map(lambda tensor: tensor.clone(memory_format=torch.contiguous_format), result)
+
+        return copy_of_view
+
+
+def narrow_as_slice(call: OpCall) -> OpCall:
+    """narrow_copy(self, dim, start, length) is slice(self, dim, start, start + length)."""
+    _, dim, start, length = call.args
+    start = start % call.inputs[0].shape[_dim(dim, call.inputs[0].ndim)] if start < 0 else start
+    return dataclasses.replace(call, args=(call.args[0], dim, start, start + length, 1))
+
+
 VIEW_RULES: list[tuple[list, ShardingRule]] = [
     ([aten.view.default, aten._unsafe_view.default], ViewRule(reshaped, size_argument=1)),
     ([aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims], SqueezeRule()),
@@ -329,7 +401,11 @@ VIEW_RULES: list[tuple[list, ShardingRule]] = [
     ([aten.transpose.int, aten.permute.default, aten.t.default], ViewRule(permuted)),
     ([aten.expand.default], ViewRule(expanded, size_argument=1)),
     ([aten.repeat.default], ViewRule(repeated)),
-    ([aten.split.Tensor, aten.split_with_sizes.default, aten.cat.default], ViewRule(split_along)),
+    (
+        [aten.split.Tensor, aten.split_with_sizes.default, aten.cat.default, aten.unsafe_split.Tensor,
+         aten.unsafe_split_with_sizes.default],
+        ViewRule(split_along),
+    ),
     ([aten.unbind.int, aten.select.int], ViewRule(removed_dim)),
     ([aten.stack.default], ViewRule(stacked)),
     ([aten.slice.Tensor], SliceRule()),
@@ -337,7 +413,37 @@ VIEW_RULES: list[tuple[list, ShardingRule]] = [
     ([aten.slice_backward.default], ViewRule(slice_backward_map, size_argument=1)),
     ([aten.as_strided.default], ViewRule(nothing_kept)),
     ([aten.diagonal.default], DiagonalRule()),
+    ([aten.unfold.default], ViewRule(unfolded)),
+    # Overlapping windows add up in the backward: only the Partials that commute with a sum.
+    ([aten.unfold_backward.default], ViewRule(unfold_backward_map, size_argument=1, partials=("sum", "avg"))),
 ]
 
 for view_ops, view_rule in VIEW_RULES:
     register_rule(view_ops, view_rule)
+
+# Each `*_copy` op and the view whose rule it reuses.
+COPY_OF_VIEW = {
+    aten.alias_copy.default: aten.alias.default,
+    aten.detach_copy.default: aten.detach.default,
+    aten.view_copy.default: aten.view.default,
+    aten.squeeze_copy.default: aten.squeeze.default,
+    aten.squeeze_copy.dim: aten.squeeze.dim,
+    aten.squeeze_copy.dims: aten.squeeze.dims,
+    aten.unsqueeze_copy.default: aten.unsqueeze.default,
+    aten.t_copy.default: aten.t.default,
+    aten.transpose_copy.int: aten.transpose.int,
+    aten.permute_copy.default: aten.permute.default,
+    aten.expand_copy.default: aten.expand.default,
+    aten.split_copy.Tensor: aten.split.Tensor,
+    aten.split_with_sizes_copy.default: aten.split_with_sizes.default,
+    aten.unbind_copy.int: aten.unbind.int,
+    aten.select_copy.int: aten.select.int,
+    aten.slice_copy.Tensor: aten.slice.Tensor,
+    aten.diagonal_copy.default: aten.diagonal.default,
+    aten.unfold_copy.default: aten.unfold.default,
+    aten.as_strided_copy.default: aten.as_strided.default,
+}
+
+for copy_op, view_op in COPY_OF_VIEW.items():
+    register_rule([copy_op], CopyOfView(view_op))
+register_rule([aten.narrow_copy.default], CopyOfView(aten.slice.Tensor, narrow_as_slice))
