@@ -1,0 +1,362 @@
+"""Sharding rules: spatial nn ops (pooling, upsampling, unpooling, pixel shuffle, im2col, grid
+sampling) and batch norm.
+
+Pooling and upsampling work on each (batch, channel) plane alone: the dims before the spatial ones
+shard, the spatial dims stay whole. An input without a batch dim, (C, H, W) for a 2-d op, has one
+such dim; the op's spatial rank tells them apart. Batch norm keeps statistics per channel, so it
+shards the channel dim together with every per-channel tensor; the backward without training
+(running statistics, global) shards the batch too.
+
+The CPU kernels of most of these ops refuse a shard without channels (6 channels on 4 ranks), and
+the meta kernels of some refuse an empty batch: such shards get zeros of the local shape, computed
+without the kernel (`_planes_or_zeros`, `_channels_or_zeros`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import torch
+from torch.utils._pytree import tree_map_only
+
+from .. import comm
+from ..placement import Partial, Replicate, Shard
+from ..propagation import DataDependentOutput, OpCall, Row, ShardingRule, TensorMeta
+from ..redistribute import redistribute_local_tensor
+from .nn import _masked_outputs as _masked
+from .registry import register_rule
+
+aten = torch.ops.aten
+
+R, P = Replicate(), Partial("sum")
+
+
+def _zeros_from_meta(op, args: tuple, local_sizes: dict[int, int], device) -> tuple:
+    """`op`'s outputs as zeros when some sharded dims are empty here: the op runs on meta tensors
+    whose empty dims have size 1, and `local_sizes` (dim -> size) puts the real sizes back into
+    every output."""
+
+    def stand_in(tensor):
+        shape = [1 if dim in local_sizes and size == 0 else size for dim, size in enumerate(tensor.shape)]
+        return torch.empty(shape, dtype=tensor.dtype, device="meta")
+
+    results = op(*tree_map_only(torch.Tensor, stand_in, args))
+
+    def zeros(meta):
+        shape = [local_sizes.get(dim, size) for dim, size in enumerate(meta.shape)]
+        return torch.zeros(shape, dtype=meta.dtype, device=device)
+
+    return tree_map_only(torch.Tensor, zeros, results)
+
+
+# ---- pooling, upsampling, unpooling, pixel shuffle, im2col -----------------------------------------
+
+
+class PlaneRule(ShardingRule):
+    """An op on the last `spatial_rank` dims of every tensor: any dim before them shards, on every
+    tensor input and output together (batch, channel; pixel shuffle counts its channel as spatial).
+
+    `input_size_argument` is the position of a global size list (the backward of upsampling) made
+    local per coordinate.
+    """
+
+    def __init__(self, name: str, spatial_rank: int, input_size_argument: int | None = None):
+        self.__name__, self.spatial_rank, self.input_size_argument = name, spatial_rank, input_size_argument
+
+    def _leading_dims(self, call: OpCall) -> int:
+        return max(call.inputs[0].ndim - self.spatial_rank, 0)
+
+    def rows(self, call: OpCall) -> list[Row]:
+        outputs, inputs = len(call.op._schema.returns), len(call.inputs)
+        rows = [Row((R,) * outputs, (R,) * inputs)]
+        return rows + [Row((Shard(d),) * outputs, (Shard(d),) * inputs) for d in range(self._leading_dims(call))]
+
+    def local_arguments(self, call, input_layouts, coordinate):
+        if self.input_size_argument is None:
+            return None
+        leading = self._leading_dims(call)
+        args = list(call.args)
+        local = input_layouts[0].local_shape(coordinate)[:leading]
+        args[self.input_size_argument] = [*local, *call.args[self.input_size_argument][leading:]]
+        return tuple(args), dict(call.kwargs)
+
+    def local_op(self, call, input_layouts, coordinate):
+        leading = self._leading_dims(call)
+        local = input_layouts[0].local_shape(coordinate)[:leading]
+        if all(local):
+            return None
+        return _planes_or_zeros(call.op, dict(enumerate(local)), self.input_size_argument)
+
+
+def _planes_or_zeros(op, local_sizes: dict[int, int], input_size_argument: int | None):
+    """The local op of a shard without planes: zeros of the local output shape, no kernel (a
+    gradient of upsampling has the local `input_size` shape)."""
+
+    def empty_planes(mesh, *args):
+        device = next(arg.device for arg in args if isinstance(arg, torch.Tensor))
+        if input_size_argument is not None:
+            return torch.zeros(args[input_size_argument], dtype=args[0].dtype, device=device)
+        return _zeros_from_meta(op, args, local_sizes, device)
+
+    return empty_planes
+
+
+def channel_shuffle(call: OpCall) -> list[Row]:
+    """`channel_shuffle(self, groups)` permutes the channels (dim 1) only: any other dim shards."""
+    rows = [Row((R,), (R,))]
+    return rows + [Row((Shard(d),), (Shard(d),)) for d in range(call.inputs[0].ndim) if d != 1]
+
+
+# ---- grid sampling ---------------------------------------------------------------------------------
+
+
+def grid_sampler(call: OpCall) -> list[Row]:
+    """`grid_sampler_{2,3}d(input, grid, ...)`: the batch shards input, grid and output together; the
+    channels shard input and output with the grid whole."""
+    return [Row((R,), (R, R)), Row((Shard(0),), (Shard(0), Shard(0))), Row((Shard(1),), (Shard(1), R))]
+
+
+def grid_sampler_backward(call: OpCall) -> list[Row]:
+    """(grad_output, input, grid, ..., output_mask) -> grads of input and grid; with the channels
+    sharded, each rank's grid gradient sums its channels only: Partial(sum)."""
+    output_mask = call.args[6]
+    return [
+        Row(_masked((R, R), output_mask), (R, R, R)),
+        Row(_masked((Shard(0), Shard(0)), output_mask), (Shard(0), Shard(0), Shard(0))),
+        Row(_masked((Shard(1), P), output_mask), (Shard(1), Shard(1), R)),
+    ]
+
+
+# ---- batch norm ------------------------------------------------------------------------------------
+
+# Per op: position of the input, of the `training` flag (True: always, False: never), of
+# `output_mask` for a backward (None: forward), and the outputs other than the first that are
+# per channel (the rest, a `reserve` buffer, stays whole).
+_BATCH_NORM_FORWARD = {
+    aten.native_batch_norm.default: (5, 2),
+    aten._native_batch_norm_legit.default: (5, 2),
+    aten._native_batch_norm_legit.no_stats: (3, 2),
+    aten._native_batch_norm_legit_no_training.default: (False, 2),
+    aten._native_batch_norm_legit_functional.default: (5, 4),
+    aten._batch_norm_with_update.default: (True, 2),
+    aten._batch_norm_with_update_functional.default: (True, 4),
+    aten._batch_norm_no_update.default: (False, 2),
+}
+_UPDATES_RUNNING_STATISTICS = {
+    aten.native_batch_norm.default, aten._native_batch_norm_legit.default, aten._batch_norm_with_update.default,
+}
+
+
+def _training(call: OpCall, flag) -> bool:
+    return flag if isinstance(flag, bool) else bool(call.args[flag])
+
+
+class BatchNorm(ShardingRule):
+    """The batch norm forwards: the channel dim (1) of the input and output shards with weight,
+    bias and the saved per-channel statistics (dim 0).
+
+    In training the kernels update the running statistics in place (`native_batch_norm` without
+    saying so in its schema, so a moved copy would never be written back): they never move. One
+    sharded exactly like the channels is updated where it lies; otherwise (Replicate, the usual
+    case) each rank updates its channels and an all_reduce shares them.
+
+    Without training the CPU kernels return empty saved statistics where the meta kernels say one
+    per channel: no output layout is right for both, so those calls take the replicate fallback.
+    """
+
+    __name__ = "batch_norm"
+
+    def rows(self, call: OpCall) -> list[Row]:
+        return self._rows(call, [(R,)] * len(_running_statistics(call)))
+
+    def rows_for_layouts(self, call, layouts):
+        choices = []  # per running statistic: the placements it has now, Replicate first
+        for index in _running_statistics(call):
+            placements = set(layouts[index].placements)
+            if not placements <= {R, Shard(0)}:
+                raise NotImplementedError(
+                    f"{call.op} updates its running statistics in place, so they cannot move; one is "
+                    f"{list(layouts[index].placements)}, and the rule updates only Replicate or Shard(0) "
+                    f"ones. Distribute running_mean and running_var like that (Replicate is the usual choice)"
+                )
+            choices.append(tuple(sorted(placements, key=lambda placement: placement != R)))
+        return self._rows(call, choices)
+
+    def _rows(self, call: OpCall, choices: Sequence[tuple]) -> list[Row]:
+        """`choices`: per running statistic updated in place, the placements it may take: the ones
+        it has, so that it never moves (a Replicate one is as cheap to keep as to shard: first)."""
+        training, per_channel = _BATCH_NORM_FORWARD[call.op]
+        if not _training(call, training):
+            raise DataDependentOutput(
+                f"{call.op} without training: the CPU kernel returns empty saved statistics where the "
+                f"meta kernel gives one per channel, so its output shapes are known only after it runs"
+            )
+        outputs = len(call.op._schema.returns)
+        channel_outputs = (Shard(1),) + (Shard(0),) * per_channel + (R,) * (outputs - 1 - per_channel)
+        running = _running_statistics(call)
+        rows = [Row((R,) * outputs, (R,) * len(call.inputs))] if all(R in choice for choice in choices) else []
+        for combination in itertools.product(*choices):
+            kept = dict(zip(running, combination))
+            channel_inputs = tuple(kept.get(index, Shard(0)) for index in range(1, len(call.inputs)))
+            rows.append(Row(channel_outputs, (Shard(1),) + channel_inputs))
+        return rows
+
+    def local_op(self, call, input_layouts, coordinate):
+        compute = _channels_or_zeros(call.op, input_layouts[0].local_shape(coordinate), 0)
+        channels = input_layouts[0]
+        channel_pieces = (channels.shard_order[1], channels.pieces[1])
+        apart = tuple(
+            (input_layouts[index].shard_order[0], input_layouts[index].pieces[0]) != channel_pieces
+            for index in _running_statistics(call)
+        )
+        if not any(apart):  # running statistics sharded exactly like the channels (or nothing sharded): in place
+            return compute
+        running = _running_statistics(call)
+        return _update_running_statistics(call.op, compute, input_layouts, running, apart, coordinate)
+
+
+def _running_statistics(call: OpCall) -> tuple[int, ...]:
+    """Input indices (among the DTensors) of running_mean and running_var when the op updates them."""
+    training, _ = _BATCH_NORM_FORWARD[call.op]
+    if call.op not in _UPDATES_RUNNING_STATISTICS or not _training(call, training):
+        return ()
+    tensors = [isinstance(value, TensorMeta) for value in call.args[:5]]
+    if not (tensors[3] and tensors[4]):
+        return ()
+    return sum(tensors[:3]), sum(tensors[:4])
+
+
+def _update_running_statistics(
+    op, compute, input_layouts, running: tuple[int, ...], apart: tuple[bool, ...], coordinate
+):
+    """The local op when a running statistic is not sharded like the channels (`apart`): each rank
+    gathers it, its kernel updates its channels, an all_reduce of the updated channels (zeros
+    elsewhere) over the channels' mesh dims gives all of them, and each rank keeps its own shard."""
+    channels = input_layouts[0]
+    first, count = channels.local_offset(coordinate)[1], channels.local_shape(coordinate)[1]
+    statistic_layouts = [input_layouts[index] for index in running]
+
+    def update(mesh, tensor, weight, bias, running_mean, running_var, *rest):
+        run = compute if compute is not None else lambda mesh, *args: op(*args)
+        statistics = (running_mean, running_var)
+        if mesh is None:  # shapes only
+            return run(mesh, tensor, weight, bias, running_mean.new_empty(count), running_var.new_empty(count), *rest)
+        local = []
+        for statistic, layout, gather in zip(statistics, statistic_layouts, apart):
+            replicated = layout.with_placements([R] * layout.mesh_ndim)
+            if gather:
+                if layout != replicated:
+                    whole = redistribute_local_tensor(statistic, layout, replicated, mesh)
+                else:
+                    whole = statistic.clone()
+                statistic_channels = whole.narrow(0, first, count)
+            else:
+                statistic_channels = statistic
+            local.append(statistic_channels)
+        results = run(mesh, tensor, weight, bias, *local, *rest)
+        for statistic, layout, gather, updated_channels in zip(statistics, statistic_layouts, apart, local):
+            if not gather:
+                continue
+            updated = statistic.new_zeros(layout.shape[0])
+            updated.narrow(0, first, count).copy_(updated_channels)
+            for mesh_dim in channels.shard_order[1]:
+                updated = comm.all_reduce(updated, mesh, mesh_dim, reduce_op="sum")
+            offset, size = layout.local_offset(coordinate)[0], layout.local_shape(coordinate)[0]
+            statistic.copy_(updated.narrow(0, offset, size))
+        return results
+
+    return update
+
+
+class BatchNormBackward(ShardingRule):
+    """`native_batch_norm_backward(grad_out, input, weight, running_mean, running_var, save_mean,
+    save_invstd, train, eps, output_mask)` and `batch_norm_backward(..., update, eps, output_mask,
+    reserve)`: channels shard like the forward; without training the batch shards too, and the
+    weight and bias gradients are sums over it (Partial)."""
+
+    __name__ = "batch_norm_backward"
+
+    def rows(self, call: OpCall) -> list[Row]:
+        training, output_mask = call.args[7], call.args[9]
+        reserve = (R,) * (call.op == aten.batch_norm_backward.default)
+        per_channel = len(call.inputs) - 2 - len(reserve)
+        rows = [
+            Row(_masked((R,) * 3, output_mask), (R,) * len(call.inputs)),
+            Row(_masked((Shard(1), Shard(0), Shard(0)), output_mask),
+                (Shard(1), Shard(1)) + (Shard(0),) * per_channel + reserve),
+        ]
+        if not training:  # running statistics normalize: each sample alone
+            rows.append(Row(_masked((Shard(0), P, P), output_mask),
+                            (Shard(0), Shard(0)) + (R,) * per_channel + reserve))
+        return rows
+
+    def local_op(self, call, input_layouts, coordinate):
+        return _channels_or_zeros(call.op, input_layouts[1].local_shape(coordinate), 1)
+
+
+def _channels_or_zeros(op, local_input_shape: Sequence[int], input_position: int):
+    """The kernels refuse an input without elements: a shard without channels (or batch) gets zeros
+    (an empty output, empty per-channel results, zero weight and bias gradients)."""
+    if all(local_input_shape[:2]):
+        return None
+
+    def empty_shard(mesh, *args):
+        no_channels = local_input_shape[1] == 0
+        input_ndim = args[input_position].ndim
+
+        def stand_in(tensor):
+            if tensor.ndim == input_ndim:
+                shape = [max(size, 1) if dim < 2 else size for dim, size in enumerate(tensor.shape)]
+                return tensor.new_empty(shape, device="meta")
+            if tensor.ndim == 1 and tensor.numel() == 0 and no_channels:
+                return tensor.new_empty((1,), device="meta")
+            return tensor.new_empty(tensor.shape, device="meta")
+
+        results = op(*tree_map_only(torch.Tensor, stand_in, args))
+
+        def zeros(meta):
+            if meta.ndim == input_ndim:
+                return torch.zeros(local_input_shape, dtype=meta.dtype, device=args[input_position].device)
+            shape = (0,) if no_channels and meta.ndim == 1 else meta.shape
+            return torch.zeros(shape, dtype=meta.dtype, device=args[input_position].device)
+
+        return tree_map_only(torch.Tensor, zeros, results)
+
+    return empty_shard
+
+
+# ---- registration ----------------------------------------------------------------------------------
+
+# op name -> spatial rank: the trailing dims each op reads whole.
+_PLANE_OPS = {
+    "max_pool2d_with_indices": 2, "max_pool2d_with_indices_backward": 2,
+    "max_pool3d_with_indices": 3, "max_pool3d_with_indices_backward": 3,
+    "avg_pool2d": 2, "avg_pool2d_backward": 2, "avg_pool3d": 3, "avg_pool3d_backward": 3,
+    "_adaptive_avg_pool2d": 2, "_adaptive_avg_pool2d_backward": 2,
+    "_adaptive_avg_pool3d": 3, "_adaptive_avg_pool3d_backward": 3,
+    "adaptive_max_pool2d": 2, "adaptive_max_pool2d_backward": 2,
+    "adaptive_max_pool3d": 3, "adaptive_max_pool3d_backward": 3,
+    "max_unpool2d": 2, "max_unpool3d": 3,
+    "pixel_shuffle": 3, "pixel_unshuffle": 3,  # (*, C, H, W): channels mix with the spatial dims
+    "im2col": 3, "col2im": 2,  # (N, C, H, W) <-> (N, C * kernel, blocks)
+}
+# Upsampling forwards (and their `.vec` overloads) and backwards, whose `input_size` (argument 2) is global.
+_UPSAMPLE_OPS = {
+    "upsample_nearest1d": 1, "_upsample_nearest_exact1d": 1, "upsample_linear1d": 1,
+    "upsample_nearest2d": 2, "_upsample_nearest_exact2d": 2, "upsample_bilinear2d": 2, "upsample_bicubic2d": 2,
+    "_upsample_bilinear2d_aa": 2, "_upsample_bicubic2d_aa": 2,
+    "upsample_nearest3d": 3, "_upsample_nearest_exact3d": 3, "upsample_trilinear3d": 3,
+}
+
+for _name, _rank in _PLANE_OPS.items():
+    register_rule([getattr(aten, _name).default], PlaneRule(_name, _rank))
+for _name, _rank in _UPSAMPLE_OPS.items():
+    register_rule([getattr(aten, _name).default, getattr(aten, _name).vec], PlaneRule(_name, _rank))
+    _backward = getattr(aten, _name + "_backward").default
+    register_rule([_backward], PlaneRule(_name + "_backward", _rank, input_size_argument=2))
+register_rule([aten.channel_shuffle.default, aten.native_channel_shuffle.default], channel_shuffle)
+register_rule([aten.grid_sampler_2d.default, aten.grid_sampler_3d.default], grid_sampler)
+register_rule([aten.grid_sampler_2d_backward.default, aten.grid_sampler_3d_backward.default], grid_sampler_backward)
+register_rule(list(_BATCH_NORM_FORWARD), BatchNorm())
+register_rule([aten.native_batch_norm_backward.default, aten.batch_norm_backward.default], BatchNormBackward())
