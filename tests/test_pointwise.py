@@ -5,7 +5,7 @@ import torch
 from spmd import spmd
 
 import shardtensor
-from shardtensor import Replicate, Shard, comm, distribute_tensor
+from shardtensor import DTensor, Partial, Replicate, Shard, comm, distribute_tensor
 from shardtensor.ops.registry import RULES
 
 MESHES = [(1,), (2,), (4,), (2, 2)]
@@ -130,3 +130,58 @@ def test_python_scalars_keep_the_single_device_dtype(mesh, dtype):
     with shardtensor.strict_mode():
         for result, reference in [(x * 2, full * 2), (x * 2.5, full * 2.5), (x + True, full + True), (x / 2, full / 2)]:
             assert result.dtype == reference.dtype and torch.equal(result.full_tensor(), reference)
+
+
+SPECIAL_UNARY = [
+    torch.special.airy_ai, torch.special.bessel_j0, torch.special.bessel_j1, torch.special.bessel_y0,
+    torch.special.bessel_y1, torch.special.modified_bessel_i0, torch.special.modified_bessel_i1,
+    torch.special.modified_bessel_k0, torch.special.modified_bessel_k1, torch.special.scaled_modified_bessel_k0,
+    torch.special.scaled_modified_bessel_k1, torch.special.spherical_bessel_j0,
+]
+# Polynomials of x (a DTensor, or a Python number) and degree n (a DTensor, or a Python int).
+SPECIAL_POLYNOMIALS = [
+    torch.special.chebyshev_polynomial_t, torch.special.chebyshev_polynomial_u, torch.special.chebyshev_polynomial_v,
+    torch.special.chebyshev_polynomial_w, torch.special.shifted_chebyshev_polynomial_t,
+    torch.special.shifted_chebyshev_polynomial_u, torch.special.shifted_chebyshev_polynomial_v,
+    torch.special.shifted_chebyshev_polynomial_w, torch.special.hermite_polynomial_h,
+    torch.special.hermite_polynomial_he, torch.special.laguerre_polynomial_l, torch.special.legendre_polynomial_p,
+]
+
+
+@spmd(meshes=MESHES)
+def test_special_functions_frexp_and_ldexp_are_local(mesh):
+    x_full = _full(0).double().abs() + 0.1  # 6 x 5: uneven on 4 ranks
+    degree_full = torch.arange(30).reshape(6, 5) % 5
+    x, degree = (distribute_tensor(t, mesh, _sharded(mesh)) for t in (x_full, degree_full))
+    with shardtensor.strict_mode(), comm.observe() as records:
+        results = [function(x) for function in SPECIAL_UNARY]
+        for polynomial in SPECIAL_POLYNOMIALS:
+            results += [polynomial(x / 3, degree), polynomial(0.25, degree), polynomial(x / 3, 3)]
+        results += list(torch.frexp(x)) + [torch.ldexp(x, degree), x.clone().ldexp_(degree)]
+    assert list(records) == []
+    expected = [function(x_full) for function in SPECIAL_UNARY]
+    for polynomial in SPECIAL_POLYNOMIALS:
+        expected += [polynomial(x_full / 3, degree_full), polynomial(0.25, degree_full), polynomial(x_full / 3, 3)]
+    expected += list(torch.frexp(x_full)) + [torch.ldexp(x_full, degree_full)] * 2
+    for result, reference in zip(results, expected, strict=True):
+        assert result.placements == x.placements
+        torch.testing.assert_close(result.full_tensor(), reference, rtol=0, atol=0, equal_nan=True)
+
+
+@spmd(meshes=[(2,), (2, 2)])
+def test_ldexp_keeps_a_partial_mantissa_and_gradients_match(mesh):
+    operand = torch.randn(4, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(mesh.get_rank()))
+    partial = DTensor.from_local(operand, mesh, [Partial()] * mesh.ndim)
+    exponent_full = torch.arange(12).reshape(4, 3) % 3
+    exponent = distribute_tensor(exponent_full, mesh, [Replicate()] * mesh.ndim)
+    with shardtensor.strict_mode(), comm.observe() as records:
+        result = torch.ldexp(partial, exponent)
+    assert list(records) == [] and result.placements == (Partial(),) * mesh.ndim
+    torch.testing.assert_close(result.full_tensor(), torch.ldexp(partial.full_tensor(), exponent_full))
+    full = torch.rand(4, 3, dtype=torch.float64) + 0.5
+    leaf = distribute_tensor(full.clone().requires_grad_(), mesh, _sharded(mesh))
+    reference = full.clone().requires_grad_()
+    with shardtensor.strict_mode():
+        (torch.special.bessel_j0(leaf) * torch.ldexp(leaf, exponent)).sum().backward()
+    (torch.special.bessel_j0(reference) * torch.ldexp(reference, exponent_full)).sum().backward()
+    torch.testing.assert_close(leaf.grad.full_tensor(), reference.grad)

@@ -6,7 +6,7 @@ import torch
 from spmd import spmd
 
 import shardtensor
-from shardtensor import DTensor, Partial, Shard, comm, distribute_tensor
+from shardtensor import DTensor, Partial, Replicate, Shard, comm, distribute_tensor
 
 MESHES = [(1,), (2,), (4,), (2, 2)]
 
@@ -84,6 +84,7 @@ LOCAL_CASES = [
     (lambda x: torch.linalg.vector_norm(x, 3, dim=1), 0),
     (lambda x: x.cumsum(1), 0),
     (lambda x: x.cummax(1), 0),
+    (lambda x: x.median(1), 0),
 ]
 
 
@@ -98,6 +99,11 @@ def test_reducing_an_unsharded_dim_is_local_and_keeps_the_shard(mesh):
         for result, reference in zip(_values(reduced), _values(reduction(full))):
             assert result.placements == (Shard(output_dim),) * mesh.ndim
             torch.testing.assert_close(result.full_tensor(), reference)
+    with shardtensor.strict_mode(), comm.observe() as records:
+        hashes = torch.hash_tensor(x, 1)  # uint64, which gloo cannot gather: compared shard by shard
+    assert list(records) == [] and hashes.placements == x.placements
+    start, length = x.sharding.local_offset(mesh.get_coordinate())[0], x.to_local().shape[0]
+    assert torch.equal(hashes.to_local(), torch.hash_tensor(full, 1)[start:start + length])
     if mesh.ndim == 2:
         mixed = distribute_tensor(full, mesh, [Shard(0), Shard(1)])
         with shardtensor.strict_mode(), comm.observe() as records:
@@ -178,3 +184,91 @@ def test_backward_matches_single_device(mesh, case):
         reference = full.clone().requires_grad_()
         loss_of(reference).backward()
         torch.testing.assert_close(leaf.grad.full_tensor(), reference.grad)
+
+
+aten = torch.ops.aten
+INFINITY = float("inf")
+# Median, mode, norms, dist, histc, count_nonzero, aminmax, trace, renorm, segment_reduce: (loss of the
+# leaf, or None for integer results compared forward only). Each runs in strict mode on a leaf sharded
+# on dim 0 or 1, forward and backward against one device.
+MORE_CASES = [
+    lambda x: x.median(0).values.sum() + x.nanmedian(1)[0].sum() + x.median() + x.nanmedian(),
+    lambda x: x.mode(1).values.sum() + x.mode(0, keepdim=True)[0].sum(),
+    lambda x: torch.aminmax(x, dim=0).min.sum() + torch.aminmax(x).max + torch.aminmax(x, dim=1, keepdim=True)[1].sum(),
+    lambda x: aten.norm.ScalarOpt_dim(x, 2, [1]).sum() + aten.norm.ScalarOpt_dim(x, 1, [0]).sum() + aten.norm.Scalar(x, 3),
+    lambda x: aten.norm.ScalarOpt_dim(x, INFINITY, [0]).sum() + aten.norm.ScalarOpt_dim(x, None, [0, 1], True).sum(),
+    lambda x: torch.dist(x, x * 0.5) + torch.dist(x, 2 - x, 1) + torch.dist(x, x.sin(), INFINITY),
+    lambda x: torch.nn.functional.pairwise_distance(x, x.cos()).sum(),
+    lambda x: x.histc(4, 0.5, 1.25).sum() + x.histc(3)[1:],
+    lambda x: torch.histogram(x.detach(), 3, density=True).hist + torch.histogram(x.detach(), 3).bin_edges[1:],
+    lambda x: torch.count_nonzero(x > 1, 0) + torch.count_nonzero(x < 1).sum(),
+    lambda x: x[:, :4].trace() + x.renorm(2, 0, 1.0).sum() + x.renorm(1, 1, 2.0).sum(),
+    lambda x: aten.segment_reduce(x, "sum", lengths=SEGMENT_LENGTHS).sum()
+    + aten.segment_reduce(x, "max", offsets=SEGMENT_OFFSETS).pow(2).sum(),
+]
+SEGMENT_LENGTHS = torch.tensor([2, 0, 3])
+SEGMENT_OFFSETS = torch.tensor([0, 2, 2, 5])
+
+
+@spmd(meshes=MESHES)
+def test_more_reductions_forward_and_backward(mesh):
+    full = torch.rand(5, 4, dtype=torch.float64) + 0.5  # 5 rows on 4 ranks: one empty shard
+    for loss_of in MORE_CASES:
+        for dim in (0, 1):
+            leaf = distribute_tensor(full.clone().requires_grad_(), mesh, [Shard(dim)] * mesh.ndim)
+            reference = full.clone().requires_grad_()
+            expected = loss_of(reference)
+            with shardtensor.strict_mode():
+                loss = loss_of(leaf)
+                torch.testing.assert_close(loss.full_tensor(), expected)
+                if expected.requires_grad:
+                    loss.sum().backward()
+            if expected.requires_grad:
+                expected.sum().backward()
+                torch.testing.assert_close(leaf.grad.full_tensor(), reference.grad)
+
+
+@spmd(meshes=MESHES)
+def test_sharded_reduced_dims_give_partials_without_communication(mesh):
+    full = torch.randn(5, 3, dtype=torch.float64)
+    x = distribute_tensor(full, mesh, [Shard(0)] * mesh.ndim)
+    y = distribute_tensor(full.flip(1), mesh, [Shard(0)] * mesh.ndim)
+    cases = [
+        (lambda a, b: torch.aminmax(a, dim=0), ("min", "max")),
+        (lambda a, b: torch.aminmax(a), ("min", "max")),
+        (lambda a, b: torch.count_nonzero(a > 0, 0), ("sum",)),
+        (lambda a, b: a.histc(5, -1, 1), ("sum",)),
+        (lambda a, b: torch.histogram(a, 4, range=(-1.0, 1.0), weight=b.abs()), ("sum", None)),  # (counts, edges)
+        (lambda a, b: torch.histogram(a, EDGES), ("sum", None)),
+        (lambda a, b: torch.dist(a, b, 1), ("sum",)),
+        (lambda a, b: torch.dist(a, b, INFINITY), ("max",)),
+        (lambda a, b: torch.dist(a, b, -INFINITY), ("min",)),
+        (lambda a, b: aten.norm.ScalarOpt_dim(a, INFINITY, [0]), ("max",)),
+    ]
+    for function, reduce_ops in cases:
+        with shardtensor.strict_mode(), comm.observe() as records:
+            results = _values(function(x, y))
+        assert list(records) == []  # Partial(max)/(min) wait until the value is asked for
+        for result, reference, reduce_op in zip(results, _values(function(full, full.flip(1))), reduce_ops):
+            if mesh.size() > 1:
+                assert result.placements == (Replicate() if reduce_op is None else Partial(reduce_op),) * mesh.ndim
+            torch.testing.assert_close(result.full_tensor(), reference)
+
+
+EDGES = torch.tensor([-2.0, -0.5, 0.0, 0.1, 3.0], dtype=torch.float64)
+
+
+@spmd(meshes=MESHES)
+def test_equal_and_allclose_give_every_rank_the_same_answer(mesh):
+    full = torch.randn(5, 3, dtype=torch.float64)
+    different = full.clone()
+    different[4, 2] += 1e-3  # on the last shard only: the other ranks' shards agree
+    for placements in ([Shard(0)] * mesh.ndim, [Replicate()] * mesh.ndim):
+        x, y = (distribute_tensor(t, mesh, placements) for t in (full, different))
+        same = distribute_tensor(full.clone(), mesh, placements)
+        with shardtensor.strict_mode(), comm.observe() as records:
+            answers = [torch.equal(x, same), torch.equal(x, y), torch.allclose(x, y), torch.allclose(x, y, atol=1e-2),
+                       torch.equal(x, x[:4])]
+        assert answers == [True, False, False, True, False]
+        sharded = placements[0] != Replicate() and mesh.size() > 1
+        assert [record.kind for record in records] == (["all_reduce"] * 4 if sharded else [])

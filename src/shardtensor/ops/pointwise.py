@@ -102,7 +102,7 @@ def _sum(call: OpCall) -> list[PartialRow]:
 def _scaling_by_scalar(call: OpCall) -> list[PartialRow]:
     """One DTensor operand scaled by a Python number (or a 0-d plain tensor, sign unknown)."""
     rows = [(Partial(op), (Partial(op),)) for op in LINEAR_REDUCE_OPS]
-    scalars = _scalars(call)
+    scalars = [scalar for scalar in _scalars(call) if isinstance(scalar, numbers.Real)]  # a complex one has no sign
     if len(scalars) == 1 and scalars[0] > 0:
         rows += [(Partial(op), (Partial(op),)) for op in EXTREME_REDUCE_OPS]
     elif len(scalars) == 1 and scalars[0] < 0:
@@ -219,12 +219,21 @@ _NONLINEAR = [
     aten.square, aten.tan, aten.gelu, aten.silu, aten.mish, aten.hardswish, aten.elu, aten.selu, aten.celu,
     aten.softplus, aten.logical_not, aten.threshold, aten.polygamma, aten.mvlgamma,
     aten.special_erfcx, aten.special_i0e, aten.special_i1, aten.special_i1e, aten.special_ndtr,
-    aten.special_ndtri, aten.special_log_ndtr, aten.special_entr,
+    aten.special_ndtri, aten.special_log_ndtr, aten.special_entr, aten.special_airy_ai, aten.special_bessel_j0,
+    aten.special_bessel_j1, aten.special_bessel_y0, aten.special_bessel_y1, aten.special_modified_bessel_i0,
+    aten.special_modified_bessel_i1, aten.special_modified_bessel_k0, aten.special_modified_bessel_k1,
+    aten.special_scaled_modified_bessel_k0, aten.special_scaled_modified_bessel_k1,
+    aten.special_spherical_bessel_j0,
     # binary
     aten.pow, aten.float_power, aten.remainder, aten.fmod, aten.floor_divide, aten.atan2, aten.hypot,
     aten.copysign, aten.nextafter, aten.xlogy, aten.special_xlog1py, aten.special_zeta, aten.logaddexp,
     aten.logaddexp2, aten.heaviside, aten.igamma, aten.igammac,
-    aten.logical_and, aten.logical_or, aten.logical_xor,
+    aten.logical_and, aten.logical_or, aten.logical_xor, aten.special_chebyshev_polynomial_t,
+    aten.special_chebyshev_polynomial_u, aten.special_chebyshev_polynomial_v, aten.special_chebyshev_polynomial_w,
+    aten.special_shifted_chebyshev_polynomial_t, aten.special_shifted_chebyshev_polynomial_u,
+    aten.special_shifted_chebyshev_polynomial_v, aten.special_shifted_chebyshev_polynomial_w,
+    aten.special_hermite_polynomial_h, aten.special_hermite_polynomial_he, aten.special_laguerre_polynomial_l,
+    aten.special_legendre_polynomial_p,
     aten.bitwise_and, aten.bitwise_or, aten.bitwise_xor, aten.bitwise_left_shift, aten.bitwise_right_shift,
     aten.__lshift__, aten.__rshift__, aten.__and__, aten.__or__, aten.__xor__,
 ]
@@ -260,6 +269,7 @@ PARTIAL_FAMILIES: list[tuple[list, Callable[[OpCall], list[PartialRow]]]] = [
     ([aten.addcdiv], _addcdiv),
     ([aten._to_copy], _cast),
     (_BACKWARD, _linear_in_first),
+    ([aten.ldexp], _linear_in_first),  # x * 2**e: linear in x for a replicated exponent e
 ]
 
 
@@ -282,8 +292,10 @@ def _with_in_place(packets: list) -> list:
     return packets + [getattr(aten, packet.__name__ + "_") for packet in packets if hasattr(aten, packet.__name__ + "_")]
 
 
-def _output_and_buffer(call: OpCall) -> list[Row]:
-    """`log_sigmoid_forward` returns (output, buffer), both elementwise in the input."""
+def _two_outputs(call: OpCall) -> list[Row]:
+    """`log_sigmoid_forward` (output, buffer) and `frexp` (mantissa, exponent): both outputs are
+    elementwise in the input. (Not `frexp.Tensor_out`: dispatch sorts keyword arguments by name,
+    and its two out= tensors would reach the local op swapped; it takes the fallback.)"""
     return [Row(row.outputs * 2, row.inputs) for row in pointwise(call)]
 
 
@@ -304,4 +316,4 @@ _COMPARISONS = [aten.eq, aten.ne, aten.lt, aten.le, aten.gt, aten.ge]
 for _packets, _partial_rows in PARTIAL_FAMILIES:
     register_rule(_with_in_place(_packets), _elementwise_rule(_partial_rows))
 register_rule(_with_in_place(_COMPARISONS), ComparisonRule(_elementwise_rule(_no_partial)))
-register_rule([aten.log_sigmoid_forward.default], _output_and_buffer)
+register_rule([aten.log_sigmoid_forward.default, aten.frexp.Tensor], _two_outputs)

@@ -7,7 +7,8 @@ of bools); otherwise (indices, variances, logsumexp) the dim is gathered first. 
 dim runs `sum / global count` on each shard, a P(sum) that is exact for uneven shards. An empty
 shard of a max-like reduction counts as the reduce op's identity instead of raising on that rank
 only. Partial inputs pass through only linear-in-the-reduce-op reductions (sum of P(sum)); max,
-var, ... of a Partial reduce it first.
+var, ... of a Partial reduce it first. Median and mode need the whole reduced dim; `dist`, `histc`
+(with an explicit range) and `trace` have their own small rules below.
 """
 
 from __future__ import annotations
@@ -19,12 +20,14 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import comm
 from ..layout import Layout
 from ..placement import Partial, Replicate, Shard
-from ..propagation import OpCall, Row, ShardingRule
-from .registry import register_rule
+from ..propagation import OpCall, Row, ShardingRule, TensorMeta
+from .registry import pointwise, register_rule
+from .tensor_ops import TensorOpRule
 
-__all__ = ["ReductionRule", "VectorNormRule", "ScanRule", "argument"]
+__all__ = ["ReductionRule", "VectorNormRule", "ScanRule", "argument", "tensor_argument_names"]
 
 aten = torch.ops.aten
 
@@ -38,6 +41,17 @@ def argument(call: OpCall, name: str):
             default = schema_argument.default_value if schema_argument.has_default_value() else None
             return call.kwarg(name, default)
     return None
+
+
+def tensor_argument_names(call: OpCall) -> list[str]:
+    """The schema name of each DTensor input, in the order `call.inputs` lists them (a tensor list
+    argument such as `indices` names each of its DTensors)."""
+    names = []
+    for schema_argument in call.op._schema.arguments:
+        value = argument(call, schema_argument.name)
+        values = value if isinstance(value, (list, tuple)) else [value]
+        names += [schema_argument.name for item in values if isinstance(item, TensorMeta)]
+    return names
 
 
 def _tensor_outputs(call: OpCall) -> int:
@@ -77,14 +91,15 @@ def _local_mean(count: int, mesh, tensor, dim=None, keepdim=False, *, dtype=None
 class ReductionRule(ShardingRule):
     """A reduction over the dims named by its `dim` argument (all dims when absent, None or empty).
 
-    `sharded_gives`: the Partial reduce op of the output when a reduced dim is sharded, or None
-    when shards cannot be combined (that dim is gathered). `partial_passes`: the Partial input
-    reduce op the output keeps (the reduction commutes with it), or None. `empty_fill`: for a
-    reduction without identity (amax...), the value ("lowest", "highest", "zero") an empty shard
-    is read as. `mean`: the local op is `sum / global count`.
+    `sharded_gives`: the Partial reduce op of the outputs when a reduced dim is sharded (a tuple:
+    one per output, as aminmax's (min, max)), or None when shards cannot be combined (that dim is
+    gathered). `partial_passes`: the Partial input reduce op the output keeps (the reduction
+    commutes with it), or None. `empty_fill`: for a reduction without identity (amax...), the value
+    ("lowest", "highest", "zero") an empty shard is read as. `mean`: the local op is `sum / global
+    count`.
     """
 
-    sharded_gives: str | None = None
+    sharded_gives: str | tuple[str, ...] | None = None
     partial_passes: str | None = None
     empty_fill: str | None = None
     mean: bool = False
@@ -115,6 +130,8 @@ class ReductionRule(ShardingRule):
             if dim not in reduced:
                 output_dim = dim if keepdim else dim - len([other for other in reduced if other < dim])
                 rows.append(Row((Shard(output_dim),) * outputs, (Shard(dim),)))
+            elif isinstance(sharded_gives, tuple):
+                rows.append(Row(tuple(Partial(reduce_op) for reduce_op in sharded_gives), (Shard(dim),)))
             elif sharded_gives is not None:
                 rows.append(Row((Partial(sharded_gives),) * outputs, (Shard(dim),)))
         if self.partial_passes is not None:
@@ -144,14 +161,189 @@ _NORM_COMBINE = {math.inf: ("max", "zero"), -math.inf: ("min", "highest"), 0: ("
 
 @dataclass(frozen=True, slots=True)
 class VectorNormRule(ReductionRule):
-    """`linalg_vector_norm`: shards combine for ord inf/-inf (max/min) and 0/1 (sum); others gather."""
+    """`linalg_vector_norm` (order argument `ord`) and `norm` (`p`, None meaning 2): shards combine
+    for orders inf/-inf (max/min) and 0/1 (sum); other orders gather the reduced dim."""
+
+    order_argument: str = "ord"
 
     @property
     def __name__(self) -> str:
         return "vector_norm"
 
     def combine(self, call: OpCall) -> tuple[str | None, str | None]:
-        return _NORM_COMBINE.get(argument(call, "ord"), (None, None))
+        return _NORM_COMBINE.get(argument(call, self.order_argument), (None, None))
+
+
+def _aminmax_empty_as_identity(mesh, tensor, *, dim=None, keepdim=False):
+    """aminmax of a shard whose reduced dim may be empty: +inf-like minimum, -inf-like maximum."""
+    dims = tuple(range(tensor.ndim)) if dim is None else (_normalized_dim(dim, tensor.ndim),)
+    if not any(tensor.shape[reduced] == 0 for reduced in dims):
+        return aten.aminmax.default(tensor, dim=dim, keepdim=keepdim)
+    shape = [1 if reduced in dims and size == 0 else size for reduced, size in enumerate(tensor.shape)]
+    highest = tensor.new_full(shape, _fill_value("highest", tensor.dtype))
+    lowest = tensor.new_full(shape, _fill_value("lowest", tensor.dtype))
+    minimum = aten.aminmax.default(highest, dim=dim, keepdim=keepdim)[0]
+    return minimum, aten.aminmax.default(lowest, dim=dim, keepdim=keepdim)[1]
+
+
+@dataclass(frozen=True, slots=True)
+class AminmaxRule(ReductionRule):
+    """`aminmax` -> (min, max): a sharded reduced dim gives (P(min), P(max)); an empty shard reads
+    as each output's identity."""
+
+    @property
+    def __name__(self) -> str:
+        return "aminmax"
+
+    def local_op(self, call: OpCall, input_layouts: Sequence[Layout], coordinate: Sequence[int]):
+        reduced = self.reduced_dims(call)
+        if any(isinstance(p, Shard) and p.dim in reduced for p in input_layouts[0].placements):
+            return _aminmax_empty_as_identity
+        return None
+
+
+# dist(a, b, p) = vector norm of a - b over every dim: a shard's share combines like the norm's.
+_DIST_IDENTITY = {math.inf: 0.0, -math.inf: math.inf}
+
+
+def _local_dist(identity: float, mesh, self, other, p=2):
+    """dist of two shards whose broadcast difference may be empty: the identity of the norm's max/min."""
+    if math.prod(torch.broadcast_shapes(self.shape, other.shape)) == 0:
+        return self.new_full((), identity, dtype=torch.promote_types(self.dtype, other.dtype))
+    return aten.dist.default(self, other, p)
+
+
+class DistRule(ShardingRule):
+    """dist(self, other, p): the inputs shard like a pointwise difference; a sharded dim gives the
+    Partial of the p-norm (sum for p in 0, 1; max/min for inf/-inf), other p only Replicate."""
+
+    __name__ = "dist"
+
+    def rows(self, call: OpCall) -> Sequence[Row]:
+        combined, _ = _NORM_COMBINE.get(argument(call, "p"), (None, None))
+        rows = pointwise(call)
+        if combined is None:
+            return rows[:1]
+        return rows[:1] + [Row((Partial(combined),), row.inputs) for row in rows[1:]]
+
+    def local_op(self, call: OpCall, input_layouts: Sequence[Layout], coordinate: Sequence[int]):
+        identity = _DIST_IDENTITY.get(argument(call, "p"))
+        return None if identity is None else functools.partial(_local_dist, identity)
+
+
+def _agreed_on_every_shard(op, mesh_dims: tuple[int, ...], mesh, *args, **kwargs) -> bool:
+    """`op` (equal, allclose) on this rank's shards, then the AND of every shard's answer over
+    `mesh_dims`, so that every rank returns the same bool."""
+    local = torch.tensor(op(*args, **kwargs))
+    return bool(comm.all_reduce(local, mesh, mesh_dims, reduce_op="min").item())
+
+
+def _unequal_shapes(mesh, *args, **kwargs) -> bool:
+    return False
+
+
+class AllElementsRule(ShardingRule):
+    """equal / allclose -> a Python bool: the inputs shard alike (broadcasting like pointwise) or stay
+    Replicate; sharded, each rank answers for its shards and one all_reduce(min) of a bool over the
+    sharded mesh dims gives every rank the answer for the whole tensors. A Partial is reduced first.
+    `equal` of tensors of different shapes is False wherever they lie: nothing moves."""
+
+    __name__ = "all_elements"
+
+    def rows(self, call: OpCall) -> Sequence[Row]:
+        return [Row((), row.inputs) for row in pointwise(call)]
+
+    def rows_for_layouts(self, call: OpCall, layouts: Sequence[Layout]) -> Sequence[Row]:
+        if not self._unequal_shapes(call):
+            return self.rows(call)
+        first, second = ({*layout.placements} for layout in layouts)
+        return [Row((), (one, other)) for one in first for other in second]
+
+    def global_outputs(self, call: OpCall) -> list:
+        return [None]  # a bool; the op does not run on meta tensors
+
+    def local_op(self, call: OpCall, input_layouts: Sequence[Layout], coordinate: Sequence[int]):
+        if self._unequal_shapes(call):
+            return _unequal_shapes
+        sharded = tuple(
+            mesh_dim for mesh_dim in range(len(input_layouts[0].mesh_shape))
+            if any(isinstance(layout.placements[mesh_dim], Shard) for layout in input_layouts)
+        )
+        return functools.partial(_agreed_on_every_shard, call.op, sharded) if sharded else None
+
+    @staticmethod
+    def _unequal_shapes(call: OpCall) -> bool:
+        return call.op == aten.equal.default and call.inputs[0].shape != call.inputs[1].shape
+
+
+def _with_out(call: OpCall, rows: list[Row]) -> list[Row]:
+    """The rows of a one-input op, with its `out=` tensor (if given) placed like the output."""
+    if len(call.inputs) == 1:
+        return rows
+    return [Row(row.outputs, row.inputs + row.outputs) for row in rows]
+
+
+def histc_rows(call: OpCall) -> list[Row]:
+    """histc(self, bins, min, max): each element falls in one bin, so shards' histograms sum to the
+    whole one (P(sum)), but only for an explicit range: min == max takes it from the data."""
+    rows = [Row((Replicate(),), (Replicate(),))]
+    if argument(call, "min") < argument(call, "max"):
+        rows += [Row((Partial("sum"),), (Shard(dim),)) for dim in range(call.inputs[0].ndim)]
+    return _with_out(call, rows)
+
+
+class HistogramRule(ShardingRule):
+    """histogram(self, bins, *, range, weight, density) -> (hist, bin_edges): like histc, the shards'
+    counts sum to the whole (P(sum) hist, Replicate edges, weight sharded with self) when the edges
+    do not depend on the data (a bins tensor, or an explicit range) and nothing is normalized
+    (density=False); otherwise Replicate only."""
+
+    __name__ = "histogram"
+    accepts_plain_tensors = True  # a plain bins tensor is the same edges on every rank
+
+    def rows(self, call: OpCall) -> Sequence[Row]:
+        names = tensor_argument_names(call)
+        rows = [Row((Replicate(), Replicate()), (Replicate(),) * len(names))]
+        edges_known = isinstance(argument(call, "bins"), TensorMeta) or argument(call, "range") is not None
+        if edges_known and not argument(call, "density"):
+            for dim in range(call.inputs[0].ndim):
+                inputs = tuple(Shard(dim) if name in ("self", "weight") else Replicate() for name in names)
+                rows.append(Row((Partial("sum"), Replicate()), inputs))
+        return rows
+
+    def global_outputs(self, call: OpCall) -> list[TensorMeta]:
+        """histogram has no meta kernel: (bins,) counts and (bins + 1,) edges of self's dtype."""
+        bins = argument(call, "bins")
+        count = bins.shape[0] - 1 if isinstance(bins, TensorMeta) else bins
+        dtype = call.inputs[0].dtype
+        return [TensorMeta((count,), (1,), dtype), TensorMeta((count + 1,), (1,), dtype)]
+
+
+def trace_rows(call: OpCall) -> list[Row]:
+    """trace is linear: a P(sum)/P(avg) input passes; a sharded matrix is gathered (no offset rule)."""
+    return [Row((Replicate(),), (Replicate(),))] + [Row((Partial(op),), (Partial(op),)) for op in ("sum", "avg")]
+
+
+def renorm_rows(call: OpCall) -> list[Row]:
+    """renorm(self, p, dim, maxnorm) rescales each slice along `dim` by its own norm over the other
+    dims: `dim` may stay sharded, the others must be whole."""
+    dim = _normalized_dim(argument(call, "dim"), call.inputs[0].ndim)
+    return _with_out(call, [Row((Replicate(),), (Replicate(),)), Row((Shard(dim),), (Shard(dim),))])
+
+
+def segment_reduce_rows(call: OpCall) -> list[Row]:
+    """segment_reduce / _segment_reduce_backward: segments run along `axis`; the tensors with the
+    data's shape (data, grad, output, out=) shard together on a dim after `axis`; the segment
+    lengths/offsets (which span the dims up to `axis`) stay Replicate."""
+    axis = argument(call, "axis")
+    data = call.inputs[0]
+    axis = _normalized_dim(axis, data.ndim)
+    segments = {"lengths", "offsets", "indices"}
+    names = tensor_argument_names(call)
+    rows = [Row((Replicate(),), (Replicate(),) * len(names))]
+    for dim in range(axis + 1, data.ndim):
+        rows.append(Row((Shard(dim),), tuple(Replicate() if name in segments else Shard(dim) for name in names)))
+    return rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,7 +385,22 @@ _REDUCTIONS = [
     ([aten.max.dim, aten.min.dim, aten.argmax.default, aten.argmin.default], _GATHER),
     ([aten.var.correction, aten.std.correction, aten.var_mean.correction, aten.std_mean.correction], _GATHER),
     ([aten.logsumexp.default], _GATHER),
+    ([aten.hash_tensor.default], _GATHER),  # an xor of the shards' hashes: no such Partial
     ([aten.linalg_vector_norm.default], VectorNormRule()),
+    ([aten.norm.Scalar, aten.norm.ScalarOpt_dim, aten.norm.ScalarOpt_dim_dtype, aten.norm.ScalarOpt_dtype],
+     VectorNormRule(order_argument="p")),
+    ([aten.count_nonzero.default, aten.count_nonzero.dim_IntList], ReductionRule("sum")),
+    ([aten.aminmax.default], AminmaxRule(("min", "max"))),
+    # values and indices of the middle / most frequent element: no partial form, the dim is gathered
+    ([aten.median.default, aten.median.dim, aten.nanmedian.default, aten.nanmedian.dim, aten.mode.default], _GATHER),
+    ([aten.dist.default], DistRule()),
+    ([aten.histc.default, aten.histc.out], histc_rows),
+    ([aten.histogram.bin_ct, aten.histogram.bins_tensor], HistogramRule()),
+    ([aten.trace.default], trace_rows),
+    ([aten.renorm.default, aten.renorm_.default, aten.renorm.out], renorm_rows),
+    ([aten.equal.default, aten.allclose.default], AllElementsRule()),
+    # segment lengths/offsets may be plain tensors (Replicate)
+    ([aten.segment_reduce.default, aten._segment_reduce_backward.default], TensorOpRule(segment_reduce_rows)),
     ([aten.cumsum.default], ScanRule("sum")),
     ([aten.cumprod.default, aten.cummax.default, aten.cummin.default, aten.logcumsumexp.default], ScanRule()),
 ]
