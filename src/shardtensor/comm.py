@@ -215,7 +215,9 @@ def _check_sizes(function: str, name: str, sizes: Sequence[int], peers: _Peers) 
 
 
 def _wire(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor as c10d moves it: bools travel as uint8 (same bytes)."""
+    """The tensor as c10d moves it: bools travel as uint8 (same bytes); a conjugate or negative view
+    (`x.conj()`) is resolved first, since c10d sends the memory and would drop the view's meaning."""
+    tensor = tensor.resolve_conj().resolve_neg()
     return tensor.view(torch.uint8) if tensor.dtype == torch.bool else tensor
 
 
