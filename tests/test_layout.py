@@ -122,3 +122,18 @@ def test_layouts_are_hashable_values():
     b = Layout.create((2,), [Shard(1)], (3, 4))
     assert a == b and hash(a) == hash(b)
     assert str(a) == "[S(1)] shape=(3, 4) mesh=(2,)"
+
+
+def test_layout_hash_is_cached_and_survives_copies():
+    """The hash is computed once; pickling rebuilds it (string hashes differ between processes)."""
+    import copy
+    import dataclasses
+    import pickle
+
+    layout = Layout.create((2, 2), [Shard(0), Partial()], (5, 4))
+    assert layout._hash == hash(layout)
+    for other in (pickle.loads(pickle.dumps(layout)), copy.deepcopy(layout), dataclasses.replace(layout)):
+        assert other == layout and hash(other) == hash(layout)
+    moved = dataclasses.replace(layout, pieces=((3, 2), (4,)))
+    assert hash(moved) == hash((moved.mesh_shape, moved.placements, moved.shape, moved.shard_order, moved.pieces))
+    assert "_hash" not in repr(layout)

@@ -115,3 +115,27 @@ def test_matmul_contracting_an_uneven_dim(mesh):
     (reference_a @ reference_b).sum().backward()
     assert torch.equal(a.grad.full_tensor(), reference_a.grad)
     assert torch.equal(b.grad.full_tensor(), reference_b.grad)
+
+
+# Reductions whose CPU kernel rejects an empty reduced dim (their meta kernels accept it): a size-3
+# dim over 4 ranks leaves one shard empty.
+EMPTY_SHARD_OPS = {
+    "max.dim": lambda x: torch.max(x, 0).values,
+    "argmax": lambda x: torch.argmax(x, 0),
+    "amax": lambda x: torch.amax(x, 0),
+    "max": lambda x: x.max(),
+    "median.dim": lambda x: torch.median(x, 0).values,
+    "mode": lambda x: torch.mode(x, 0).values,
+    "kthvalue": lambda x: torch.kthvalue(x, 1, 0).values,
+    "logsumexp": lambda x: torch.logsumexp(x, 0),
+}
+
+
+@pytest.mark.parametrize("op", sorted(EMPTY_SHARD_OPS))
+@spmd(meshes=[(4,), (2, 2)])
+def test_a_kernel_rejecting_an_empty_shard_does_not_diverge(mesh, op):
+    """Every rank returns the single-device value (or every rank raises): none waits for the others."""
+    full = torch.randn(3, 2)
+    x = distribute_tensor(full, mesh, [Shard(0)] * mesh.ndim)
+    result = EMPTY_SHARD_OPS[op](x)
+    assert torch.equal(result.full_tensor(), EMPTY_SHARD_OPS[op](full))

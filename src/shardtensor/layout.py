@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .placement import Partial, Placement, Shard, normalize_placements
 
@@ -67,6 +67,18 @@ class Layout:
     shape: tuple[int, ...]
     shard_order: tuple[tuple[int, ...], ...]
     pieces: tuple[tuple[int, ...], ...]
+    # Computed once: layouts key the decision cache and plans, and hashing five nested tuples costs ~1 us.
+    _hash: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_hash", hash((self.mesh_shape, self.placements, self.shape, self.shard_order, self.pieces)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __reduce__(self):
+        # Rebuilt, not copied: a string's hash differs between processes, so a pickled `_hash` would be stale.
+        return (Layout, (self.mesh_shape, self.placements, self.shape, self.shard_order, self.pieces))
 
     @classmethod
     def create(

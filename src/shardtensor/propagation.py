@@ -68,7 +68,8 @@ class OpCall:
     """What a rule sees: the op, its tensor inputs' global metadata, and the remaining arguments.
 
     In `args`/`kwargs`, tensor arguments stand as their `TensorMeta`; `inputs` lists the DTensor
-    arguments in the order the rule's rows name them (the flattened argument order).
+    arguments in the order the rule's rows name them (the flattened argument order). `kwargs` keeps
+    the call's keyword order: placeholders meet their tensors in that flattened order.
     """
 
     op: object
@@ -105,6 +106,11 @@ class ShardingRule:
         """The rows for these input layouts: `rows(call)`, unless a row is right only for some shard
         sizes (a view splitting a sharded dim) and the rule checks them."""
         return self.rows(call)
+
+    def global_outputs(self, call: OpCall) -> list[TensorMeta | None]:
+        """Global metadata of the op's outputs (None for a non-tensor one), from the op on meta
+        tensors; a rule whose op cannot run on them (`item()`) says what it returns."""
+        return run_on_meta(call.op, call.args, dict(call.kwargs))
 
     def local_arguments(
         self, call: OpCall, input_layouts: Sequence[Layout], coordinate: Sequence[int]
@@ -365,7 +371,7 @@ def decide(
         tuple(layout.with_placements([row.inputs[index] for row in chosen]) for index, layout in enumerate(layouts)),
     )
     try:
-        metas = tuple(run_on_meta(call.op, call.args, dict(call.kwargs)))
+        metas = tuple(rule.global_outputs(call))
     except NotImplementedError as error:  # e.g. `nonzero` inside boolean indexing: shapes depend on data
         raise DataDependentOutput(f"{call.op} cannot be evaluated on meta tensors: {error}") from error
     placements: list[tuple[Placement, ...] | None] = []

@@ -197,6 +197,8 @@ class Embedding(ShardingRule):
         first, rows = vocabulary
 
         def masked_embedding(mesh, weight, indices, *rest):
+            if bool(((indices < 0) | (indices >= call.inputs[0].shape[0])).any()):  # Replicate indices: every rank raises
+                raise IndexError(f"embedding: index out of range in self (a table of {call.inputs[0].shape[0]} rows)")
             local = indices - first
             outside = (local < 0) | (local >= rows)
             if rows == 0:
