@@ -220,3 +220,96 @@ def test_ops_whose_shapes_depend_on_data_take_the_fallback(mesh):
     (selected * 2).sum().backward()
     (expected * 2).sum().backward()
     assert torch.equal(x.grad.full_tensor(), reference.grad)
+
+
+# ---- plain tensors torch creates inside a public function; arguments read as data ---------------
+
+
+def _composite_calls():
+    """name -> (function of the inputs, input shapes): composites that build plain tensors inside."""
+    attention = torch.nn.functional.scaled_dot_product_attention
+    return {
+        "scaled_dot_product_attention causal": (lambda q, k, v: attention(q, k, v, is_causal=True), [(2, 3, 4), (2, 6, 4), (2, 6, 4)]),
+        "combinations": (lambda x: torch.combinations(x, r=2), [(5,)]),
+        "linalg.matrix_rank": (lambda x: torch.linalg.matrix_rank(x).to(torch.float64), [(5, 4)]),
+        "linalg.matrix_rank hermitian": (lambda x: torch.linalg.matrix_rank(x @ x.mT, hermitian=True).to(torch.float64), [(4, 4)]),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_composite_calls()))
+@spmd(meshes=[(1,), (4,), (2, 2)])
+def test_plain_tensors_torch_creates_inside_a_function_are_replicate(mesh, name):
+    """sdpa's causal mask, combinations' mask, matrix_rank's tolerance: the single-device result,
+    forward and backward."""
+    function, shapes = _composite_calls()[name]
+    fulls = [torch.randn(shape, dtype=torch.float64) for shape in shapes]
+    placements = [[Shard(index % len(shape))] * mesh.ndim for index, shape in enumerate(shapes)]
+    placements[0] = [Replicate()] * mesh.ndim  # mixed layouts, as OpInfo samples have
+    inputs = [distribute_tensor(full, mesh, placement).requires_grad_(True) for full, placement in zip(fulls, placements)]
+    references = [full.clone().requires_grad_(True) for full in fulls]
+    result, expected = function(*inputs), function(*references)
+    torch.testing.assert_close(result.full_tensor(), expected)
+    if expected.requires_grad:
+        result.sum().backward()
+        expected.sum().backward()
+        for dtensor, reference in zip(inputs, references):
+            torch.testing.assert_close(dtensor.grad.full_tensor(), reference.grad)
+
+
+@spmd(meshes=[(2,)])
+def test_plain_tensors_the_caller_passes_are_still_refused(mesh):
+    full = torch.randn(4, 3)
+    x = distribute_tensor(full, mesh, [Shard(0)])
+    plain = torch.randn(4, 3)
+    with pytest.raises(RuntimeError, match="plain torch.Tensor of shape \\(4, 3\\) mixed with DTensors"):
+        x + plain
+    with pytest.raises(RuntimeError, match="mixed with DTensors"):
+        torch.where(x > 0, x, plain)
+    queries = distribute_tensor(torch.randn(2, 3, 4), mesh, [Shard(0)])
+    with pytest.raises(RuntimeError, match="mixed with DTensors"):  # the mask sdpa derives from it too
+        torch.nn.functional.scaled_dot_product_attention(queries, queries, queries, attn_mask=torch.ones(3, 3) > 0)
+    assert torch.equal((x + torch.tensor(2.0)).full_tensor(), full + 2)  # 0-d: allowed, as documented
+    from shardtensor.experimental import implicit_replication
+
+    with implicit_replication():  # unchecked opt-in: the plain tensor is the same on every rank here
+        assert torch.equal((x + plain).full_tensor(), full + plain)
+    with pytest.raises(RuntimeError, match="mixed with DTensors"):
+        x + plain
+
+
+def test_only_the_outermost_call_decides_what_torch_created():
+    from shardtensor.dtensor import created_by_torch, outermost_call
+
+    plain, scalar = torch.ones(3), torch.tensor(1.0)
+    assert not created_by_torch(plain)
+    with outermost_call((scalar, [1, 2]), {}):
+        assert created_by_torch(plain)
+        with outermost_call((plain,), {}):  # a call torch makes inside: its arguments are torch's
+            assert created_by_torch(plain)
+        assert created_by_torch(plain)
+    with outermost_call((scalar,), {"other": [plain]}):  # the caller passed one (nested in a list)
+        assert not created_by_torch(plain)
+        with outermost_call((), {}):
+            assert not created_by_torch(plain)
+    assert not created_by_torch(plain)
+
+
+@spmd(meshes=[(1,), (4,), (2, 2)])
+def test_tensor_split_with_dtensor_indices_reads_their_values(mesh):
+    full = torch.randn(5, 7, dtype=torch.float64)
+    for indices_full, dim in ((torch.tensor([1, 4]), 1), (torch.tensor([2, 3, 6]), 1), (torch.tensor(3), 0)):
+        x = distribute_tensor(full, mesh, [Shard(1)] * mesh.ndim).requires_grad_(True)
+        indices = distribute_tensor(indices_full, mesh, [Shard(0) if indices_full.ndim else Replicate()] * mesh.ndim)
+        reference = full.clone().requires_grad_(True)
+        calls = [lambda: torch.tensor_split(x, indices, dim), lambda: x.tensor_split(indices, dim=dim)] * 3
+        with torch.no_grad():  # calls the `__torch_function__` layer could learn
+            for call in calls:
+                assert [piece.shape for piece in call()] == [piece.shape for piece in torch.tensor_split(full, indices_full, dim)]
+        for pieces, expected in ((torch.tensor_split(x, indices, dim), torch.tensor_split(reference, indices_full, dim)),
+                                 (x.tensor_split(indices, dim=dim), reference.tensor_split(indices_full, dim=dim))):
+            assert len(pieces) == len(expected)
+            for piece, expected_piece in zip(pieces, expected):
+                assert torch.equal(piece.full_tensor(), expected_piece)
+            sum((piece * (number + 1)).sum() for number, piece in enumerate(pieces)).backward()
+            sum((piece * (number + 1)).sum() for number, piece in enumerate(expected)).backward()
+        assert torch.equal(x.grad.full_tensor(), reference.grad)

@@ -163,3 +163,110 @@ def test_a_rule_registered_later_replaces_plans_built_from_the_old_one(mesh):
     finally:
         register_rule([op], original, override=True)
     assert x.neg().placements == (Shard(0),)
+
+
+# ---- the `__torch_function__` fast path ----------------------------------------------------------
+
+# name -> (call, whether the fast path may serve it). Each takes (x, y, weight): x and y of one
+# shape and layout, weight a Replicate square matrix.
+FUNCTION_CALLS = {
+    "add": (lambda x, y, w: x + y, True),
+    "mul": (lambda x, y, w: torch.mul(x, y), True),
+    "relu": (lambda x, y, w: x.relu(), True),
+    "sum": (lambda x, y, w: x.sum(), True),
+    "sum dim 1": (lambda x, y, w: x.sum(1), True),
+    "mm": (lambda x, y, w: x @ w, True),
+    "scalar": (lambda x, y, w: x * 2.5, True),
+    "gelu": (lambda x, y, w: torch.nn.functional.gelu(x), True),
+    "cast": (lambda x, y, w: x.to(torch.float64), True),
+    "partial times scalar": (lambda x, y, w: x.sum() * 3, True),
+    "partial plus scalar": (lambda x, y, w: x.sum() + 1, True),
+    "view": (lambda x, y, w: x.view(-1), False),
+    "transpose": (lambda x, y, w: x.t(), False),
+    "in place": (lambda x, y, w: x.clone().add_(y), False),
+    "out=": (lambda x, y, w: torch.add(x, y, out=torch.empty_like(x)), False),
+    "dropout": (lambda x, y, w: torch.nn.functional.dropout(x, 0.5), False),
+}
+
+
+def _counting_dispatch(monkeypatch) -> list:
+    """Counts the aten ops that reach `DTensor.__torch_dispatch__` (the fast path skips it)."""
+    calls = []
+    original = shardtensor.dtensor._dispatch
+
+    def counting(op, args, kwargs):
+        calls.append(op)
+        return original(op, args, kwargs)
+
+    monkeypatch.setattr(shardtensor.dtensor, "_dispatch", counting)
+    return calls
+
+
+def _same_dtensor(result, reference) -> None:
+    """The fast path's result is exactly the normal path's: layout, metadata and local values."""
+    assert type(result) is type(reference)
+    if not isinstance(reference, torch.Tensor):
+        return
+    assert result.sharding == reference.sharding and result.placements == reference.placements
+    assert (result.shape, result.stride(), result.dtype) == (reference.shape, reference.stride(), reference.dtype)
+    assert result.requires_grad == reference.requires_grad
+    local, expected = result.to_local(), reference.to_local()
+    assert (local.shape, local.stride(), local.dtype) == (expected.shape, expected.stride(), expected.dtype)
+    assert torch.equal(local, expected)
+
+
+@spmd(meshes=MESHES)
+def test_function_fast_path_gives_exactly_the_aten_path_result(mesh):
+    """Every call three times with the fast path off and on (learn, then serve): same results."""
+    from shardtensor import torch_function
+
+    inputs = []
+    for rows, placement in ((7, Shard(0)), (5, Shard(1)), (3, Replicate())):  # uneven shards too
+        full, other = torch.randn(rows, 6), torch.randn(rows, 6)
+        if True:
+            placements = _placements(mesh, placement)
+            inputs.append((full, other, distribute_tensor(full, mesh, placements), distribute_tensor(other, mesh, placements)))
+    weight_full = torch.randn(6, 6)
+    weight = distribute_tensor(weight_full, mesh, _placements(mesh, Replicate()))
+    served = set()
+    for name, (function, may_serve) in FUNCTION_CALLS.items():
+        for full, other, x, y in inputs:
+            torch.manual_seed(1)
+            torch_function.fast_path_enabled = False
+            try:
+                reference = function(x, y, weight)
+            finally:
+                torch_function.fast_path_enabled = True
+            for _ in range(3):
+                torch.manual_seed(1)
+                with pytest.MonkeyPatch.context() as monkeypatch:
+                    dispatched = _counting_dispatch(monkeypatch)
+                    result = function(x, y, weight)
+                if name != "dropout":  # random: each call draws new values
+                    _same_dtensor(result, reference)
+            if not dispatched:
+                served.add(name)
+            if name != "dropout":
+                torch.testing.assert_close(result.full_tensor(), function(full, other, weight_full))
+    assert served == {name for name, (_, may_serve) in FUNCTION_CALLS.items() if may_serve}
+
+
+@spmd(meshes=[(2,)])
+def test_function_fast_path_leaves_autograd_calls_to_the_aten_path(mesh):
+    """An input that requires grad records history through the aten path, served or learnt before."""
+    full = torch.randn(4, 3)
+    x = distribute_tensor(full, mesh, [Shard(0)])
+    for _ in range(3):
+        x + x  # learnt and served without grad
+    leaf = distribute_tensor(full, mesh, [Shard(0)]).requires_grad_(True)
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        dispatched = _counting_dispatch(monkeypatch)
+        result = leaf + x
+    assert dispatched and result.requires_grad and result.grad_fn is not None
+    result.sum().backward()
+    assert torch.equal(leaf.grad.full_tensor(), torch.ones(4, 3))
+    with torch.no_grad(), pytest.MonkeyPatch.context() as monkeypatch:
+        dispatched = _counting_dispatch(monkeypatch)
+        result = leaf + x
+    assert not dispatched and not result.requires_grad
+    assert torch.equal(result.full_tensor(), full + full)

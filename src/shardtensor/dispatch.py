@@ -33,7 +33,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from . import dtensor as _dtensor_module
 from . import ops  # noqa: F401  (registers every op family)
 from . import propagation
-from .dtensor import DTensor, DTensorSpec, interned_spec, partial_from_replicate, without_partial
+from .dtensor import DTensor, DTensorSpec, created_by_torch, interned_spec, partial_from_replicate, without_partial
 from .layout import Layout
 from .ops.registry import RULES
 from .placement import Replicate
@@ -144,16 +144,18 @@ def _common_mesh(op, dtensors: list[DTensor]):
     return mesh
 
 
-def _plain_tensors_as_replicate(op, flat: list, mesh, accepted: bool) -> None:
+def _plain_tensors_as_replicate(op, flat: list, mesh, accepted: bool, written: frozenset = frozenset()) -> None:
     """Refuse plain tensors that are not 0-d, or (for rules that accept them) make them Replicate.
 
     Inside a backward formula every op accepts them: autograd formulas build plain tensors from
     global sizes only (`torch.ones` in prod's, `zeros` in cumprod's), so they are equal on every rank.
+    A plain tensor the op writes to (ids in `written`, 0-d too) becomes Replicate: it must receive the
+    full value, not this rank's shard or partial sum.
     """
     accepted = accepted or torch._C._current_autograd_node() is not None
     for index, value in enumerate(flat):
-        if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.ndim > 0:
-            if accepted:
+        if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and (value.ndim > 0 or id(value) in written):
+            if accepted or value.ndim == 0 or created_by_torch(value):
                 layout = Layout.create(mesh.shape, [Replicate()] * mesh.ndim, value.shape)
                 flat[index] = DTensor(value, DTensorSpec(mesh, layout, tuple(value.stride()), value.dtype))
                 continue
@@ -167,6 +169,11 @@ def _plain_tensors_as_replicate(op, flat: list, mesh, accepted: bool) -> None:
 
 def _mutated(op, args: tuple, kwargs: dict) -> list[DTensor]:
     """DTensor arguments that the op writes to (`self` of `add_`, `out=` of `add.out`)."""
+    return [value for value in _written(op, args, kwargs) if isinstance(value, DTensor)]
+
+
+def _written(op, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """Tensor arguments, plain or DTensor, that the op writes to."""
     positions = _mutated_arguments.get(op)
     if positions is None:
         positions = tuple(
@@ -179,7 +186,7 @@ def _mutated(op, args: tuple, kwargs: dict) -> list[DTensor]:
     for index, name in positions:
         value = args[index] if index < len(args) else kwargs.get(name)
         values = value if isinstance(value, (list, tuple)) else [value]
-        mutated.extend(item for item in values if isinstance(item, DTensor))
+        mutated.extend(item for item in values if isinstance(item, torch.Tensor))
     return mutated
 
 
@@ -219,7 +226,11 @@ _KEY_LIST_ITEM_TYPES = frozenset((int, float, bool, type(None)))
 
 
 def clear_plans() -> None:
+    """Forget every cached plan: the aten ones and the public functions learnt from them."""
+    from .torch_function import clear_function_plans  # that module imports this one
+
     _plans.clear()
+    clear_function_plans()
 
 
 def _key_value(value, key: list) -> bool:
@@ -283,14 +294,16 @@ class _Plan:
     where each DTensor must move (None: stays), and the output specs."""
 
     __slots__ = (
-        "generation", "op", "mesh", "specs", "slots", "moves", "output_specs", "call", "mutates",
+        "generation", "op", "mesh", "specs", "slots", "moves", "output_specs", "call", "runs_op", "mutates",
         "local_args", "local_kwargs", "writes_kwargs", "simple_positions", "single_spec", "view_of_copy",
     )
 
     def __init__(self, op, mesh, args: tuple, kwargs: dict, decision: Decision, mutates: bool, template):
         self.op, self.mesh, self.mutates = op, mesh, mutates
         self.generation = propagation.generation  # a rule registered later makes the plan stale
-        self.call = op if decision.local_op is None else functools.partial(decision.local_op, mesh)
+        # The op's C++ callable skips `OpOverload.__call__`'s Python frame.
+        self.runs_op = decision.local_op is None
+        self.call = op._op if self.runs_op else functools.partial(decision.local_op, mesh)
         # Every tensor argument in flattened order (DTensors are the decision's inputs, in that order).
         sources = [(False, index) for index, value in enumerate(args) if isinstance(value, torch.Tensor)]
         sources += [(True, name) for name, value in kwargs.items() if isinstance(value, torch.Tensor)]
@@ -382,13 +395,21 @@ class _Plan:
         return DTensor._wrap(output, self.output_specs[position])
 
 
+# While `torch_function` learns a public function, the plan each aten op ran from (None: a miss).
+recording: list[list] = []
+
+
 def dispatch(op, args: tuple, kwargs: dict):
     """Run `op` on DTensor arguments and return DTensor results (the single-device value)."""
     key = _fast_key(op, args, kwargs)
     if key is not None:
         plan = _plans.get(key)
         if plan is not None and plan.generation == propagation.generation:
+            if recording:
+                recording[-1].append(plan)
             return plan.run(args, kwargs)
+    if recording:
+        recording[-1].append(None)
     return _dispatch_slowly(op, args, kwargs, key)
 
 
@@ -413,10 +434,15 @@ def _dispatch_slowly(op, args: tuple, kwargs: dict, key: tuple | None):
     positions = [index for index, value in enumerate(flat) if isinstance(value, DTensor)]
     mesh = _common_mesh(op, [flat[index] for index in positions])
     rule = RULES.get(op)
-    _plain_tensors_as_replicate(op, flat, mesh, getattr(rule, "accepts_plain_tensors", False))
+    written = frozenset(id(value) for value in _written(op, args, kwargs) if not isinstance(value, DTensor))
+    if written:  # a plan would run the op on the plain tensor itself, without the write-back `_run` does
+        key = None
+    _plain_tensors_as_replicate(op, flat, mesh, getattr(rule, "accepts_plain_tensors", False), written)
     positions = [index for index, value in enumerate(flat) if isinstance(value, DTensor)]
     dtensors = [flat[index] for index in positions]
-    mutated = _mutated(op, args, kwargs)
+    # After the wrapping: a plain tensor the op writes to (`out=` of a buffer in a backward formula)
+    # is written through its Replicate wrapper, which `_run` must write back when it moves.
+    mutated = _mutated(op, *tree_unflatten(flat, tree))
     _refuse_writes_into_views_of_copies(op, mutated)
     if rule is None:
         return _fallback(op, flat, tree, positions, dtensors, mutated, mesh)
@@ -425,7 +451,10 @@ def _dispatch_slowly(op, args: tuple, kwargs: dict, key: tuple | None):
     for index, meta in zip(positions, metas):
         stand_ins[index] = meta
     call_args, call_kwargs = tree_unflatten(stand_ins, tree)
-    call = OpCall(op, metas, _frozen(call_args), tuple(sorted((name, _frozen(value)) for name, value in call_kwargs.items())))
+    # Keywords in the call's order, not sorted: placeholders are matched to the call's tensors in
+    # flattened order (`_local_flat`, plans, the per-coordinate meta evaluation), and sorting swapped
+    # two tensor keywords such as `frexp.Tensor_out`'s `mantissa` and `exponent`.
+    call = OpCall(op, metas, _frozen(call_args), tuple((name, _frozen(value)) for name, value in call_kwargs.items()))
     layouts = [dtensor.sharding for dtensor in dtensors]
     coordinate = mesh.get_coordinate()
     if coordinate is None:  # this rank is not in the mesh: the layouts the mesh's ranks get, no data
@@ -560,10 +589,14 @@ _returns_view_by_op: dict = {}
 
 
 def _returns_view(op) -> bool:
-    """Whether the op's result aliases an input (`diagonal`, `view`, `as_strided`, ...)."""
+    """Whether the op's result aliases an input (`diagonal`, `view`, `as_strided`, ...).
+
+    `_unsafe_view` returns a view its schema does not declare: `kron(..., out=out)` writes through
+    `out._unsafe_view(...)`, and such a write must not be lost in a moved copy.
+    """
     known = _returns_view_by_op.get(op)
     if known is None:
-        known = any(
+        known = op is torch.ops.aten._unsafe_view.default or any(
             returned.alias_info is not None and not returned.alias_info.is_write for returned in op._schema.returns
         )
         _returns_view_by_op[op] = known

@@ -2,7 +2,8 @@
 
 A DTensor is a `torch.Tensor` wrapper subclass whose metadata (shape, stride, dtype) are those of
 the global tensor and whose data is `_local_tensor`, this rank's shard as described by a `Layout`.
-Ops on DTensors go through `__torch_dispatch__` (see `dispatch.py`); the conversions
+Public torch calls on DTensors first reach `__torch_function__` (see `torch_function.py`: a fast
+path for cached local ops), and aten ops `__torch_dispatch__` (see `dispatch.py`); the conversions
 `from_local`, `to_local`, `full_tensor` and `redistribute` are autograd functions, so gradients
 flow through them with the layouts PyTorch documents (a Partial gradient becomes Replicate).
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -22,7 +24,7 @@ from .mesh import DeviceMesh, current_mesh
 from .placement import Partial, Placement, Replicate, Shard
 from .redistribute import redistribute_between, redistribute_local_tensor
 
-__all__ = ["DTensor", "DTensorSpec", "contiguous_stride", "partial_from_replicate"]
+__all__ = ["DTensor", "DTensorSpec", "contiguous_stride", "created_by_torch", "partial_from_replicate"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +42,13 @@ class DTensorSpec:
 
 
 _make_wrapper_subclass = torch.Tensor._make_wrapper_subclass
+
+
+def _mirror_math_bits(wrapper: torch.Tensor, local_tensor: torch.Tensor) -> None:
+    """A DTensor whose shard is a conjugate or negative view (`x.conj()`) reports it as a tensor on
+    one device would: `is_conj()` is true and `resolve_conj()` resolves it (before `view_as_real`)."""
+    torch._C._set_conj(wrapper, local_tensor.is_conj())
+    torch._C._set_neg(wrapper, local_tensor.is_neg())
 _NO_KEYWORDS: dict = {}
 
 # One object per distinct spec (bounded): dispatch plans are keyed by a spec's identity, so that a
@@ -56,6 +65,76 @@ def interned_spec(spec: DTensorSpec) -> DTensorSpec:
             _interned_specs.clear()
         _interned_specs[spec] = found = spec
     return found
+
+
+def _torch_function(func, args, kwargs):
+    """The first `__torch_function__` call imports `torch_function`, which then replaces
+    `DTensor.__torch_function__` with its own (that module imports `dispatch`, which imports this one)."""
+    from .torch_function import torch_function
+
+    return torch_function(DTensor, func, (), args, kwargs)
+
+
+class _CallState(threading.local):
+    """Per thread: how deep public torch calls on DTensors are nested, and whether plain tensors
+    torch creates inside the outermost one are read as Replicate."""
+
+    depth = 0
+    torch_created_replicate = False
+    implicit_replication_depth = 0  # `shardtensor.experimental.implicit_replication()` blocks
+
+
+_call_state = _CallState()
+
+
+def _has_plain_tensor(values) -> bool:
+    """Whether `values` (nested lists and tuples included) hold a plain tensor that is not 0-d."""
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            if not isinstance(value, DTensor) and value.ndim > 0:
+                return True
+        elif isinstance(value, (list, tuple)) and _has_plain_tensor(value):
+            return True
+    return False
+
+
+class outermost_call:
+    """Marks a public torch call on DTensors (`__torch_function__`) while it runs; only the
+    outermost one on this thread decides, from its own arguments, what `created_by_torch` says."""
+
+    __slots__ = ("args", "kwargs", "outermost")
+
+    def __init__(self, args: tuple, kwargs: dict):
+        self.args, self.kwargs = args, kwargs
+
+    def __enter__(self) -> None:
+        state = _call_state
+        self.outermost = state.depth == 0
+        if self.outermost:
+            state.torch_created_replicate = not (
+                _has_plain_tensor(self.args) or _has_plain_tensor(self.kwargs.values())
+            )
+        state.depth += 1
+
+    def __exit__(self, *exception) -> None:
+        state = _call_state
+        state.depth -= 1
+        if self.outermost:
+            state.torch_created_replicate = False
+
+
+def created_by_torch(tensor: torch.Tensor) -> bool:
+    """Whether a plain tensor mixed with DTensors in an aten op may be read as Replicate.
+
+    True inside a public torch function called with DTensor arguments (the outermost such call on
+    this thread) that got no plain tensor of its own except 0-d ones: a plain tensor that shows up
+    then was created by torch from global metadata (a causal mask from sizes, a tolerance from a
+    dtype) and is the same on every rank. A plain tensor the caller passed is refused, and so is
+    everything in a call that got one (torch may derive new tensors from it, which carry this
+    rank's data). Also true inside `shardtensor.experimental.implicit_replication()` (unchecked).
+    """
+    state = _call_state
+    return state.torch_created_replicate or state.implicit_replication_depth > 0
 
 
 def _dispatch(func, args, kwargs):
@@ -131,10 +210,12 @@ class DTensor(torch.Tensor):
     """
 
     _local_value: torch.Tensor | None
-    _pending: object | None
+    _pending: object | None = None  # an async redistribute's result to wait for (`_wrap` leaves it unset)
     _spec: DTensorSpec
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return _torch_function(func, args, kwargs)
 
     @staticmethod
     def __new__(cls, local_tensor, spec: DTensorSpec, *, requires_grad: bool = False, pending=None):
@@ -152,6 +233,8 @@ class DTensor(torch.Tensor):
         wrapper._local_value = None if pending is not None else local_tensor
         wrapper._pending = pending
         wrapper._spec = interned_spec(spec)
+        if local_tensor.is_conj() or local_tensor.is_neg():
+            _mirror_math_bits(wrapper, local_tensor)
         return wrapper
 
     @classmethod
@@ -162,8 +245,9 @@ class DTensor(torch.Tensor):
             cls, spec.layout.shape, spec.stride, None, None, spec.dtype, local_tensor.layout, local_tensor.device
         )
         wrapper._local_value = local_tensor
-        wrapper._pending = None
         wrapper._spec = spec
+        if local_tensor.is_conj() or local_tensor.is_neg():
+            _mirror_math_bits(wrapper, local_tensor)
         return wrapper
 
     # ---- metadata --------------------------------------------------------------------------------

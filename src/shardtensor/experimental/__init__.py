@@ -1,5 +1,6 @@
 """Experimental public API, built on the core layers (never imported by them)."""
 
+from .implicit_replication import implicit_replication
 from .register_sharding import register_sharding
 
-__all__ = ["register_sharding"]
+__all__ = ["implicit_replication", "register_sharding"]

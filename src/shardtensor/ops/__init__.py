@@ -3,4 +3,4 @@
 Importing this package imports every family module, and each registers its table of rules.
 """
 
-from . import matrix, nn, pointwise, random_ops, reductions, registry, tensor_ops, views  # noqa: F401
+from . import fft, indexing, linalg, matrix, nn, nn_elementwise, nn_spatial, pointwise, random_ops, reductions, registry, shape_ops, tensor_ops, views  # noqa: F401

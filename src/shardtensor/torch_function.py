@@ -1,0 +1,204 @@
+"""Public torch functions on DTensors: the `__torch_function__` layer, above `dispatch`.
+
+`DTensor.__torch_function__` calls `torch_function` for every public torch function, method and
+operator that gets a DTensor argument (attribute reads such as `.shape` pass straight through).
+It does three things before the call reaches the aten level:
+
+- **Fast path.** A call that records no autograd history (grad mode off, or no DTensor argument
+  requires grad), runs under no dispatch mode or autocast, and is known to run exactly one aten op
+  whose cached plan computes locally (no redistribution, no rule-specific local op or arguments, no
+  view, no in-place or `out=` write, not random) is served here: the same public function runs on
+  the local tensors and its result is wrapped with the plan's output spec. That skips the C++
+  dispatcher round trip into Python, the aten-level argument normalisation and the plan key of
+  `dispatch`. A function is learnt on a call that runs through `dispatch` on cached plans only
+  (`dispatch.recording`), and checked once by running it on the local tensors: it must run the
+  same single aten op and give a local result of the same shape, stride and dtype.
+- **Data arguments.** Functions that read a tensor argument's values in C++ before any aten op
+  sees it (`tensor_split`'s `indices_or_sections`) get the Python values a DTensor there stands
+  for (`full_tensor().tolist()`, the same on every rank).
+- **Tensors torch creates.** While the outermost public call runs, plain tensors that torch
+  creates inside it from global metadata (the causal mask of `scaled_dot_product_attention`'s
+  math path, `combinations`' mask, `matrix_rank`'s tolerance) are read as Replicate
+  (`dtensor.created_by_torch`): see that function for the exact rule.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from . import dispatch as _dispatch_module
+from . import propagation
+from .dispatch import _fast_key, _returns_view
+from .dtensor import DTensor, DTensorSpec, outermost_call
+
+__all__ = ["torch_function", "clear_function_plans"]
+
+_disabled = torch._C.DisableTorchFunctionSubclass
+_run_normally = torch._C._disabled_torch_function_impl  # the call with `__torch_function__` off, in C++
+_grad_enabled = torch.is_grad_enabled
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_autocast = torch._C._is_any_autocast_enabled
+_any_requires_grad = torch._C._any_requires_grad  # reads `requires_grad` without coming back here
+_NO_KEYWORDS: dict = {}
+_GETTER = types.MethodWrapperType  # `.shape`, `.requires_grad`...: `getset_descriptor.__get__`
+
+
+class _FunctionPlan:
+    """What a learnt public function needs: where its DTensors are and the spec of its result
+    (None: not servable here, but known to run from cached aten plans only)."""
+
+    __slots__ = ("function", "positions", "spec", "input_specs", "generation")
+
+    def __init__(self, function, args: tuple, kwargs: dict, positions: tuple[int, ...], spec: DTensorSpec | None):
+        self.function, self.positions, self.spec = function, positions, spec
+        # The key holds the ids of these specs: keeping them alive keeps the ids from being reused.
+        self.input_specs = tuple(value._spec for value in (*args, *kwargs.values()) if isinstance(value, DTensor))
+        self.generation = propagation.generation
+
+
+# fast key (holding the function's id) -> _FunctionPlan
+_function_plans: dict[tuple, _FunctionPlan] = {}
+_MAX_FUNCTION_PLANS = 8192
+
+# False: every call takes the normal path (tests compare the two; `bench/bench_ops.py` times both).
+fast_path_enabled = True
+
+
+def clear_function_plans() -> None:
+    _function_plans.clear()
+
+
+def torch_function(cls, function, types, args=(), kwargs=None):
+    """`DTensor.__torch_function__`: serve the call from a function plan, or run it normally."""
+    if type(function) is _GETTER:
+        with _disabled():
+            return function(*args)
+    if kwargs is None:
+        kwargs = _NO_KEYWORDS
+    if not kwargs and len(args) == 1 and type(args[0]) is DTensor:  # `x.relu()`, `x.t()`: no loop
+        key = (id(function), id(args[0]._spec))
+    else:
+        key = _fast_key(function, args, kwargs)
+    plan = _function_plans.get(key) if key is not None else None
+    if plan is not None and plan.function is function and plan.generation == propagation.generation:
+        if (
+            plan.spec is not None
+            and fast_path_enabled
+            and not _dispatch_modes()
+            and not _autocast()
+            and (not _grad_enabled() or not _any_requires_grad(*args))
+        ):
+            local_args = list(args)
+            for position in plan.positions:
+                local_args[position] = args[position]._local_tensor
+            return DTensor._wrap(function(*local_args, **kwargs), plan.spec)
+        # Known to run from cached aten plans only, so no plain tensor gets mixed in: no need to
+        # mark the call for `created_by_torch`.
+        return _run_normally(function, types, args, kwargs)
+    return _call(function, args, kwargs, key)
+
+
+def _call(function, args: tuple, kwargs: dict, key: tuple | None):
+    """The normal path: data arguments read, the call marked as outermost, learnt if it qualifies."""
+    reader = _DATA_ARGUMENTS.get(function)
+    if reader is not None:
+        args, kwargs = _read_data_arguments(reader, args, kwargs)
+        key = None  # never learnt: every call must read its data arguments first
+    with outermost_call(args, kwargs):
+        if key is None or _dispatch_modes() or _autocast():
+            with _disabled():
+                return function(*args, **kwargs)
+        recorded: list = []
+        _dispatch_module.recording.append(recorded)
+        try:
+            with _disabled():
+                result = function(*args, **kwargs)
+        finally:
+            _dispatch_module.recording.pop()
+    if None not in recorded:  # every aten op ran from a cached plan: the verdict is final
+        if len(_function_plans) >= _MAX_FUNCTION_PLANS:
+            _function_plans.clear()
+        _function_plans[key] = _learn(function, args, kwargs, recorded, result)
+    return result
+
+
+class _AtenOps(TorchDispatchMode):
+    """The aten ops a call on plain tensors runs (to check a function before it is learnt)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list = []
+
+    def __torch_dispatch__(self, op, types, args=(), kwargs=None):
+        self.ops.append(op)
+        return op(*args, **(kwargs or {}))
+
+
+def _learn(function, args: tuple, kwargs: dict, recorded: list, result) -> _FunctionPlan:
+    """A plan serving the call here if it ran one aten op that computes locally, else one that
+    only says the call needs no marking."""
+    positions = tuple(index for index, value in enumerate(args) if type(value) is DTensor)
+    if len(recorded) != 1 or type(result) is not DTensor:
+        return _FunctionPlan(function, args, kwargs, positions, None)
+    plan = recorded[0]
+    op = plan.op
+    if (
+        plan.single_spec is None
+        or plan.simple_positions is None
+        or not plan.runs_op
+        or result._spec is not plan.single_spec
+        or _returns_view(op)
+        or torch.Tag.nondeterministic_seeded in op.tags
+        or any(isinstance(value, torch.Tensor) for value in kwargs.values())
+        or sum(isinstance(value, torch.Tensor) for value in args) != len(positions)
+    ):
+        return _FunctionPlan(function, args, kwargs, positions, None)
+    local_args = list(args)
+    for position in positions:
+        local_args[position] = args[position]._local_tensor
+    with torch.no_grad(), _AtenOps() as seen:
+        local = function(*local_args, **kwargs)
+    expected = result._local_tensor
+    if (
+        seen.ops != [op]
+        or type(local) is not torch.Tensor
+        or local.shape != expected.shape
+        or local.stride() != expected.stride()
+        or local.dtype != expected.dtype
+    ):
+        return _FunctionPlan(function, args, kwargs, positions, None)
+    return _FunctionPlan(function, args, kwargs, positions, plan.single_spec)
+
+
+# ---- arguments read as data ----------------------------------------------------------------------
+
+# function -> (position, keyword names) of an argument whose values the function reads in C++.
+_DATA_ARGUMENTS = {
+    torch.tensor_split: (1, ("indices_or_sections", "tensor_indices_or_sections", "indices", "sections")),
+    torch.Tensor.tensor_split: (1, ("indices_or_sections", "tensor_indices_or_sections", "indices", "sections")),
+}
+
+
+def _as_values(value):
+    """A DTensor argument read as data: the Python value(s) it holds, the same on every rank."""
+    if not isinstance(value, DTensor):
+        return value
+    full = value.full_tensor()
+    with _disabled():
+        return full.tolist()
+
+
+def _read_data_arguments(reader, args: tuple, kwargs: dict):
+    position, names = reader
+    if len(args) > position and isinstance(args[position], DTensor):
+        args = (*args[:position], _as_values(args[position]), *args[position + 1:])
+    for name in names:
+        if isinstance(kwargs.get(name), DTensor):
+            kwargs = {**kwargs, name: _as_values(kwargs[name])}
+    return args, kwargs
+
+
+DTensor.__torch_function__ = classmethod(torch_function)  # called directly from now on
