@@ -18,6 +18,7 @@ from ..placement import REDUCE_OPS, Partial, Placement, Replicate, Shard
 from ..propagation import OpCall, Row
 from .reductions import argument, tensor_argument_names
 from .registry import pointwise, register_rule
+from .index_checks import IndexArgument
 from .tensor_ops import TensorOpRule
 
 __all__ = ["LOOKUP_VALUES"]
@@ -194,7 +195,10 @@ def cross_rows(call: OpCall) -> list[Row]:
     return rows
 
 
-INDEXING_RULES: list[tuple[list, object]] = [
+# take/put index the flattened self; negative values count from the end.
+_FLAT_INDEX = (IndexArgument("index", dim=None, negative=True),)
+
+INDEXING_RULES: list[tuple] = [
     ([aten.bucketize.Tensor, aten.bucketize.Scalar, aten.bucketize.Tensor_out, aten.isin.Tensor_Tensor,
       aten.isin.Tensor_Scalar, aten.isin.Scalar_Tensor, aten.isin.Tensor_Tensor_out, aten.searchsorted.Tensor,
       aten.searchsorted.Scalar], lookup_rows),  # not searchsorted.Tensor_out: see `LOOKUP_VALUES`
@@ -202,8 +206,8 @@ INDEXING_RULES: list[tuple[list, object]] = [
       aten.index_fill_.int_Tensor], index_fill_rows),
     ([aten.index_copy.default, aten.index_copy_.default, aten.index_copy.out, aten.index_reduce.default,
       aten.index_reduce_.default, aten.index_reduce.out], index_copy_rows),
-    ([aten.take.default, aten.take.out], take_rows),
-    ([aten.put.default, aten.put_.default], put_rows),
+    ([aten.take.default, aten.take.out], take_rows, _FLAT_INDEX),
+    ([aten.put.default, aten.put_.default], put_rows, _FLAT_INDEX),
     ([aten.masked_scatter.default, aten.masked_scatter_.default], masked_scatter_rows),
     ([aten.masked_scatter_backward.default], masked_scatter_backward_rows),
     ([aten._unsafe_masked_index.default], masked_index_rows),
@@ -211,5 +215,5 @@ INDEXING_RULES: list[tuple[list, object]] = [
     ([aten.linalg_cross.default, aten.linalg_cross.out], cross_rows),
 ]
 
-for indexing_ops, indexing_rows in INDEXING_RULES:
-    register_rule(indexing_ops, TensorOpRule(indexing_rows))
+for indexing_ops, indexing_rows, *index_arguments in INDEXING_RULES:
+    register_rule(indexing_ops, TensorOpRule(indexing_rows, *index_arguments))

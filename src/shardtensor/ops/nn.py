@@ -23,6 +23,7 @@ from .. import comm
 from ..layout import Layout
 from ..placement import Partial, Replicate, Shard
 from ..propagation import OpCall, Row, ShardingRule, TensorMeta
+from .index_checks import IndexArgument, with_index_checks
 from .registry import register_rule
 
 aten = torch.ops.aten
@@ -167,6 +168,11 @@ class GroupNorm(ShardingRule):
 # ---- embedding ---------------------------------------------------------------------------------------
 
 
+# Index arguments checked on every rank alike before the local op (`index_checks`).
+_TABLE_ROWS = (IndexArgument("indices", indexes="weight", dim=0),)
+_TARGET_CLASSES = (IndexArgument("target", dim=-1, ignore="ignore_index"),)
+
+
 def _vocabulary_range(layout: Layout, coordinate) -> tuple[int, int] | None:
     """(first row, rows) of a table sharded on dim 0 at `coordinate`; None when dim 0 is whole."""
     if not layout.shard_order[0]:
@@ -179,7 +185,8 @@ class Embedding(ShardingRule):
 
     A table sharded on the embedding dim gives outputs sharded on their last dim; a table sharded on
     the vocabulary (dim 0) with replicated indices looks up only its own rows, zeros elsewhere, and
-    the output is Partial(sum): no rank gathers the table.
+    the output is Partial(sum): no rank gathers the table. An index out of range raises on every
+    rank alike, whichever shard holds it (`index_checks`).
     """
 
     __name__ = "embedding"
@@ -191,14 +198,16 @@ class Embedding(ShardingRule):
         return rows + [Row((Shard(indices.ndim),), (Shard(1), R)), Row((P,), (Shard(0), R))]
 
     def local_op(self, call, input_layouts, coordinate):
+        return with_index_checks(self._masked_local_op(call, input_layouts, coordinate), call, input_layouts, _TABLE_ROWS)
+
+    @staticmethod
+    def _masked_local_op(call, input_layouts, coordinate):
         vocabulary = _vocabulary_range(input_layouts[0], coordinate)
         if vocabulary is None:
             return None
         first, rows = vocabulary
 
         def masked_embedding(mesh, weight, indices, *rest):
-            if bool(((indices < 0) | (indices >= call.inputs[0].shape[0])).any()):  # Replicate indices: every rank raises
-                raise IndexError(f"embedding: index out of range in self (a table of {call.inputs[0].shape[0]} rows)")
             local = indices - first
             outside = (local < 0) | (local >= rows)
             if rows == 0:
@@ -270,7 +279,8 @@ class NllLoss(ShardingRule):
 
     Batch-sharded (N, C) input: 'none' stays sharded, 'sum' is Partial, 'mean' divides each rank's
     sum by the all_reduced total weight (Partial, exact for any batch size). Class-sharded input with
-    replicated targets (vocab-parallel loss): each rank picks the targets in its class range.
+    replicated targets (vocab-parallel loss): each rank picks the targets in its class range. A
+    target out of range raises on every rank alike (`index_checks`).
     """
 
     __name__ = "nll_loss_forward"
@@ -286,6 +296,10 @@ class NllLoss(ShardingRule):
         return rows + [Row((P, R), (Shard(1), R) + weight)]
 
     def local_op(self, call, input_layouts, coordinate):
+        return with_index_checks(self._local_op(call, input_layouts, coordinate), call, input_layouts, _TARGET_CLASSES)
+
+    @staticmethod
+    def _local_op(call, input_layouts, coordinate):
         self_layout, reduction = input_layouts[0], call.args[3]
         if call.inputs[0].ndim != 2:
             return None

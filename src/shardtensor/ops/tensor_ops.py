@@ -3,7 +3,9 @@
 Most rows keep a shard on every dim the op does not index, sort, flip or roll along; the dim it
 works along must be whole (Replicate). Index tensors and masks may be plain torch tensors: these
 rules accept them as Replicate (`accepts_plain_tensors`). A Partial passes through ops that only
-pick or move elements (gather, index, tril), and through linear ones where that is exact.
+pick or move elements (gather, index, tril), and through linear ones where that is exact. Rules
+of ops that read index values declare them (`TensorOpRule(rows, indices)`), so that an index out
+of range raises on every rank alike (`index_checks`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 from ..layout import Layout
 from ..placement import REDUCE_OPS, Partial, Replicate, Shard
 from ..propagation import OpCall, Row, RowsRule
+from .index_checks import IndexArgument, with_index_checks
 from .registry import pointwise, register_rule, same_layout
 
 __all__ = ["TensorOpRule"]
@@ -24,12 +27,23 @@ R = Replicate()
 
 
 class TensorOpRule(RowsRule):
-    """Rows from a function; plain tensor arguments (indices, masks) join as Replicate inputs."""
+    """Rows from a function; plain tensor arguments (indices, masks) join as Replicate inputs.
+
+    `indices` declares the arguments holding index values: the local op checks them so that a bad
+    value raises on every rank alike (`index_checks`).
+    """
 
     accepts_plain_tensors = True
 
+    def __init__(self, rows, indices: tuple[IndexArgument, ...] = ()):
+        super().__init__(rows)
+        self.indices = indices
+
     def rows_for_layouts(self, call, layouts):
         return only_matching_pieces(self.rows(call), layouts)
+
+    def local_op(self, call, input_layouts, coordinate):
+        return with_index_checks(None, call, input_layouts, self.indices) if self.indices else None
 
 
 def only_matching_pieces(rows: list[Row], layouts) -> list[Row]:
@@ -109,11 +123,14 @@ def _spanning_dims(call: OpCall, dim: int) -> list[int]:
 
 
 def gather_rows(call: OpCall) -> list[Row]:
-    """gather(self, dim, index): output rows follow the index rows; self whole or sharded alike."""
+    """gather(self, dim, index): out[i][j] = self[i][index[i][j]] (dim 1). Along `dim` the output
+    follows the index with self whole; along another dim self must be sharded alike, since output
+    row i reads self's global row i."""
     dim = _dim_argument(call)
     rows = [Row((R,), (R, R))]
     rows += [Row((Shard(d),), (Shard(d), Shard(d))) for d in _spanning_dims(call, dim)]
-    rows += [Row((Shard(d),), (R, Shard(d))) for d in range(call.inputs[1].ndim)]
+    if dim < call.inputs[1].ndim:
+        rows.append(Row((Shard(dim),), (R, Shard(dim))))
     return rows + _partials((True, False))
 
 
@@ -271,18 +288,23 @@ class NewFactoryRule(RowsRule):
         return tuple(args), dict(call.kwargs)
 
 
+# What the index arguments index, with the range the op accepts on one device.
+_ALONG_DIM = (IndexArgument("index", error=RuntimeError),)  # gather/scatter: 0 <= index < size(dim)
+_SELECTED = (IndexArgument("index"),)  # index_select
+_PER_POSITION = (IndexArgument("indices", dim="position", negative=True),)  # x[i, j], index_put
+
 TENSOR_OP_RULES: list[tuple[list, object]] = [
     ([aten.copy_.default], TensorOpRule(copy_rows)),
     ([aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default], TensorOpRule(fill_rows)),
     ([aten.detach_.default], same_layout),
-    ([aten.index_select.default], TensorOpRule(index_select_rows)),
+    ([aten.index_select.default], TensorOpRule(index_select_rows, _SELECTED)),
     ([aten.index_add.default, aten.index_add_.default], TensorOpRule(index_add_rows)),
-    ([aten.gather.default], TensorOpRule(gather_rows)),
+    ([aten.gather.default], TensorOpRule(gather_rows, _ALONG_DIM)),
     ([aten.scatter.src, aten.scatter.value, aten.scatter.reduce, aten.scatter.value_reduce, aten.scatter_.src,
       aten.scatter_.value, aten.scatter_add.default, aten.scatter_add_.default, aten.scatter_reduce.two,
-      aten.scatter_reduce_.two], TensorOpRule(scatter_rows)),
-    ([aten.index.Tensor], TensorOpRule(index_rows)),
-    ([aten.index_put.default, aten.index_put_.default], TensorOpRule(index_put_rows)),
+      aten.scatter_reduce_.two], TensorOpRule(scatter_rows, _ALONG_DIM)),
+    ([aten.index.Tensor], TensorOpRule(index_rows, _PER_POSITION)),
+    ([aten.index_put.default, aten.index_put_.default], TensorOpRule(index_put_rows, _PER_POSITION)),
     ([aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.masked_fill_.Scalar, aten.masked_fill_.Tensor],
      TensorOpRule(masked_fill_rows)),
     ([aten.sort.default, aten.sort.stable], _along_dim(1, -1, 2, lambda call: False)),
