@@ -25,7 +25,9 @@ from .placement import Partial, Placement, Replicate, Shard
 from .redistribute.planner import plan as plan_redistribute
 
 __all__ = [
-    "Row", "TensorMeta", "PlainTensor", "DataDependentOutput", "OpCall", "ShardingRule", "RowsRule", "Decision", "decide",
+    "Row", "TensorMeta", "PlainTensor", "DataDependentOutput", "ResizesWritten", "OpCall", "ShardingRule", "RowsRule",
+    "OutVariantRule",
+    "Decision", "decide",
     "transition_cost", "clear_cache",
 ]
 
@@ -88,6 +90,16 @@ class DataDependentOutput(Exception):
     """The op's output metadata depends on tensor values, so no rule can decide it ahead of the data."""
 
 
+class ResizesWritten(Exception):
+    """An in-place or `out=` op changes the shape of a tensor it writes (torch resizes an `out=` tensor
+    of another shape, `addbmm_` a broadcast `self`): dispatch computes `functional_op` instead and
+    gives its results to the written tensors."""
+
+    def __init__(self, message: str, functional_op):
+        super().__init__(message)
+        self.functional_op = functional_op
+
+
 class ShardingRule:
     """How to compute one op on sharded inputs.
 
@@ -137,6 +149,95 @@ class RowsRule(ShardingRule):
 
     def rows(self, call: OpCall) -> Sequence[Row]:
         return self._rows(call)
+
+
+class OutVariantRule(ShardingRule):
+    """The `out=` overload of an op that has a rule (`mm.out` of `mm`, `sort.values` of `sort`).
+
+    `decide` decides the functional op on its operands, then moves each out tensor to exactly the
+    layout of the output it receives (pieces included, so the local op writes a shard of the right
+    shape; dispatch writes a moved out tensor back into its own layout). The functional rule is
+    looked up per call, so replacing it (`register_sharding`) replaces this one too.
+    """
+
+    def __init__(self, op, functional_op, rules: dict):
+        self.op, self.functional_op, self._rules = op, functional_op, rules
+        self.out_names = self.out_names_of(op)
+        self.__name__ = f"out_variant({functional_op})"
+
+    @staticmethod
+    def out_names_of(op) -> tuple[str, ...]:
+        """The keyword-only arguments an overload writes its results into (`out`, `values`, ...)."""
+        return tuple(
+            argument.name for argument in op._schema.arguments
+            if argument.kwarg_only and argument.alias_info is not None and argument.alias_info.is_write
+        )
+
+    def functional_rule(self) -> ShardingRule:
+        return self._rules[self.functional_op]
+
+    def split(self, call: OpCall) -> tuple[OpCall, list[int], list[int]]:
+        """The functional call, and the indices in `call.inputs` of its operands and of the out tensors."""
+        operands, outs, position = [], [], 0
+        for value, is_out in [(value, False) for value in call.args] + [
+            (value, name in self.out_names) for name, value in call.kwargs
+        ]:
+            count = sum(isinstance(leaf, TensorMeta) for leaf in tree_flatten(value)[0])
+            (outs if is_out else operands).extend(range(position, position + count))
+            position += count
+        kwargs = tuple((name, value) for name, value in call.kwargs if name not in self.out_names)
+        functional = OpCall(self.functional_op, tuple(call.inputs[index] for index in operands), call.args, kwargs)
+        return functional, operands, outs
+
+    def rows(self, call: OpCall) -> Sequence[Row]:
+        raise NotImplementedError(f"{self.__name__} is decided by `decide` from its functional op's rule")
+
+
+def _local_op_into_out(local_op: Callable, out_names: tuple[str, ...], returns_out: bool) -> Callable:
+    """A functional rule's local op run into the out tensors: torch's meaning of `out=`."""
+
+    def run(mesh, *args, **kwargs):
+        outs = [kwargs.pop(name) for name in out_names if name in kwargs]
+        results = tree_flatten(local_op(mesh, *args, **kwargs))[0]
+        targets = tree_flatten(outs)[0]
+        for target, value in zip(targets, results):
+            target.copy_(value)
+        if not returns_out:
+            return None
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    return run
+
+
+def _decide_out_variant(call: OpCall, layouts: Sequence[Layout], rule: OutVariantRule, coordinate) -> Decision:
+    functional_call, operands, outs = rule.split(call)
+    inner = decide(functional_call, [layouts[index] for index in operands], rule.functional_rule(), coordinate, None)
+    results = [layout for layout in inner.output_layouts if layout is not None]
+    out_shapes = [call.inputs[index].shape for index in outs]
+    result_shapes = [layout.shape for layout in results]
+    if out_shapes != result_shapes:
+        raise ResizesWritten(f"{call.op}: out= shapes {out_shapes}, results {result_shapes}", rule.functional_op)
+    try:
+        metas = tuple(rule.global_outputs(call))  # the out op on meta tensors: torch's dtype checks, on every rank
+    except NotImplementedError as error:
+        raise DataDependentOutput(f"{call.op} cannot be evaluated on meta tensors: {error}") from error
+    input_layouts = list(layouts)
+    for index, layout in zip(operands, inner.input_layouts):
+        input_layouts[index] = layout
+    for index, layout in zip(outs, results):
+        input_layouts[index] = layout
+    output_layouts = tuple(None if meta is None else results[position] for position, meta in enumerate(metas))
+    local_arguments = inner.local_arguments
+    if local_arguments is not None:
+        local_args, local_kwargs = local_arguments
+        out_values = dict(call.kwargs)
+        local_kwargs = {name: out_values[name] if name in rule.out_names else local_kwargs[name]
+                        for name, _ in call.kwargs if name in rule.out_names or name in local_kwargs}
+        local_arguments = (local_args, local_kwargs)
+    local_op = inner.local_op
+    if local_op is not None:
+        local_op = _local_op_into_out(local_op, rule.out_names, bool(call.op._schema.returns))
+    return Decision(tuple(input_layouts), output_layouts, metas, inner.rows, local_arguments, local_op)
 
 
 @dataclass(frozen=True, slots=True)
@@ -361,6 +462,16 @@ def decide(
         cached = _cache.get(cache_key)
         if cached is not None:
             return cached
+    if isinstance(rule, OutVariantRule):
+        decision = _decide_out_variant(call, layouts, rule, coordinate)
+    else:
+        decision = _decide_rows(call, layouts, rule, coordinate)
+    if cache_key is not None:
+        _cache[cache_key] = decision
+    return decision
+
+
+def _decide_rows(call: OpCall, layouts: Sequence[Layout], rule: ShardingRule, coordinate: Sequence[int]) -> Decision:
     rows = rule.rows_for_layouts(call, layouts)
     if not rows:
         raise NotImplementedError(f"the sharding rule of {call.op} returned no way to compute it")
@@ -381,7 +492,4 @@ def decide(
     output_layouts = _exact_output_layouts(call, rule, mesh_shape, placements, metas, input_layouts)
     local_arguments = rule.local_arguments(call, input_layouts, coordinate)
     local_op = rule.local_op(call, input_layouts, coordinate)
-    decision = Decision(input_layouts, output_layouts, metas, chosen, local_arguments, local_op)
-    if cache_key is not None:
-        _cache[cache_key] = decision
-    return decision
+    return Decision(input_layouts, output_layouts, metas, chosen, local_arguments, local_op)

@@ -294,8 +294,7 @@ def _with_in_place(packets: list) -> list:
 
 def _two_outputs(call: OpCall) -> list[Row]:
     """`log_sigmoid_forward` (output, buffer) and `frexp` (mantissa, exponent): both outputs are
-    elementwise in the input. (Not `frexp.Tensor_out`: dispatch sorts keyword arguments by name,
-    and its two out= tensors would reach the local op swapped; it takes the fallback.)"""
+    elementwise in the input (`frexp.Tensor_out` takes this rule through `registry.register_variants`)."""
     return [Row(row.outputs * 2, row.inputs) for row in pointwise(call)]
 
 

@@ -10,14 +10,19 @@ moving Replicate to Shard is free, so on a tie the rule's order keeps a Replicat
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 
 import torch
 
 from ..placement import REDUCE_OPS, Partial, Replicate, Shard
-from ..propagation import OpCall, Row, RowsRule, ShardingRule, clear_cache
+from ..propagation import (
+    OpCall, OutVariantRule, ResizesWritten, Row, RowsRule, ShardingRule, TensorMeta, clear_cache, run_on_meta,
+)
 
-__all__ = ["RULES", "register_rule", "same_layout", "like_factory", "pointwise"]
+__all__ = [
+    "RULES", "register_rule", "register_variants", "InPlaceVariantRule", "same_layout", "like_factory", "pointwise",
+]
 
 aten = torch.ops.aten
 
@@ -46,6 +51,89 @@ def register_rule(ops: Iterable, rule, *, override: bool = False) -> None:
                 )
             RULES[overload] = rule
     clear_cache()  # decisions made with a replaced rule must not be reused
+
+
+class InPlaceVariantRule(ShardingRule):
+    """The in-place overload of an op that has a rule (`addmm_` of `addmm`): the functional rule's
+    rows in which the output lies like `self`, since the local op writes its result into `self`'s
+    shard. The functional rule is looked up per call (`register_sharding` replaces both)."""
+
+    def __init__(self, functional_op, rules: dict):
+        self.functional_op, self._rules = functional_op, rules
+        self.__name__ = f"in_place_variant({functional_op})"
+
+    def _functional(self, call: OpCall) -> tuple[ShardingRule, OpCall]:
+        return self._rules[self.functional_op], dataclasses.replace(call, op=self.functional_op)
+
+    def rows_for_layouts(self, call, layouts):
+        rule, functional_call = self._functional(call)
+        return [row for row in rule.rows_for_layouts(functional_call, layouts) if row.outputs[0] == row.inputs[0]]
+
+    def global_outputs(self, call: OpCall) -> list[TensorMeta | None]:
+        result = run_on_meta(self.functional_op, call.args, dict(call.kwargs))[0]
+        if result.shape != call.inputs[0].shape:  # torch resizes self (the meta in-place op refuses to)
+            raise ResizesWritten(f"{call.op} resizes self from {call.inputs[0].shape} to {result.shape}",
+                                 self.functional_op)
+        return run_on_meta(call.op, call.args, dict(call.kwargs))
+
+    def local_arguments(self, call, input_layouts, coordinate):
+        rule, functional_call = self._functional(call)
+        return rule.local_arguments(functional_call, input_layouts, coordinate)
+
+    def local_op(self, call, input_layouts, coordinate):
+        rule, functional_call = self._functional(call)
+        local_op = rule.local_op(functional_call, input_layouts, coordinate)
+        return None if local_op is None else _into_self(local_op)
+
+
+def _into_self(local_op):
+    def run(mesh, self, *args, **kwargs):
+        return self.copy_(local_op(mesh, self, *args, **kwargs))
+
+    return run
+
+
+def register_variants() -> None:
+    """Derive the rules of in-place and `out=` overloads from their functional overload's rule; run
+    once, after every family registered its table.
+
+    The functional overload of `mm.out`, `sort.values` or `max.dim_max` is the one of the same packet
+    whose arguments are the out overload's without its out tensors (by name and type); it gives its
+    rule to the out overload (`OutVariantRule`) unless that has one of its own (one the functional
+    overload does not share: a packet registration gives both the same). An in-place overload
+    (`addmm_.default`) without a rule takes the one of `addmm` with the same arguments.
+    """
+    # Every aten op name (`dir(aten)` lists only the packets loaded so far).
+    names = sorted({name.split("::")[1].split(".")[0] for name in torch._C._dispatch_get_all_op_names()
+                    if name.startswith("aten::")})
+    for name in names:
+        packet = getattr(aten, name, None)
+        if not isinstance(packet, torch._ops.OpOverloadPacket):
+            continue
+        overloads = [getattr(packet, overload) for overload in packet.overloads()]
+        out_names_of = {overload: OutVariantRule.out_names_of(overload) for overload in overloads}
+        functional = {_argument_signature(overload): overload for overload in overloads if not out_names_of[overload]}
+        for overload in overloads:
+            out_names = out_names_of[overload]
+            match = functional.get(_argument_signature(overload, out_names)) if out_names else None
+            if match not in RULES or RULES.get(overload, RULES[match]) is not RULES[match]:
+                continue  # no functional rule, or an out= rule of its own
+            if len(match._schema.returns) in (len(overload._schema.returns), len(out_names)):
+                RULES[overload] = OutVariantRule(overload, match, RULES)
+        functional_packet = getattr(aten, name[:-1], None) if name.endswith("_") and not name.startswith("_") else None
+        if isinstance(functional_packet, torch._ops.OpOverloadPacket):
+            functional_overloads = [getattr(functional_packet, overload) for overload in functional_packet.overloads()]
+            by_signature = {_argument_signature(overload): overload for overload in functional_overloads}
+            for overload in overloads:
+                match = by_signature.get(_argument_signature(overload))
+                if overload not in RULES and match in RULES and torch.Tag.inplace_view not in overload.tags:
+                    RULES[overload] = InPlaceVariantRule(match, RULES)
+    clear_cache()
+
+
+def _argument_signature(overload, leave_out: tuple[str, ...] = ()) -> tuple:
+    return tuple((argument.name, str(argument.type)) for argument in overload._schema.arguments
+                 if argument.name not in leave_out)
 
 
 def _returns_one_tensor(overload) -> bool:
