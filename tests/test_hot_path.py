@@ -7,6 +7,8 @@ for the wrong inputs shows up as a wrong number.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from spmd import spmd
@@ -192,13 +194,13 @@ FUNCTION_CALLS = {
 def _counting_dispatch(monkeypatch) -> list:
     """Counts the aten ops that reach `DTensor.__torch_dispatch__` (the fast path skips it)."""
     calls = []
-    original = shardtensor.dtensor._dispatch
+    original = dispatch.dispatch
 
     def counting(op, args, kwargs):
         calls.append(op)
         return original(op, args, kwargs)
 
-    monkeypatch.setattr(shardtensor.dtensor, "_dispatch", counting)
+    monkeypatch.setattr(dispatch, "dispatch", counting)
     return calls
 
 
@@ -270,3 +272,124 @@ def test_function_fast_path_leaves_autograd_calls_to_the_aten_path(mesh):
         result = leaf + x
     assert not dispatched and not result.requires_grad
     assert torch.equal(result.full_tensor(), full + full)
+
+
+def _through_torch_function(dtensor, name: str, *args):
+    """A read or call as it went before `DTensor` defined it: torch's getter or method, which
+    enters `__torch_function__`."""
+    base = vars(torch._C.TensorBase)[name]
+    if isinstance(base, property) or type(base).__name__ == "getset_descriptor":
+        return base.__get__(dtensor)
+    return base(dtensor, *args)
+
+
+def _same_metadata(dtensor, plain) -> None:
+    """Every attribute and method `DTensor` defines reads as torch's own and as a plain tensor's."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # `.grad` of a non-leaf warns, for both
+        _compare_metadata(dtensor, plain)
+
+
+def _compare_metadata(dtensor, plain) -> None:
+    from shardtensor import torch_function
+
+    for name in torch_function._METADATA_ATTRIBUTES:
+        value = getattr(dtensor, name)
+        reference = _through_torch_function(dtensor, name)
+        assert value is reference or value == reference, name
+        if name in ("shape", "dtype", "layout", "ndim", "requires_grad", "is_leaf", "itemsize", "is_cpu"):
+            assert value == getattr(plain, name), name
+    assert (dtensor.grad is None) == (plain.grad is None) and (dtensor.grad_fn is None) == (plain.grad_fn is None)
+    for name in torch_function._METADATA_METHODS:
+        assert getattr(dtensor, name)() == _through_torch_function(dtensor, name), name
+    if plain.ndim:
+        assert dtensor.size(-1) == plain.size(-1) and dtensor.stride(0) == _through_torch_function(dtensor, "stride", 0)
+    assert type(dtensor.shape) is torch.Size and dtensor.size() == plain.size() and dtensor.stride() == plain.stride()
+
+
+@spmd(meshes=[(2,), (2, 2)])
+def test_metadata_defined_on_the_class_reads_exactly_as_torch(mesh):
+    """`.shape`, `.requires_grad`, `.size()`... skip `__torch_function__` and give torch's values:
+    built by distribute_tensor and from_local, Partial, after requires_grad_ and backward, under no_grad."""
+    from shardtensor import DTensor, Partial
+
+    full = torch.randn(7, 6)
+    x = distribute_tensor(full, mesh, _placements(mesh, Shard(0)))
+    _same_metadata(x, full)
+    local = torch.randn(3, 6, dtype=torch.float64)
+    from_local = DTensor.from_local(local, mesh, _placements(mesh, Shard(1)))
+    _same_metadata(from_local, torch.empty(3, 6 * mesh.size(), dtype=torch.float64))
+    partial = DTensor.from_local(torch.ones(2, 3), mesh, _placements(mesh, Partial()))
+    _same_metadata(partial, torch.ones(2, 3))
+    leaf, plain_leaf = x.detach().requires_grad_(), full.detach().requires_grad_()
+    _same_metadata(leaf, plain_leaf)
+    result, plain_result = (leaf * 2).sum(), (plain_leaf * 2).sum()
+    _same_metadata(result, plain_result)
+    result.backward()
+    plain_result.backward()
+    _same_metadata(leaf, plain_leaf)
+    assert torch.equal(leaf.grad.full_tensor(), plain_leaf.grad)
+    with torch.no_grad():
+        _same_metadata(leaf * 2, plain_leaf * 2)
+    leaf.grad = None  # the setters and deleters are torch's too
+    del plain_leaf.grad
+    leaf.requires_grad = False
+    plain_leaf.requires_grad = False
+    _same_metadata(leaf, plain_leaf)
+    with pytest.raises(AttributeError):
+        leaf.shape = (1,)
+
+
+@spmd(meshes=[(2,)])
+def test_views_defined_on_the_class_are_autograd_views_of_their_input(mesh):
+    """`t()`, `view`, `x[1:]`... skip `__torch_function__` but still run through the dispatcher:
+    the result shares the input's version counter and `_base`, as on one device."""
+    full = torch.randn(4, 6)
+    x = distribute_tensor(full, mesh, [Shard(1)])
+    calls = [lambda t: t.t(), lambda t: t.transpose(0, 1), lambda t: t.view(2, 12), lambda t: t.unsqueeze(0),
+             lambda t: t[1:3], lambda t: t[1, ..., None], lambda t: t.reshape(24)]
+    for call in calls:
+        view, plain_view = call(x), call(full)
+        assert view._is_view() and view._base is x and plain_view._is_view()
+        x.mul_(1)
+        assert view._version == x._version
+        assert torch.equal(view.full_tensor(), call(full))
+    # An index that makes torch build a tensor still goes through `__torch_function__`.
+    assert torch.equal(x[[0, 2]].full_tensor(), full[[0, 2]])
+
+
+@spmd(meshes=[(2,)])
+def test_methods_defined_on_the_class_keep_torch_function_modes_and_plain_operands(mesh):
+    """A torch function mode still sees `x + y`, `x.shape`, `x.t()`; a plain tensor operand still
+    goes through torch's protocol (and is refused as before); results equal the normal path's."""
+    from torch.overrides import TorchFunctionMode
+
+    from shardtensor import torch_function
+
+    class Recording(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.functions = []
+
+        def __torch_function__(self, function, types, args=(), kwargs=None):
+            self.functions.append(function)
+            return function(*args, **(kwargs or {}))
+
+    full, other = torch.randn(4, 6), torch.randn(4, 6)
+    x, y = (distribute_tensor(value, mesh, [Shard(0)]) for value in (full, other))
+    for _ in range(2):
+        x + y, x.relu(), x.sum(1)  # learnt: the next calls are served
+    with Recording() as mode:
+        added, shape, transposed, summed = x + y, x.shape, x.t(), x.sum(1)
+    assert torch.Tensor.add in mode.functions and torch.Tensor.t in mode.functions  # `+` passes `add`
+    assert torch.Tensor.sum in mode.functions and shape == (4, 6)
+    torch_function.fast_path_enabled = False
+    try:
+        normal = (x + y, x.t(), x.sum(1))
+    finally:
+        torch_function.fast_path_enabled = True
+    for result, reference in zip((added, transposed, summed), normal):
+        _same_dtensor(result, reference)
+    with pytest.raises(RuntimeError, match="plain torch.Tensor"):
+        x + other
+    assert torch.equal((x * 2.0).full_tensor(), full * 2.0)

@@ -36,8 +36,8 @@ from . import propagation
 from .dtensor import DTensor, DTensorSpec, created_by_torch, interned_spec, partial_from_replicate, without_partial
 from .layout import Layout
 from .ops.registry import RULES
-from .placement import Replicate
-from .propagation import DataDependentOutput, Decision, OpCall, PlainTensor, TensorMeta, decide
+from .placement import Replicate, Shard
+from .propagation import DataDependentOutput, Decision, OpCall, PlainTensor, ResizesWritten, TensorMeta, decide
 from .redistribute import explain, redistribute_local_tensor
 
 __all__ = [
@@ -241,19 +241,17 @@ def _key_value(value, key: list) -> bool:
     elif kind in _KEY_SCALAR_TYPES:
         key.append(kind)  # 1, 1.0 and True hash alike but give different dtypes
         key.append(value)
+    elif kind is list or kind is tuple:
+        item_types = tuple(map(type, value))
+        if not _KEY_LIST_ITEM_TYPES.issuperset(item_types):
+            return False
+        key += (kind, item_types, tuple(value))  # [1, 2] and [1.0, 2.0] hash alike
     elif isinstance(value, DTensor):
         key.append(id(value._spec))
     elif isinstance(value, torch.Tensor):
         if value.ndim:
             return False
         key.append(value.dtype)
-    elif kind is list or kind is tuple:
-        item_types = tuple(type(item) for item in value)
-        if not _KEY_LIST_ITEM_TYPES.issuperset(item_types):
-            return False
-        key.append(kind)
-        key.append(item_types)  # [1, 2] and [1.0, 2.0] hash alike
-        key.append(tuple(value))
     else:
         return False
     return True
@@ -262,8 +260,12 @@ def _key_value(value, key: list) -> bool:
 def _fast_key(op, args: tuple, kwargs: dict) -> tuple | None:
     key = [id(op)]  # ops live as long as the process; hashing an OpOverload runs Python code
     for value in args:
-        if type(value) is DTensor:  # the common case, without a call
+        kind = type(value)
+        if kind is DTensor:  # the common cases, without a call
             key.append(id(value._spec))
+        elif kind is int:
+            key.append(int)
+            key.append(value)
         elif not _key_value(value, key):
             return None
     if kwargs:
@@ -413,7 +415,16 @@ def dispatch(op, args: tuple, kwargs: dict):
     return _dispatch_slowly(op, args, kwargs, key)
 
 
-_dtensor_module._dispatch = dispatch  # `DTensor.__torch_dispatch__` calls it directly from now on
+_dtensor_module._dispatch = dispatch
+
+
+def _torch_dispatch(cls, op, types, args=(), kwargs=None):
+    """`DTensor.__torch_dispatch__` from now on: `dispatch` one Python frame sooner."""
+    return dispatch(op, args, kwargs or _NO_KEYWORDS)
+
+
+_NO_KEYWORDS: dict = {}
+DTensor.__torch_dispatch__ = classmethod(_torch_dispatch)
 
 
 def _moves_no_mutated_input(decision: Decision, mutated: list[DTensor], dtensors: list[DTensor]) -> bool:
@@ -467,6 +478,8 @@ def _dispatch_slowly(op, args: tuple, kwargs: dict, key: tuple | None):
         decision = decide(call, layouts, rule, coordinate, _decision_cache_key(op, layouts, call, coordinate, flat))
     except DataDependentOutput:  # every rank reaches the same verdict: the replicate fallback computes it
         return _fallback(op, flat, tree, positions, dtensors, mutated, mesh)
+    except ResizesWritten as resize:
+        return _write_resized(op, args, kwargs, *tree_unflatten(flat, tree), resize.functional_op)
     if key is not None and _moves_no_mutated_input(decision, mutated, dtensors):
         template = None if decision.local_arguments is None else _template(decision, args, kwargs)
         if decision.local_arguments is None or template is not None:
@@ -482,6 +495,45 @@ def _dispatch_slowly(op, args: tuple, kwargs: dict, key: tuple | None):
         positions = [index for index, value in enumerate(flat) if isinstance(value, DTensor)]
     return _run(op, flat, tree, positions, dtensors, mutated, mesh, decision.input_layouts, decision.output_layouts,
                 decision.output_metas, decision.local_op)
+
+
+def _write_resized(op, args: tuple, kwargs: dict, dtensor_args: tuple, dtensor_kwargs: dict, functional_op):
+    """An in-place or `out=` op that resizes what it writes (`addbmm_` of a broadcast `self`, an empty
+    `out=`): run `functional_op` and give its results (in the written tensors' dtypes, and their
+    placements where these fit) to them, as torch's resize and copy do. A plain tensor gets the full value."""
+    out_names = {argument.name for argument in op._schema.arguments
+                 if argument.kwarg_only and argument.alias_info is not None and argument.alias_info.is_write}
+    functional_kwargs = {name: value for name, value in dtensor_kwargs.items() if name not in out_names}
+    results = tree_flatten(functional_op(*dtensor_args, **functional_kwargs))[0]
+    written = _written(op, args, kwargs)
+    for target, value in zip(written, results):
+        if value.dtype != target.dtype:
+            value = torch.ops.aten._to_copy.default(value, dtype=target.dtype)
+        if isinstance(target, DTensor):
+            placements = target.placements  # kept where they fit the new shape
+            if any(isinstance(placement, Shard) and placement.dim >= value.ndim for placement in placements):
+                placements = without_partial(value.sharding).placements
+            value = value.redistribute(target.device_mesh, placements)
+            target._take_value_of(value)
+            _set_wrapper_sizes(target, tuple(value.shape), value._spec.stride)
+        else:
+            target.resize_(value.shape).copy_(value.full_tensor())
+    if not op._schema.returns:
+        return None
+    return written[0] if len(op._schema.returns) == 1 else tuple(written)
+
+
+def _set_wrapper_sizes(dtensor: DTensor, shape: tuple[int, ...], stride: tuple[int, ...]) -> None:
+    """Give a DTensor's wrapper new sizes without dispatching (as `return_and_correct_aliasing` does
+    for `squeeze_`): its shape and strides are what torch code reads next."""
+    with torch.utils._mode_utils.no_dispatch():
+        meta_in_tls = torch._C._meta_in_tls_dispatch_include()
+        torch._C._set_meta_in_tls_dispatch_include(True)
+        try:
+            torch.ops.aten.resize_.default(dtensor, shape)
+            torch.ops.aten.as_strided_.default(dtensor, shape, stride)
+        finally:
+            torch._C._set_meta_in_tls_dispatch_include(meta_in_tls)
 
 
 def _local_flat(flat: list, local_arguments: tuple[tuple, dict]) -> tuple[list, object]:

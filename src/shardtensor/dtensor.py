@@ -3,9 +3,10 @@
 A DTensor is a `torch.Tensor` wrapper subclass whose metadata (shape, stride, dtype) are those of
 the global tensor and whose data is `_local_tensor`, this rank's shard as described by a `Layout`.
 Public torch calls on DTensors first reach `__torch_function__` (see `torch_function.py`: a fast
-path for cached local ops), and aten ops `__torch_dispatch__` (see `dispatch.py`); the conversions
-`from_local`, `to_local`, `full_tensor` and `redistribute` are autograd functions, so gradients
-flow through them with the layouts PyTorch documents (a Partial gradient becomes Replicate).
+path for cached local ops; it also defines metadata reads and views on this class), and aten ops
+`__torch_dispatch__` (see `dispatch.py`); the conversions `from_local`, `to_local`, `full_tensor`
+and `redistribute` are autograd functions, so gradients flow through them with the layouts
+PyTorch documents (a Partial gradient becomes Replicate).
 """
 
 from __future__ import annotations

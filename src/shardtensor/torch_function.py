@@ -1,7 +1,9 @@
 """Public torch functions on DTensors: the `__torch_function__` layer, above `dispatch`.
 
 `DTensor.__torch_function__` calls `torch_function` for every public torch function, method and
-operator that gets a DTensor argument (attribute reads such as `.shape` pass straight through).
+operator that gets a DTensor argument, except the metadata reads (`.shape`, `.requires_grad`,
+`.size()`...) and views (`.t()`, `.view()`, `x[1:]`...) that this module defines on `DTensor`
+itself (see the end of the module: they run torch's own code, minus a `__torch_function__` round trip).
 It does three things before the call reaches the aten level:
 
 - **Fast path.** A call that records no autograd history (grad mode off, or no DTensor argument
@@ -202,3 +204,116 @@ def _read_data_arguments(reader, args: tuple, kwargs: dict):
 
 
 DTensor.__torch_function__ = classmethod(torch_function)  # called directly from now on
+
+
+# ---- metadata reads and views, without `__torch_function__` --------------------------------------
+#
+# Defined on `DTensor` itself, these come before torch's C getters and methods, so reading `.shape`
+# or calling `.size()` or `.t()` costs a Python call instead of a `__torch_function__` round trip
+# (about 0.3 us instead of 1.1 us for a read). Each runs torch's own getter or method with
+# subclass `__torch_function__` off (what `torch_function` does for them anyway), so the result
+# is exactly torch's, and torch function modes still see the call. Views cannot be served like
+# functional ops: only the dispatcher's ADInplaceOrView kernel makes the result an autograd view
+# of its input (shared version counter, `_base`), and torch has no Python API for that. These
+# views create no plain tensor of their own, so they need no `outermost_call` mark either.
+
+_TENSOR_BASE = torch._C.TensorBase
+_METADATA_ATTRIBUTES = (
+    "shape", "dtype", "device", "layout", "ndim", "requires_grad", "is_leaf", "grad", "grad_fn",
+    "is_cpu", "is_cuda", "is_meta", "is_sparse", "is_quantized", "is_nested", "itemsize", "nbytes",
+    "_version", "_base", "output_nr",
+)
+_METADATA_METHODS = (
+    "dim", "ndimension", "size", "stride", "numel", "nelement", "is_contiguous", "element_size",
+    "is_floating_point", "is_complex", "storage_offset",
+)
+_VIEW_METHODS = ("t", "transpose", "permute", "view", "reshape", "unsqueeze", "squeeze", "expand", "flatten")
+# `x[index]` skips `__torch_function__` when the index holds only these (views, no tensor built);
+# other indices (lists, tensors, bools) take the normal path, which marks tensors torch builds.
+_VIEW_INDEX_TYPES = frozenset((int, slice, type(None), type(Ellipsis)))
+
+
+def _attribute(name: str) -> property:
+    descriptor = vars(_TENSOR_BASE)[name]
+    get, set_, delete = descriptor.__get__, descriptor.__set__, descriptor.__delete__
+    return property(
+        lambda self: _run_normally(get, (), (self,), _NO_KEYWORDS),
+        lambda self, value: _run_normally(set_, (), (self, value), _NO_KEYWORDS),
+        lambda self: _run_normally(delete, (), (self,), _NO_KEYWORDS),
+        doc=descriptor.__doc__,
+    )
+
+
+def _method(name: str):
+    base = getattr(_TENSOR_BASE, name)
+
+    def method(self, *args, **kwargs):
+        return _run_normally(base, (), (self, *args), kwargs)
+
+    method.__name__ = method.__qualname__ = name
+    method.__doc__ = base.__doc__
+    return method
+
+
+# Common functional methods and operators: when every tensor argument is a DTensor and no torch
+# function mode is on, they call `torch_function` directly with what torch's `__torch_function__`
+# protocol would pass (an operator passes its method: `x + y` passes `Tensor.add`, and a TypeError
+# becomes NotImplemented), without the protocol's C++ round trip (about 0.5-1 us).
+_OPERATOR_METHODS = {"__add__": "add", "__sub__": "sub", "__mul__": "mul", "__truediv__": "div", "__matmul__": "matmul"}
+_FUNCTIONAL_METHODS = (
+    "add", "sub", "mul", "div", "matmul", "mm", "relu", "exp", "tanh", "sigmoid", "neg", "abs", "sum", "mean",
+)
+_DTENSOR_TYPES = (DTensor,)
+_torch_function_enabled = torch._C._is_torch_function_enabled  # False inside DisableTorchFunctionSubclass
+_function_mode_enabled = torch._C._is_torch_function_mode_enabled
+
+
+def _only_dtensors(values) -> bool:
+    for value in values:
+        if isinstance(value, torch.Tensor) and type(value) is not DTensor:
+            return False
+    return True
+
+
+def _functional_method(name: str, function_name: str):
+    base, function = getattr(torch.Tensor, name), getattr(torch.Tensor, function_name)
+    operator = name != function_name
+
+    def method(self, *args, **kwargs):
+        if (
+            type(self) is DTensor
+            and _torch_function_enabled()
+            and not _function_mode_enabled()
+            and _only_dtensors(args)
+            and (not kwargs or _only_dtensors(kwargs.values()))
+        ):
+            if not operator:
+                return torch_function(DTensor, function, _DTENSOR_TYPES, (self, *args), kwargs)
+            try:
+                return torch_function(DTensor, function, _DTENSOR_TYPES, (self, *args), kwargs)
+            except TypeError:
+                return NotImplemented
+        return base(self, *args, **kwargs)
+
+    method.__name__ = method.__qualname__ = name
+    method.__doc__ = base.__doc__
+    return method
+
+
+_base_getitem = _TENSOR_BASE.__getitem__
+
+
+def _getitem(self, index):
+    kind = type(index)
+    if kind in _VIEW_INDEX_TYPES or (kind is tuple and _VIEW_INDEX_TYPES.issuperset(map(type, index))):
+        return _run_normally(_base_getitem, (), (self, index), _NO_KEYWORDS)
+    return _base_getitem(self, index)
+
+
+for _name in _METADATA_ATTRIBUTES:
+    setattr(DTensor, _name, _attribute(_name))
+for _name in (*_METADATA_METHODS, *_VIEW_METHODS):
+    setattr(DTensor, _name, _method(_name))
+for _name, _function_name in (*_OPERATOR_METHODS.items(), *zip(_FUNCTIONAL_METHODS, _FUNCTIONAL_METHODS)):
+    setattr(DTensor, _name, _functional_method(_name, _function_name))
+DTensor.__getitem__ = _getitem
