@@ -146,3 +146,15 @@ def test_good_indices_give_single_device_values_and_gradients(mesh):
         expected.backward(grad)
         for leaf, reference in zip(leaves, references):
             assert_close(leaf.grad.full_tensor(), reference.grad, msg=lambda text: f"{name} gradient: {text}")
+
+
+@spmd(meshes=[(2,), (4,)])
+def test_trusted_indices_skip_the_agreement_collective(mesh):
+    x, index = torch.randn(ROWS, 6), _indices((ROWS, 3), 6, bad=False)
+    sharded_x, sharded_index = distribute_tensor(x, mesh, [Shard(0)]), distribute_tensor(index, mesh, [Shard(0)])
+    with shardtensor.comm.observe() as checked:
+        torch.gather(sharded_x, 1, sharded_index)
+    with shardtensor.trusted_indices(), shardtensor.comm.observe() as trusted:
+        result = torch.gather(sharded_x, 1, sharded_index)
+    assert [record.kind for record in checked] == ["all_reduce"] and trusted == []
+    assert_close(result.full_tensor(), torch.gather(x, 1, index))

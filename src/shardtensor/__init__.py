@@ -9,6 +9,7 @@ from .api import distribute_module, distribute_tensor, empty, full, ones, rand, 
 from .dispatch import explicit_communication, strict_mode
 from .dtensor import DTensor
 from .mesh import DeviceMesh, init_device_mesh
+from .ops.index_checks import trusted_indices
 from .placement import Partial, Placement, Replicate, Shard
 from .random import manual_seed
 
@@ -31,4 +32,5 @@ __all__ = [
     "manual_seed",
     "strict_mode",
     "explicit_communication",
+    "trusted_indices",
 ]
