@@ -3,7 +3,7 @@ single-device results forward and backward, with rules only (strict mode) and pl
 
 import torch
 from spmd import spmd
-from test_views import check, placements_for
+from test_views import check, check_both_shardings, placements_for
 
 import shardtensor
 from shardtensor import DTensor, Partial, Replicate, Shard, comm, distribute_tensor
@@ -47,8 +47,7 @@ CASES = [
 def test_tensor_ops_forward_and_backward(mesh):
     full = torch.randn(5, 4)
     for function in CASES:
-        check(mesh, full, placements_for(mesh, 0, 1), function)
-        check(mesh, full, placements_for(mesh, 1, 0), function)
+        check_both_shardings(mesh, full, function)
 
 
 @spmd(meshes=[(2,), (4,)])

@@ -49,6 +49,12 @@ def check(mesh, full, placements, function, shard_sizes=None):
     return results
 
 
+def check_both_shardings(mesh, full, function):
+    """`check` with tensor dims (0, 1) sharded along mesh dims (0, 1), then with (1, 0)."""
+    check(mesh, full, placements_for(mesh, 0, 1), function)
+    check(mesh, full, placements_for(mesh, 1, 0), function)
+
+
 def placements_for(mesh, *dims):
     """Shard(dims[m]) on mesh dim m (None: Replicate); extra mesh dims replicate."""
     chosen = list(dims[: mesh.ndim]) + [None] * (mesh.ndim - len(dims))
@@ -151,8 +157,7 @@ SPLITS = [
 def test_splits_and_joins(mesh):
     full = torch.arange(20.0).reshape(5, 4)
     for function in SPLITS:
-        check(mesh, full, placements_for(mesh, 0, 1), function)
-        check(mesh, full, placements_for(mesh, 1, 0), function)
+        check_both_shardings(mesh, full, function)
 
 
 SLICES = [
@@ -174,8 +179,7 @@ SLICES = [
 def test_slices_and_selects(mesh):
     full = torch.arange(28.0).reshape(7, 4)
     for function in SLICES:
-        check(mesh, full, placements_for(mesh, 0, 1), function)
-        check(mesh, full, placements_for(mesh, 1, 0), function)
+        check_both_shardings(mesh, full, function)
 
 
 @spmd(meshes=[(2,), (4,)])
