@@ -85,6 +85,17 @@ class OpCall:
                 return value
         return default
 
+    def argument(self, name: str):
+        """The value of the op's argument `name`, positional or keyword (its schema default when it
+        was not given; None when the op has no such argument)."""
+        for position, schema_argument in enumerate(self.op._schema.arguments):
+            if schema_argument.name == name:
+                if position < len(self.args) and not schema_argument.kwarg_only:
+                    return self.args[position]
+                default = schema_argument.default_value if schema_argument.has_default_value() else None
+                return self.kwarg(name, default)
+        return None
+
 
 class DataDependentOutput(Exception):
     """The op's output metadata depends on tensor values, so no rule can decide it ahead of the data."""

@@ -98,18 +98,6 @@ class _Check:
         )
 
 
-def argument(call: OpCall, name: str):
-    """The value of the argument `name` in `call`, or its schema default. (Not `reductions.argument`:
-    that module imports `tensor_ops`, which imports this one.)"""
-    for position, schema_argument in enumerate(call.op._schema.arguments):
-        if schema_argument.name == name:
-            if position < len(call.args) and not schema_argument.kwarg_only:
-                return call.args[position]
-            default = schema_argument.default_value if schema_argument.has_default_value() else None
-            return call.kwarg(name, default)
-    return None
-
-
 def _schema_position(op, name: str, call: OpCall) -> int | str:
     for position, schema_argument in enumerate(op._schema.arguments):
         if schema_argument.name == name:
@@ -121,14 +109,14 @@ def _checks(call: OpCall, arguments: Sequence[IndexArgument]) -> list[tuple[_Che
     """Each index tensor's check and its position among the call's tensor inputs."""
     flat_positions = {}  # id of a TensorMeta in the call's arguments -> its position in call.inputs
     for schema_argument in call.op._schema.arguments:
-        value = argument(call, schema_argument.name)
+        value = call.argument(schema_argument.name)
         for item in value if isinstance(value, (list, tuple)) else [value]:
             if isinstance(item, TensorMeta):
                 flat_positions[id(item)] = len(flat_positions)
     result = []
     for index_argument in arguments:
-        value = argument(call, index_argument.name)
-        indexed = argument(call, index_argument.indexes)
+        value = call.argument(index_argument.name)
+        indexed = call.argument(index_argument.indexes)
         if not isinstance(indexed, TensorMeta):
             continue
         position = _schema_position(call.op, index_argument.name, call)
@@ -138,7 +126,7 @@ def _checks(call: OpCall, arguments: Sequence[IndexArgument]) -> list[tuple[_Che
                 continue  # None (a dim not indexed) or a boolean mask: no value range
             dim = item if index_argument.dim == "position" else index_argument.dim
             if isinstance(dim, str):
-                dim = argument(call, dim)
+                dim = call.argument(dim)
             if dim is None:
                 size = 1
                 for length in indexed.shape:
@@ -146,7 +134,7 @@ def _checks(call: OpCall, arguments: Sequence[IndexArgument]) -> list[tuple[_Che
             else:
                 dim = dim % max(indexed.ndim, 1)
                 size = indexed.shape[dim] if indexed.ndim else 1
-            ignore = argument(call, index_argument.ignore) if index_argument.ignore else None
+            ignore = call.argument(index_argument.ignore) if index_argument.ignore else None
             low = -size if index_argument.negative else 0
             check = _Check(index_argument, position, item, low, size, dim, ignore)
             result.append((check, flat_positions[id(meta)]))

@@ -16,7 +16,7 @@ import torch
 
 from ..placement import REDUCE_OPS, Partial, Placement, Replicate, Shard
 from ..propagation import OpCall, Row
-from .reductions import argument, tensor_argument_names
+from .reductions import tensor_argument_names
 from .registry import pointwise, register_rule
 from .index_checks import IndexArgument
 from .tensor_ops import TensorOpRule
@@ -33,7 +33,7 @@ def _row(names: list[str], output: Placement, placements: dict[str, Placement]) 
 
 
 def _dim(call: OpCall) -> int:
-    return argument(call, "dim") % max(call.inputs[0].ndim, 1)
+    return call.argument("dim") % max(call.inputs[0].ndim, 1)
 
 
 def _same_value_reduce_ops(value) -> list[str]:
@@ -82,7 +82,7 @@ def index_fill_rows(call: OpCall) -> list[Row]:
     stays Partial where every rank writing `value` is exact."""
     names = tensor_argument_names(call)
     rows = [_row(names, R, {})] + [_row(names, Shard(d), {"self": Shard(d)}) for d in _other_dims(call)]
-    return rows + [_row(names, Partial(op), {"self": Partial(op)}) for op in _same_value_reduce_ops(argument(call, "value"))]
+    return rows + [_row(names, Partial(op), {"self": Partial(op)}) for op in _same_value_reduce_ops(call.argument("value"))]
 
 
 # index_reduce's reduce argument -> the Partial of self and source it keeps (mean has none).
@@ -96,7 +96,7 @@ def index_copy_rows(call: OpCall) -> list[Row]:
     names = tensor_argument_names(call)
     rows = [_row(names, R, {})]
     rows += [_row(names, Shard(d), {"self": Shard(d), "source": Shard(d)}) for d in _other_dims(call)]
-    reduce = argument(call, "reduce")
+    reduce = call.argument("reduce")
     reduce_ops = REDUCE_OPS if reduce is None else _INDEX_REDUCE_PARTIAL[reduce]
     return rows + [_row(names, Partial(op), {"self": Partial(op), "source": Partial(op)}) for op in reduce_ops]
 
@@ -118,7 +118,7 @@ def put_rows(call: OpCall) -> list[Row]:
     source), and shards of index and source (same shape) add their parts to a P(sum) self."""
     names = tensor_argument_names(call)
     rows = [_row(names, R, {})]
-    if not argument(call, "accumulate"):
+    if not call.argument("accumulate"):
         return rows + [_row(names, Partial(op), {"self": Partial(op), "source": Partial(op)}) for op in REDUCE_OPS]
     rows += [_row(names, Partial(op), {"self": Partial(op), "source": Partial(op)}) for op in ("sum", "avg")]
     if "index" in names and "source" in names:
@@ -149,7 +149,7 @@ def masked_scatter_backward_rows(call: OpCall) -> list[Row]:
 def _index_shape_dims(call: OpCall, names: list[str], sharded: tuple[str, ...]) -> list[int]:
     """Dims of the broadcast index shape that every tensor named in `sharded` spans in full, when
     `indices` index every dim of self (then the output has the index shape); else none."""
-    indices = argument(call, "indices")
+    indices = call.argument("indices")
     if any(index is None for index in indices) or len(indices) != call.inputs[0].ndim:
         return []
     metas = [meta for name, meta in zip(names, call.inputs) if name in sharded]
@@ -168,7 +168,7 @@ def masked_index_rows(call: OpCall) -> list[Row]:
     rows = [_row(names, R, {})]
     for dim in _index_shape_dims(call, names, ("mask", "indices")):
         rows.append(_row(names, Shard(dim), {"mask": Shard(dim), "indices": Shard(dim)}))
-    return rows + [_row(names, Partial(op), {"self": Partial(op)}) for op in _same_value_reduce_ops(argument(call, "fill"))]
+    return rows + [_row(names, Partial(op), {"self": Partial(op)}) for op in _same_value_reduce_ops(call.argument("fill"))]
 
 
 def masked_index_put_rows(call: OpCall) -> list[Row]:
@@ -188,7 +188,7 @@ def cross_rows(call: OpCall) -> list[Row]:
     bilinear, so a Partial in one operand passes when the other is Replicate."""
     names = tensor_argument_names(call)
     output_ndim = max(meta.ndim for meta in call.inputs)
-    cross_dim = argument(call, "dim") % output_ndim
+    cross_dim = call.argument("dim") % output_ndim
     rows = [row for row in pointwise(call) if row.outputs[0] != Shard(cross_dim)]
     for op in ("sum", "avg"):
         rows += [_row(names, Partial(op), {"self": Partial(op)}), _row(names, Partial(op), {"other": Partial(op)})]

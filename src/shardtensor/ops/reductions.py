@@ -27,20 +27,9 @@ from ..propagation import OpCall, Row, ShardingRule, TensorMeta
 from .registry import pointwise, register_rule
 from .tensor_ops import TensorOpRule
 
-__all__ = ["ReductionRule", "VectorNormRule", "ScanRule", "argument", "tensor_argument_names"]
+__all__ = ["ReductionRule", "VectorNormRule", "ScanRule", "tensor_argument_names"]
 
 aten = torch.ops.aten
-
-
-def argument(call: OpCall, name: str):
-    """The value of the op's argument `name` in `call` (its schema default when it was not given)."""
-    for index, schema_argument in enumerate(call.op._schema.arguments):
-        if schema_argument.name == name:
-            if index < len(call.args) and not schema_argument.kwarg_only:
-                return call.args[index]
-            default = schema_argument.default_value if schema_argument.has_default_value() else None
-            return call.kwarg(name, default)
-    return None
 
 
 def tensor_argument_names(call: OpCall) -> list[str]:
@@ -48,7 +37,7 @@ def tensor_argument_names(call: OpCall) -> list[str]:
     argument such as `indices` names each of its DTensors)."""
     names = []
     for schema_argument in call.op._schema.arguments:
-        value = argument(call, schema_argument.name)
+        value = call.argument(schema_argument.name)
         values = value if isinstance(value, (list, tuple)) else [value]
         names += [schema_argument.name for item in values if isinstance(item, TensorMeta)]
     return names
@@ -110,7 +99,7 @@ class ReductionRule(ShardingRule):
 
     def reduced_dims(self, call: OpCall) -> tuple[int, ...]:
         ndim = call.inputs[0].ndim
-        dims = argument(call, "dim")
+        dims = call.argument("dim")
         if dims is None or dims == ():
             return tuple(range(ndim))
         dims = (dims,) if isinstance(dims, int) else dims
@@ -122,7 +111,7 @@ class ReductionRule(ShardingRule):
 
     def rows(self, call: OpCall) -> Sequence[Row]:
         reduced = self.reduced_dims(call)
-        keepdim = bool(argument(call, "keepdim"))
+        keepdim = bool(call.argument("keepdim"))
         outputs = _tensor_outputs(call)
         sharded_gives, _ = self.combine(call)
         rows = [Row((Replicate(),) * outputs, (Replicate(),))]
@@ -171,7 +160,7 @@ class VectorNormRule(ReductionRule):
         return "vector_norm"
 
     def combine(self, call: OpCall) -> tuple[str | None, str | None]:
-        return _NORM_COMBINE.get(argument(call, self.order_argument), (None, None))
+        return _NORM_COMBINE.get(call.argument(self.order_argument), (None, None))
 
 
 def _aminmax_empty_as_identity(mesh, tensor, *, dim=None, keepdim=False):
@@ -220,14 +209,14 @@ class DistRule(ShardingRule):
     __name__ = "dist"
 
     def rows(self, call: OpCall) -> Sequence[Row]:
-        combined, _ = _NORM_COMBINE.get(argument(call, "p"), (None, None))
+        combined, _ = _NORM_COMBINE.get(call.argument("p"), (None, None))
         rows = pointwise(call)
         if combined is None:
             return rows[:1]
         return rows[:1] + [Row((Partial(combined),), row.inputs) for row in rows[1:]]
 
     def local_op(self, call: OpCall, input_layouts: Sequence[Layout], coordinate: Sequence[int]):
-        identity = _DIST_IDENTITY.get(argument(call, "p"))
+        identity = _DIST_IDENTITY.get(call.argument("p"))
         return None if identity is None else functools.partial(_local_dist, identity)
 
 
@@ -287,7 +276,7 @@ def histc_rows(call: OpCall) -> list[Row]:
     """histc(self, bins, min, max): each element falls in one bin, so shards' histograms sum to the
     whole one (P(sum)), but only for an explicit range: min == max takes it from the data."""
     rows = [Row((Replicate(),), (Replicate(),))]
-    if argument(call, "min") < argument(call, "max"):
+    if call.argument("min") < call.argument("max"):
         rows += [Row((Partial("sum"),), (Shard(dim),)) for dim in range(call.inputs[0].ndim)]
     return _with_out(call, rows)
 
@@ -304,8 +293,8 @@ class HistogramRule(ShardingRule):
     def rows(self, call: OpCall) -> Sequence[Row]:
         names = tensor_argument_names(call)
         rows = [Row((Replicate(), Replicate()), (Replicate(),) * len(names))]
-        edges_known = isinstance(argument(call, "bins"), TensorMeta) or argument(call, "range") is not None
-        if edges_known and not argument(call, "density"):
+        edges_known = isinstance(call.argument("bins"), TensorMeta) or call.argument("range") is not None
+        if edges_known and not call.argument("density"):
             for dim in range(call.inputs[0].ndim):
                 inputs = tuple(Shard(dim) if name in ("self", "weight") else Replicate() for name in names)
                 rows.append(Row((Partial("sum"), Replicate()), inputs))
@@ -313,7 +302,7 @@ class HistogramRule(ShardingRule):
 
     def global_outputs(self, call: OpCall) -> list[TensorMeta]:
         """histogram has no meta kernel: (bins,) counts and (bins + 1,) edges of self's dtype."""
-        bins = argument(call, "bins")
+        bins = call.argument("bins")
         count = bins.shape[0] - 1 if isinstance(bins, TensorMeta) else bins
         dtype = call.inputs[0].dtype
         return [TensorMeta((count,), (1,), dtype), TensorMeta((count + 1,), (1,), dtype)]
@@ -327,7 +316,7 @@ def trace_rows(call: OpCall) -> list[Row]:
 def renorm_rows(call: OpCall) -> list[Row]:
     """renorm(self, p, dim, maxnorm) rescales each slice along `dim` by its own norm over the other
     dims: `dim` may stay sharded, the others must be whole."""
-    dim = _normalized_dim(argument(call, "dim"), call.inputs[0].ndim)
+    dim = _normalized_dim(call.argument("dim"), call.inputs[0].ndim)
     return _with_out(call, [Row((Replicate(),), (Replicate(),)), Row((Shard(dim),), (Shard(dim),))])
 
 
@@ -335,7 +324,7 @@ def segment_reduce_rows(call: OpCall) -> list[Row]:
     """segment_reduce / _segment_reduce_backward: segments run along `axis`; the tensors with the
     data's shape (data, grad, output, out=) shard together on a dim after `axis`; the segment
     lengths/offsets (which span the dims up to `axis`) stay Replicate."""
-    axis = argument(call, "axis")
+    axis = call.argument("axis")
     data = call.inputs[0]
     axis = _normalized_dim(axis, data.ndim)
     segments = {"lengths", "offsets", "indices"}
@@ -358,7 +347,7 @@ class ScanRule(ShardingRule):
 
     def rows(self, call: OpCall) -> Sequence[Row]:
         ndim = call.inputs[0].ndim
-        scanned = _normalized_dim(argument(call, "dim"), ndim)
+        scanned = _normalized_dim(call.argument("dim"), ndim)
         outputs = _tensor_outputs(call)
         rows = [Row((Replicate(),) * outputs, (Replicate(),))]
         rows += [Row((Shard(dim),) * outputs, (Shard(dim),)) for dim in range(ndim) if dim != scanned]
