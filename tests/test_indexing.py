@@ -5,6 +5,7 @@ backward with rules only (strict mode), even and uneven shards, and no collectiv
 import pytest
 import torch
 from spmd import spmd
+from test_tensor_ops import moving_data
 from test_views import check, check_both_shardings, placements_for
 
 import shardtensor
@@ -59,15 +60,6 @@ def test_indexing_forward_and_backward(mesh):
             check(mesh, full, [Shard(0)], case, shard_sizes={0: [0, 3, 1, 1]})
 
 
-def _moving_data(records):
-    """The collectives that move data: all but the small all_reduce with which every rank agrees on
-    a sharded index's range (ops/index_checks.py; 2 int64 per index tensor)."""
-    return [
-        record for record in records
-        if not (record.kind == "all_reduce" and record.bytes_sent == 2 * (record.group_size - 1) * 16 // record.group_size)
-    ]
-
-
 @spmd(meshes=[(4,), (2, 2)])
 def test_local_rules_issue_no_collective(mesh):
     full = torch.randn(6, 4, dtype=torch.float64)
@@ -86,7 +78,7 @@ def test_local_rules_issue_no_collective(mesh):
     for function, reference in local_cases:
         with shardtensor.strict_mode(), comm.observe() as records:
             result = function()
-        assert _moving_data(records) == [] and result.placements == (Shard(0),) * mesh.ndim
+        assert moving_data(records) == [] and result.placements == (Shard(0),) * mesh.ndim
         assert torch.equal(result.full_tensor(), reference())
 
 
@@ -152,5 +144,5 @@ def test_put_accumulate_of_sharded_values_adds_parts_into_a_partial(mesh):
     index, source = (distribute_tensor(t, mesh, [Shard(0)] * mesh.ndim) for t in (index_full, source_full))
     with shardtensor.strict_mode(), comm.observe() as records:
         result = whole.put(index, source, accumulate=True)
-    assert _moving_data(records) == [] and result.placements == (Partial(),) * mesh.ndim
+    assert moving_data(records) == [] and result.placements == (Partial(),) * mesh.ndim
     torch.testing.assert_close(result.full_tensor(), full.put(index_full, source_full, accumulate=True))

@@ -5,6 +5,7 @@ import itertools
 import torch
 import torch.nn.functional as F
 from spmd import spmd
+from test_tensor_ops import moving_data
 from torch.testing import assert_close
 
 import shardtensor
@@ -40,15 +41,6 @@ def _compare_with_single_device(y, expected, grad, pairs):
     expected.backward(grad)
     for dtensor, reference in pairs:
         assert_close(_grad(dtensor), reference.grad)
-
-
-def _moving_data(records):
-    """The collectives that move data: all but the small all_reduce with which every rank agrees on
-    a sharded index's range (ops/index_checks.py; 2 int64 per index tensor)."""
-    return [
-        record for record in records
-        if not (record.kind == "all_reduce" and record.bytes_sent == 2 * (record.group_size - 1) * 16 // record.group_size)
-    ]
 
 
 def _on(mesh, one_dim, two_dim):
@@ -130,7 +122,7 @@ def test_vocab_sharded_embedding_is_local_and_partial(mesh):
         indices = distribute_tensor(indices_full, mesh, index_placements)
         with shardtensor.strict_mode(), comm.observe() as records:
             y = F.embedding(indices, weight, padding_idx=padding_idx)
-        assert _moving_data(records) == []
+        assert moving_data(records) == []
         if table_placements[0] == Shard(0) and mesh.size() > 1:
             assert y.placements[0] == Partial("sum")
         expected = F.embedding(indices_full, reference, padding_idx=padding_idx)

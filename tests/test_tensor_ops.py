@@ -58,10 +58,9 @@ def test_explicit_uneven_shards(mesh):
         check(mesh, full, [Shard(0)], case, shard_sizes=sizes)
 
 
-def _moving_data(records):
+def moving_data(records):
     """The collectives that move data: all but the small all_reduce with which every rank agrees on
-    a sharded index's range (ops/index_checks.py; 2 int64 per index tensor). gather's index below is
-    plain (Replicate) but is sliced to the rows of x, so its shards differ between ranks."""
+    a sharded index's range (ops/index_checks.py; 2 int64 per index tensor)."""
     return [
         record for record in records
         if not (record.kind == "all_reduce" and record.bytes_sent == 2 * (record.group_size - 1) * 16 // record.group_size)
@@ -75,7 +74,8 @@ def test_local_rules_issue_no_collective(mesh):
     with shardtensor.strict_mode(), comm.observe() as records:
         results = [x.index_select(1, ROWS % 6), x.gather(1, torch.zeros(8, 2, dtype=torch.long)), x[:, ROWS % 6], x.masked_fill(full > 0, 0.0), x.sort(1)[0],
                    x.tril(1), x.triu(-2), x.flip(1), x.roll(2, 1)]
-    assert _moving_data(records) == []
+    # gather's plain (Replicate) index is sliced to the rows of x, so its shards differ: the agreement runs.
+    assert moving_data(records) == []
     expected = [full.index_select(1, ROWS % 6), full.gather(1, torch.zeros(8, 2, dtype=torch.long)),
                 full[:, ROWS % 6], full.masked_fill(full > 0, 0.0), full.sort(1)[0], full.tril(1), full.triu(-2),
                 full.flip(1), full.roll(2, 1)]
