@@ -35,6 +35,7 @@ from . import ops  # noqa: F401  (registers every op family)
 from . import propagation
 from .dtensor import DTensor, DTensorSpec, created_by_torch, interned_spec, partial_from_replicate, without_partial
 from .layout import Layout
+from .list_plans import ListPlan, is_multi_tensor, list_key
 from .ops.registry import RULES
 from .placement import Replicate, Shard
 from .propagation import DataDependentOutput, Decision, OpCall, PlainTensor, ResizesWritten, TensorMeta, decide
@@ -404,6 +405,8 @@ recording: list[list] = []
 def dispatch(op, args: tuple, kwargs: dict):
     """Run `op` on DTensor arguments and return DTensor results (the single-device value)."""
     key = _fast_key(op, args, kwargs)
+    if key is None and is_multi_tensor(op):
+        key = list_key(op, args, kwargs)
     if key is not None:
         plan = _plans.get(key)
         if plan is not None and plan.generation == propagation.generation:
@@ -446,8 +449,8 @@ def _dispatch_slowly(op, args: tuple, kwargs: dict, key: tuple | None):
     mesh = _common_mesh(op, [flat[index] for index in positions])
     rule = RULES.get(op)
     written = frozenset(id(value) for value in _written(op, args, kwargs) if not isinstance(value, DTensor))
-    if written:  # a plan would run the op on the plain tensor itself, without the write-back `_run` does
-        key = None
+    if written and not is_multi_tensor(op):  # a plan would run the op on the plain tensor itself, without
+        key = None  # the write-back `_run` does (a list plan passes plain tensors on untouched: they must not move)
     _plain_tensors_as_replicate(op, flat, mesh, getattr(rule, "accepts_plain_tensors", False), written)
     positions = [index for index, value in enumerate(flat) if isinstance(value, DTensor)]
     dtensors = [flat[index] for index in positions]
@@ -480,7 +483,14 @@ def _dispatch_slowly(op, args: tuple, kwargs: dict, key: tuple | None):
         return _fallback(op, flat, tree, positions, dtensors, mutated, mesh)
     except ResizesWritten as resize:
         return _write_resized(op, args, kwargs, *tree_unflatten(flat, tree), resize.functional_op)
-    if key is not None and _moves_no_mutated_input(decision, mutated, dtensors):
+    if key is not None and is_multi_tensor(op):
+        plan = ListPlan.build(op, rule, mesh, args, kwargs, flat, decision)
+        if plan is not None:
+            if len(_plans) >= _MAX_PLANS:
+                _plans.clear()
+            _plans[key] = plan
+            return plan.run(args, kwargs)
+    elif key is not None and _moves_no_mutated_input(decision, mutated, dtensors):
         template = None if decision.local_arguments is None else _template(decision, args, kwargs)
         if decision.local_arguments is None or template is not None:
             if len(_plans) >= _MAX_PLANS:

@@ -35,6 +35,7 @@ from . import dispatch as _dispatch_module
 from . import propagation
 from .dispatch import _fast_key, _returns_view
 from .dtensor import DTensor, DTensorSpec, outermost_call
+from .list_plans import function_plans, is_multi_tensor_function, learn_function, list_key
 
 __all__ = ["torch_function", "clear_function_plans"]
 
@@ -71,6 +72,7 @@ fast_path_enabled = True
 
 def clear_function_plans() -> None:
     _function_plans.clear()
+    function_plans.clear()
 
 
 def torch_function(cls, function, types, args=(), kwargs=None):
@@ -84,6 +86,8 @@ def torch_function(cls, function, types, args=(), kwargs=None):
         key = (id(function), id(args[0]._spec))
     else:
         key = _fast_key(function, args, kwargs)
+        if key is None and is_multi_tensor_function(function):
+            return _multi_tensor_call(function, args, kwargs)
     plan = _function_plans.get(key) if key is not None else None
     if plan is not None and plan.function is function and plan.generation == propagation.generation:
         if (
@@ -101,6 +105,36 @@ def torch_function(cls, function, types, args=(), kwargs=None):
         # mark the call for `created_by_torch`.
         return _run_normally(function, types, args, kwargs)
     return _call(function, args, kwargs, key)
+
+
+def _servable(args: tuple) -> bool:
+    """Whether a call may skip the dispatcher: no autograd history to record, no mode, no autocast."""
+    return (
+        fast_path_enabled
+        and not _dispatch_modes()
+        and not _autocast()
+        and (not _grad_enabled() or not _any_requires_grad(*args))
+    )
+
+
+def _multi_tensor_call(function, args: tuple, kwargs: dict):
+    """`torch._foreach_*` / `torch._fused_*` on DTensor lists: served from a learnt list plan (the
+    function runs on the local lists), or run normally and learnt from the aten plan it ran."""
+    key = list_key(function, args, kwargs)
+    if key is None:
+        return _call(function, args, kwargs, None)
+    plan = function_plans.get(key)
+    if plan is not None and plan.generation == propagation.generation and _servable(args):
+        return plan.run(args, kwargs)
+    recorded: list = []
+    _dispatch_module.recording.append(recorded)
+    try:
+        with outermost_call(args, kwargs), _disabled():
+            result = function(*args, **kwargs)
+    finally:
+        _dispatch_module.recording.pop()
+    learn_function(function, key, args, kwargs, recorded, result)
+    return result
 
 
 def _call(function, args: tuple, kwargs: dict, key: tuple | None):

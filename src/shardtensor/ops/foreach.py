@@ -166,6 +166,8 @@ class ForeachRule(ComposedRule):
             output_layouts += element.output_layouts
             output_metas += element.output_metas
         resolved = tuple(target or layout for target, layout in zip(input_layouts, layouts))
+        if not call.op._schema.returns:  # in place: the elements' results are written, not returned
+            output_layouts, output_metas = [], []
         return Decision(resolved, tuple(output_layouts), tuple(output_metas), (), None, None)
 
 
