@@ -1,10 +1,15 @@
 """Cached plans for multi-tensor ops (`_foreach_*`, `_fused_*`): one decision per list layout.
 
-The plan key of a multi-tensor call holds the op, the spec of every DTensor of every list, the
+The plan key of a multi-tensor call (`"list"`, then the op) holds the spec of every DTensor of every list, the
 dtypes of plain 0-d tensors (an optimizer's step counts), and of each Python scalar only its type
 and sign, which is all that the rules of `ops/foreach.py` read. So Adam's step sizes, new on every
 step, hit the plan that the first step built. A plan runs the op once on the lists of local tensors
 and wraps the outputs with the specs the decision promised; nothing per tensor is decided again.
+Learnt from such a plan, a public function (`torch._foreach_mul_`) runs on the local lists in
+`torch_function`, before the dispatcher. Keys start with "list", so they share `plan_cache`'s
+dictionaries (and `clear_plans`) with the flat keys, which start with an id.
+
+Like the rest of the engine below the class, this module gets the DTensor class as an argument.
 """
 
 from __future__ import annotations
@@ -17,11 +22,12 @@ from torch._C import _increment_version
 from torch.utils._pytree import tree_flatten
 
 from . import propagation
-from .dtensor import DTensor, DTensorSpec, interned_spec
 from .ops.foreach import canonical_scalar
+from .plan_cache import MAX_PLANS, function_plans
 from .propagation import ComposedRule, Decision
+from .spec import DTensorSpec, interned_spec
 
-__all__ = ["is_multi_tensor", "is_multi_tensor_function", "list_key", "ListPlan", "learn_function", "function_plans"]
+__all__ = ["is_multi_tensor", "is_multi_tensor_function", "list_key", "ListPlan", "learn_function"]
 
 _KEY_TYPES = frozenset((int, float, bool, complex, str, type(None), torch.dtype, torch.device, torch.memory_format))
 _spec_of = operator.attrgetter("_spec")
@@ -36,7 +42,7 @@ def is_multi_tensor(op) -> bool:
     return known
 
 
-def _append(value, key: list) -> bool:
+def _append(dtensor_class: type, value, key: list) -> bool:
     """Append what of `value` decides to `key`; False for a call no plan serves (mixed lists...)."""
     kind = type(value)
     if kind is list or kind is tuple:
@@ -44,7 +50,7 @@ def _append(value, key: list) -> bool:
             key.append(kind)
             return True
         first = type(value[0])
-        if first is DTensor:
+        if first is dtensor_class:
             try:
                 key.append(tuple(map(id, map(_spec_of, value))))
             except AttributeError:  # a plain tensor among DTensors
@@ -57,7 +63,7 @@ def _append(value, key: list) -> bool:
             key.append((kind, tuple(map(type, value)), tuple(map(canonical_scalar, value))))
         else:
             return False
-    elif kind is DTensor:
+    elif kind is dtensor_class:
         key.append(id(value._spec))
     elif kind in _KEY_TYPES:
         key.append(kind)
@@ -69,15 +75,15 @@ def _append(value, key: list) -> bool:
     return True
 
 
-def list_key(op, args: tuple, kwargs: dict) -> tuple | None:
-    """The plan key of a multi-tensor call, or None when no plan can serve it."""
-    key = [id(op)]
+def list_key(dtensor_class: type, op, args: tuple, kwargs: dict) -> tuple | None:
+    """The plan key of a multi-tensor call (op or public function), or None when no plan can serve it."""
+    key = ["list", id(op)]
     for value in args:
-        if not _append(value, key):
+        if not _append(dtensor_class, value, key):
             return None
     for name, value in kwargs.items():
         key.append(name)
-        if not _append(value, key):
+        if not _append(dtensor_class, value, key):
             return None
     return tuple(key)
 
@@ -88,32 +94,35 @@ class ListPlan:
     function it was learnt from), the specs of the outputs (none for in-place ops), and the lists it
     writes (whose wrappers' version counters it bumps, as the dispatcher does)."""
 
-    __slots__ = ("generation", "op", "specs", "list_positions", "list_names", "single_positions", "single_names", "call",
-                 "output_specs", "written_positions", "returned_argument")
+    __slots__ = ("generation", "wrap", "op", "specs", "list_positions", "list_names", "single_positions", "single_names",
+                 "call", "output_specs", "written_positions", "returned_argument")
 
-    def __init__(self, op, call, output_specs: tuple, args: tuple, kwargs: dict, written_positions: tuple[int, ...] = (),
-                 returned_argument: int | None = None):
+    def __init__(self, dtensor_class: type, op, call, output_specs: tuple, args: tuple, kwargs: dict,
+                 written_positions: tuple[int, ...] = (), returned_argument: int | None = None):
         self.generation = propagation.generation  # a rule registered later makes the plan stale
+        self.wrap = dtensor_class._wrap
         self.op, self.call, self.output_specs, self.written_positions = op, call, output_specs, written_positions
         self.returned_argument = returned_argument  # an in-place public function returns its `self` list
-        self.list_positions = tuple(index for index, value in enumerate(args) if _is_dtensor_list(value))
-        self.list_names = tuple(name for name, value in kwargs.items() if _is_dtensor_list(value))
-        self.single_positions = tuple(index for index, value in enumerate(args) if type(value) is DTensor)
-        self.single_names = tuple(name for name, value in kwargs.items() if type(value) is DTensor)
+        is_list = functools.partial(_is_dtensor_list, dtensor_class)
+        self.list_positions = tuple(index for index, value in enumerate(args) if is_list(value))
+        self.list_names = tuple(name for name, value in kwargs.items() if is_list(value))
+        self.single_positions = tuple(index for index, value in enumerate(args) if type(value) is dtensor_class)
+        self.single_names = tuple(name for name, value in kwargs.items() if type(value) is dtensor_class)
         # The key holds the ids of these specs: keeping them alive keeps the ids from being reused.
-        self.specs = tuple(dtensor._spec for dtensor in tree_flatten((args, kwargs))[0] if type(dtensor) is DTensor)
+        self.specs = tuple(value._spec for value in tree_flatten((args, kwargs))[0] if type(value) is dtensor_class)
 
     @classmethod
-    def build(cls, op, rule, mesh, args: tuple, kwargs: dict, flat: list, decision: Decision) -> ListPlan | None:
+    def build(cls, dtensor_class: type, op, rule, mesh, args: tuple, kwargs: dict, flat: list,
+              decision: Decision) -> ListPlan | None:
         """A plan for this aten call, or None: a tensor moves, an output is not a tensor, or a plain
         tensor was made a DTensor for the decision (`flat` holds the call's values after that)."""
         if not isinstance(rule, ComposedRule) or decision.local_arguments is not None:
             return None
-        dtensors = [value for value in flat if isinstance(value, DTensor)]
+        dtensors = [value for value in flat if isinstance(value, dtensor_class)]
         if any(target != dtensor.sharding for dtensor, target in zip(dtensors, decision.input_layouts)):
             return None
         original = tree_flatten((args, kwargs))[0]
-        if any(isinstance(value, DTensor) != isinstance(before, DTensor) for value, before in zip(flat, original)):
+        if any(isinstance(value, dtensor_class) != isinstance(before, dtensor_class) for value, before in zip(flat, original)):
             return None
         if any(meta is None for meta in decision.output_metas):
             return None
@@ -122,7 +131,7 @@ class ListPlan:
             interned_spec(DTensorSpec(mesh, layout, meta.stride, meta.dtype))
             for layout, meta in zip(decision.output_layouts, decision.output_metas)
         )
-        return cls(op, call, output_specs, args, kwargs)
+        return cls(dtensor_class, op, call, output_specs, args, kwargs)
 
     def run(self, args: tuple, kwargs: dict):
         local_args = list(args)
@@ -141,15 +150,12 @@ class ListPlan:
             _increment_version(args[position])
         if not self.output_specs:
             return result if self.returned_argument is None else args[self.returned_argument]
-        wrap = DTensor._wrap
+        wrap = self.wrap
         return [wrap(output, spec) for output, spec in zip(result, self.output_specs)]
 
 
 # ---- public functions ---------------------------------------------------------------------------
 
-# list key of a public call (holding the function's id) -> ListPlan that calls the function itself
-function_plans: dict[tuple, ListPlan] = {}
-_MAX_FUNCTION_PLANS = 4096
 _list_functions: dict = {}
 
 
@@ -162,7 +168,7 @@ def is_multi_tensor_function(function) -> bool:
     return known
 
 
-def learn_function(function, key: tuple, args: tuple, kwargs: dict, recorded: list, result) -> None:
+def learn_function(dtensor_class: type, function, key: tuple, args: tuple, kwargs: dict, recorded: list, result) -> None:
     """After a public multi-tensor call that ran exactly one aten op from a `ListPlan` computing with
     the op itself: remember a plan that calls the public function on the local lists. The key
     holds every argument's type, so the function resolves to the same aten overload again."""
@@ -179,18 +185,18 @@ def learn_function(function, key: tuple, args: tuple, kwargs: dict, recorded: li
         return
     written = tuple(
         position for position, argument in enumerate(plan.op._schema.arguments[:len(args)])
-        if argument.alias_info is not None and argument.alias_info.is_write and _is_dtensor_list(args[position])
+        if argument.alias_info is not None and argument.alias_info.is_write and _is_dtensor_list(dtensor_class, args[position])
     )
     if any(name in kwargs for name in _written_names(plan.op)):
         return
-    if len(function_plans) >= _MAX_FUNCTION_PLANS:
+    if len(function_plans) >= MAX_PLANS:
         function_plans.clear()
-    function_plans[key] = ListPlan(plan.op, function, plan.output_specs, args, kwargs, written, returned)
+    function_plans[key] = ListPlan(dtensor_class, plan.op, function, plan.output_specs, args, kwargs, written, returned)
 
 
 def _written_names(op) -> list[str]:
     return [argument.name for argument in op._schema.arguments if argument.alias_info is not None and argument.alias_info.is_write]
 
 
-def _is_dtensor_list(value) -> bool:
-    return type(value) in (list, tuple) and bool(value) and type(value[0]) is DTensor
+def _is_dtensor_list(dtensor_class: type, value) -> bool:
+    return type(value) in (list, tuple) and bool(value) and type(value[0]) is dtensor_class
