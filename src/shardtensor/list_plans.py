@@ -60,7 +60,8 @@ def _append(dtensor_class: type, value, key: list) -> bool:
                 return False
             key.append(("plain", tuple(item.dtype for item in value)))
         elif first in _KEY_TYPES:
-            key.append((kind, tuple(map(type, value)), tuple(map(canonical_scalar, value))))
+            types = tuple(map(type, value))
+            key.append((kind, types, _signs(types, value)))
         else:
             return False
     elif kind is dtensor_class:
@@ -73,6 +74,20 @@ def _append(dtensor_class: type, value, key: list) -> bool:
     else:
         return False
     return True
+
+
+_REAL_TYPES = frozenset((int, float))
+
+
+def _signs(types: tuple, values) -> object:
+    """What the decision reads of a scalar list: each value's sign (one summary for the common
+    all-positive or all-negative list of real numbers, found without a Python loop)."""
+    if _REAL_TYPES.issuperset(types):
+        if min(values) > 0:
+            return 1
+        if max(values) < 0:
+            return -1
+    return tuple(map(canonical_scalar, values))
 
 
 def list_key(dtensor_class: type, op, args: tuple, kwargs: dict) -> tuple | None:

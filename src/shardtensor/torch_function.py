@@ -78,10 +78,10 @@ def torch_function(cls, function, types, args=(), kwargs=None):
         kwargs = _NO_KEYWORDS
     if not kwargs and len(args) == 1 and type(args[0]) is cls:  # `x.relu()`, `x.t()`: no loop
         key = (id(function), id(args[0]._spec))
+    elif args and type(args[0]) is list and is_multi_tensor_function(function):
+        return _multi_tensor_call(cls, function, args, kwargs)
     else:
         key = fast_key(cls, function, args, kwargs)
-        if key is None and is_multi_tensor_function(function):
-            return _multi_tensor_call(cls, function, args, kwargs)
     plan = function_plans.get(key) if key is not None else None
     if plan is not None and plan.function is function and plan.generation == propagation.generation:
         if (
