@@ -94,7 +94,12 @@ def list_key(dtensor_class: type, op, args: tuple, kwargs: dict) -> tuple | None
     """The plan key of a multi-tensor call (op or public function), or None when no plan can serve it."""
     key = ["list", id(op)]
     for value in args:
-        if not _append(dtensor_class, value, key):
+        if type(value) is list and value and type(value[0]) is dtensor_class:  # the common case, inline
+            try:
+                key.append(tuple(map(id, map(_spec_of, value))))
+            except AttributeError:  # a plain tensor among DTensors
+                return None
+        elif not _append(dtensor_class, value, key):
             return None
     for name, value in kwargs.items():
         key.append(name)
@@ -151,13 +156,13 @@ class ListPlan:
     def run(self, args: tuple, kwargs: dict):
         local_args = list(args)
         for position in self.list_positions:
-            local_args[position] = [item._local_tensor for item in args[position]]
+            local_args[position] = _locals(args[position])
         for position in self.single_positions:
             local_args[position] = args[position]._local_tensor
         if self.list_names or self.single_names:
             kwargs = dict(kwargs)
             for name in self.list_names:
-                kwargs[name] = [item._local_tensor for item in kwargs[name]]
+                kwargs[name] = _locals(kwargs[name])
             for name in self.single_names:
                 kwargs[name] = kwargs[name]._local_tensor
         result = self.call(*local_args, **kwargs)
@@ -211,6 +216,18 @@ def learn_function(dtensor_class: type, function, key: tuple, args: tuple, kwarg
 
 def _written_names(op) -> list[str]:
     return [argument.name for argument in op._schema.arguments if argument.alias_info is not None and argument.alias_info.is_write]
+
+
+_local_value_of = operator.attrgetter("_local_value")
+_pending_of = operator.attrgetter("_pending")
+
+
+def _locals(dtensors) -> list:
+    """The local tensors of a list of DTensors (read in C; through `_local_tensor`, which waits,
+    when one of them still waits for an async redistribute)."""
+    if any(map(_pending_of, dtensors)):
+        return [dtensor._local_tensor for dtensor in dtensors]
+    return list(map(_local_value_of, dtensors))
 
 
 def _is_dtensor_list(dtensor_class: type, value) -> bool:
