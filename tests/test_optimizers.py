@@ -146,3 +146,27 @@ def test_clip_grad_norm_without_foreach_issues_one_collective(mesh):
         with comm.observe() as records:
             torch.nn.utils.clip_grad_norm_(dtensors, max_norm=1.0, norm_type=norm_type, foreach=False)
         assert [record.kind for record in records] == ["all_reduce"], norm_type
+
+
+@spmd(meshes=[(2,), (2, 2)])
+def test_partial_gradients_are_reduced_before_the_step(mesh):
+    """Replicate parameters whose gradients are Partial(sum) (each rank's share, as data parallel
+    gives them): every mode reduces each gradient where the step reads it and matches one device."""
+    from shardtensor import DTensor, Partial
+
+    for name in ("sgd", "adamw"):
+        optimizer_class, options, _ = OPTIMIZERS[name]
+        for mode in _modes(True):
+            fulls, _, grads = _parameters(mesh)
+            dtensors = [distribute_tensor(full.clone(), mesh, [R] * mesh.ndim).requires_grad_() for full in fulls]
+            references = [full.clone().requires_grad_() for full in fulls]
+            _train(optimizer_class, {**options, **mode}, references, grads, lambda grad, parameter: grad.clone())
+
+            def partial_grad(grad, parameter):
+                share = grad / mesh.size()  # every rank holds an equal share; their sum is the gradient
+                return DTensor.from_local(share, mesh, [Partial()] * mesh.ndim)
+
+            _train(optimizer_class, {**options, **mode}, dtensors, grads, partial_grad)
+            for dtensor, reference in zip(dtensors, references):
+                assert list(dtensor.placements) == [R] * mesh.ndim
+                assert_close(dtensor.full_tensor(), reference.detach(), msg=lambda text: f"{name} {mode}: {text}")

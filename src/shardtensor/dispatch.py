@@ -24,6 +24,7 @@ from . import plan_cache, propagation
 from .layout import Layout
 from .list_plans import ListPlan, is_multi_tensor, list_key
 from .modes import describe, implicit_communication_error, is_explicit, is_strict
+from .ops.foreach import canonical_arguments
 from .ops.registry import RULES
 from .placement import Replicate
 from .plain_tensors import created_by_torch
@@ -116,7 +117,10 @@ def _decision_cache_key(op, layouts, call: OpCall, coordinate: tuple[int, ...] |
     equal keys but give other dtypes; the coordinate because local arguments and local ops are this
     rank's, and two meshes of one shape may place this rank at different coordinates."""
     types = tuple(type(value) for value in flat)
-    key = (op, tuple(layouts), call.inputs, call.args, call.kwargs, types, coordinate)
+    args, kwargs = call.args, call.kwargs
+    if is_multi_tensor(op):  # its rules read scalars' signs only: Adam's new step sizes must not miss
+        args, kwargs = canonical_arguments(args), canonical_arguments(kwargs)
+    key = (op, tuple(layouts), call.inputs, args, kwargs, types, coordinate)
     try:
         hash(key)
     except TypeError:

@@ -39,7 +39,7 @@ from ..propagation import (
 )
 from .registry import RULES, InPlaceVariantRule, register_rule
 
-__all__ = ["ForeachRule", "ListReductionRule", "FusedStepRule", "canonical_scalar"]
+__all__ = ["ForeachRule", "ListReductionRule", "FusedStepRule", "canonical_scalar", "canonical_arguments"]
 
 aten = torch.ops.aten
 
@@ -57,6 +57,12 @@ def canonical_scalar(value):
     if isinstance(value, complex):
         return complex(1)
     return type(value)((value > 0) - (value < 0))
+
+
+def canonical_arguments(values: tuple) -> tuple:
+    """`canonical_scalar` of every number in (nested) tuples: a multi-tensor call's arguments as its
+    decision reads them."""
+    return tuple(canonical_arguments(value) if isinstance(value, tuple) else canonical_scalar(value) for value in values)
 
 
 def _typed(values) -> tuple:
