@@ -17,8 +17,7 @@ results are stacked and combined over the mesh dims that shard any of the tensor
 makes `clip_grad_norm_(foreach=True)` one collective per mesh.
 
 Fused optimizer steps are elementwise in (param, grad, state...) of one parameter: all of one
-parameter's tensors take one layout, Replicate or Shard of a dim, never Partial (Adam is not linear
-in its gradient).
+parameter's tensors take the parameter's layout, never Partial (Adam is not linear in its gradient).
 """
 
 from __future__ import annotations
@@ -34,9 +33,7 @@ import torch
 from .. import comm
 from ..layout import Layout
 from ..placement import Partial, Replicate, Shard
-from ..propagation import (
-    ComposedRule, Decision, OpCall, PlainTensor, ResizesWritten, Row, ShardingRule, TensorMeta, decide, run_on_meta,
-)
+from ..propagation import ComposedRule, Decision, OpCall, ResizesWritten, TensorMeta, decide, run_on_meta
 from .registry import RULES, InPlaceVariantRule, register_rule
 
 __all__ = ["ForeachRule", "ListReductionRule", "FusedStepRule", "canonical_scalar", "canonical_arguments"]
@@ -274,21 +271,23 @@ class ListReductionRule(ComposedRule):
         return Decision(targets, outputs, metas, (), None, local_op)
 
 
-class FusedStepRule(ShardingRule):
-    """One parameter's tensors in a fused optimizer step (param, grad, moments; a 0-d step count or
-    learning rate stays Replicate): all Replicate, or all sharded on one dim. Returns nothing."""
+class FusedStepRule(ComposedRule):
+    """One parameter's tensors in a fused optimizer step (param, grad, moments): each takes the
+    parameter's layout (a Partial one read as Replicate), exactly, shard sizes included; a 0-d step
+    count or learning rate stays where it is. The parameter and its states are written, so they
+    keep their layouts (moving them would cost a second move back); a gradient laid out otherwise
+    (Partial from data parallelism) is moved once. Returns nothing."""
 
     __name__ = "fused_step"
 
-    def rows(self, call: OpCall) -> Sequence[Row]:
-        ndim = max(meta.ndim for meta in call.inputs)
-        rows = []
-        for placement in [Replicate()] + [Shard(dim) for dim in range(ndim)]:
-            rows.append(Row((), tuple(placement if meta.ndim == ndim else Replicate() for meta in call.inputs)))
-        return rows
-
-    def global_outputs(self, call: OpCall) -> list[TensorMeta | None]:
-        return []
+    def decision(self, call: OpCall, layouts: Sequence[Layout], coordinate: Sequence[int]) -> Decision:
+        parameter = _without_partial(layouts[0])
+        targets = tuple(
+            layout if meta.ndim == 0 else parameter if layout.shape == parameter.shape
+            else layout.with_placements(parameter.placements)
+            for layout, meta in zip(layouts, call.inputs)
+        )
+        return Decision(targets, (), (), (), None, None)
 
 
 def _strip_list(type_text: str) -> str:
