@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from . import comm
+from .checkpoint import CheckpointableMixin
 from .layout import Layout
 from .mesh import DeviceMesh, current_mesh
 from .placement import Partial, Placement, Replicate, Shard
@@ -199,7 +200,7 @@ def partial_from_replicate(local: torch.Tensor, layout: Layout, mesh: DeviceMesh
     return local
 
 
-class DTensor(torch.Tensor):
+class DTensor(CheckpointableMixin, torch.Tensor):
     """A distributed tensor: global metadata on the wrapper, this rank's shard in `_local_tensor`.
 
     Build one with `distribute_tensor`, `DTensor.from_local` or a factory (`shardtensor.zeros`, ...).
