@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import torch
 
 from .layout import Layout
-from .placement import Replicate
+from .placement import Partial, Replicate, Shard
 
 __all__ = ["CheckpointableMixin", "local_box", "writes_shard"]
 
@@ -94,6 +94,10 @@ def _rebuild_dtensor(cls, local_tensor, spec, requires_grad: bool, saved_coordin
     return dtensor
 
 
+# `torch.load` defaults to weights_only=True, which unpickles only allowed globals: a DTensor's.
+torch.serialization.add_safe_globals([_rebuild_dtensor, Layout, Shard, Replicate, Partial])
+
+
 class CheckpointableMixin:
     """DCP's checkpoint protocol, pickling and deepcopy for a class holding one shard per rank.
 
@@ -105,6 +109,11 @@ class CheckpointableMixin:
     """
 
     __slots__ = ()
+
+    def __init_subclass__(cls, **options):
+        super().__init_subclass__(**options)
+        torch.serialization.add_safe_globals([cls])
+
     _data_attributes: tuple[str, ...] = ("_local_value", "_pending", "_spec")
 
     # ---- torch.distributed.checkpoint -----------------------------------------------------------

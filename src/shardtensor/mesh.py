@@ -295,6 +295,9 @@ def _rebuild_mesh(device_type: str, ranks: list, mesh_dim_names: tuple[str, ...]
     return DeviceMesh(device_type, mesh, mesh_dim_names=mesh_dim_names, _groups_by_dim=groups)
 
 
+torch.serialization.add_safe_globals([_rebuild_mesh])  # `torch.load` (weights_only) may rebuild meshes
+
+
 def _other_world_error(ranks: list, world_size: int, current_size: int | None) -> RuntimeError:
     here = "torch.distributed is not initialized" if current_size is None else f"this world has {current_size} ranks"
     return RuntimeError(
