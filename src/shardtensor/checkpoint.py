@@ -21,6 +21,7 @@ import torch
 
 from .layout import Layout
 from .placement import Partial, Replicate, Shard
+from .spec import DTensorSpec
 
 __all__ = ["CheckpointableMixin", "local_box", "writes_shard"]
 
@@ -95,7 +96,7 @@ def _rebuild_dtensor(cls, local_tensor, spec, requires_grad: bool, saved_coordin
 
 
 # `torch.load` defaults to weights_only=True, which unpickles only allowed globals: a DTensor's.
-torch.serialization.add_safe_globals([_rebuild_dtensor, Layout, Shard, Replicate, Partial])
+torch.serialization.add_safe_globals([_rebuild_dtensor, DTensorSpec, Layout, Shard, Replicate, Partial])
 
 
 class CheckpointableMixin:
