@@ -147,8 +147,10 @@ def test_mesh_and_sub_mesh_round_trip_and_keep_working(mesh):
             assert records == [], name
             assert copied == original and copied.mesh_dim_names == original.mesh_dim_names, name
             assert copied.get_coordinate() == original.get_coordinate(), name
-            total = comm.all_reduce(torch.ones(1), copied, copied.ndim - 1, reduce_op="sum")
-            assert total.item() == copied.shape[-1], name
+            for mesh_dim in range(copied.ndim):
+                assert copied.get_group(mesh_dim) is original.get_group(mesh_dim), (name, mesh_dim)
+                ranks = comm.all_gather(torch.tensor([dist.get_rank()]), copied, mesh_dim, dim=0, sizes=[1] * copied.shape[mesh_dim])
+                assert tuple(ranks.tolist()) == original.group_ranks(mesh_dim), (name, mesh_dim)
 
 
 @spmd(meshes=[(4,)])

@@ -59,10 +59,11 @@ def _partial_error(what: str, layout: Layout, fqn: str | None) -> RuntimeError:
     )
 
 
-def _wrong_shard_error(index, offsets: torch.Size) -> ValueError:
+def _wrong_shard_error(index, offsets: torch.Size | None) -> ValueError:
+    held = "this rank is outside its mesh and holds none" if offsets is None else f"this rank's starts at {list(offsets)}"
     return ValueError(
-        f"checkpoint asked the DTensor {index.fqn!r} for the chunk at offsets {list(index.offset)}, "
-        f"but this rank's shard starts at {list(offsets)}; a DTensor holds one chunk per rank"
+        f"checkpoint asked the DTensor {index.fqn!r} for the chunk at offsets {index.offset}, but {held}; "
+        f"a DTensor holds one chunk per rank of its mesh"
     )
 
 
@@ -161,8 +162,8 @@ class CheckpointableMixin:
     def __get_tensor_shard__(self, index) -> torch.Tensor:
         """The local tensor behind this rank's chunk: DCP writes it, or narrows and copies into it."""
         coordinate = self._checkpoint_coordinate("save or load", index.fqn)
-        offsets, _ = local_box(self._spec.layout, coordinate)
-        if index.offset is not None and torch.Size(index.offset) != offsets:
+        offsets = None if coordinate is None else local_box(self._spec.layout, coordinate)[0]
+        if offsets is None or (index.offset is not None and torch.Size(index.offset) != offsets):
             raise _wrong_shard_error(index, offsets)
         return self._local_tensor
 

@@ -251,8 +251,7 @@ class DeviceMesh:
     def __reduce__(self):
         """Pickle (and `torch.save`, `copy.deepcopy`) the ranks, names and world size, not the process
         groups: unpickling re-attaches the groups this process already has for the same world."""
-        world_size = dist.get_world_size() if dist.is_initialized() else 1
-        return (_rebuild_mesh, (self.device_type, self.mesh.tolist(), self.mesh_dim_names, world_size))
+        return (_rebuild_mesh, (self.device_type, self.mesh.tolist(), self.mesh_dim_names, dist.get_world_size()))
 
 
 def _line_through(mesh: torch.Tensor, coordinate: Sequence[int] | None, mesh_dim: int) -> tuple[int, ...] | None:
@@ -289,7 +288,6 @@ def _rebuild_mesh(device_type: str, ranks: list, mesh_dim_names: tuple[str, ...]
             groups.append(dist.group.WORLD)
         elif len(key) == 1 or key in _groups:
             groups.append(_groups.get(key))  # a one-rank group is made on demand (get_group)
-            groups.append(_groups[key])
         else:
             raise _missing_group_error(ranks, key)
     return DeviceMesh(device_type, mesh, mesh_dim_names=mesh_dim_names, _groups_by_dim=groups)
