@@ -77,9 +77,10 @@ def test_dtensor_round_trips_keep_layout_and_values_without_communication(mesh):
 @spmd(meshes=[(4,)])
 def test_uneven_explicit_shard_sizes_and_empty_shards_round_trip(mesh):
     sizes = (3, 0, 1, 2)
-    offset = sum(sizes[: mesh.get_local_rank()])
+    rank = mesh.get_local_rank()
     full = _full((6, 3))
-    x = DTensor.from_local(full[offset : offset + sizes[mesh.get_local_rank()]], mesh, [Shard(0)], shard_sizes={0: sizes})
+    local = full[sum(sizes[:rank]) : sum(sizes[: rank + 1])]
+    x = DTensor.from_local(local, mesh, [Shard(0)], shard_sizes={0: sizes})
     for name, round_trip in ROUND_TRIPS.items():
         copied = round_trip(x)
         _assert_same_dtensor(copied, x, shares_storage=False)
@@ -149,7 +150,8 @@ def test_mesh_and_sub_mesh_round_trip_and_keep_working(mesh):
             assert copied.get_coordinate() == original.get_coordinate(), name
             for mesh_dim in range(copied.ndim):
                 assert copied.get_group(mesh_dim) is original.get_group(mesh_dim), (name, mesh_dim)
-                ranks = comm.all_gather(torch.tensor([dist.get_rank()]), copied, mesh_dim, dim=0, sizes=[1] * copied.shape[mesh_dim])
+                peers = [1] * copied.shape[mesh_dim]
+                ranks = comm.all_gather(torch.tensor([dist.get_rank()]), copied, mesh_dim, dim=0, sizes=peers)
                 assert tuple(ranks.tolist()) == original.group_ranks(mesh_dim), (name, mesh_dim)
 
 
@@ -198,7 +200,7 @@ def _run(spmd_pools, mesh_shape, body, **params) -> list:
 def test_loading_in_another_world_raises_clearly(spmd_pools):
     pickles = _run(spmd_pools, (2,), PICKLES)[0]
     for data in pickles:  # this pytest process has no distributed world
-        with pytest.raises(RuntimeError, match=r"saved in a world of 2 ranks, but torch.distributed is not initialized"):
+        with pytest.raises(RuntimeError, match="saved in a world of 2 ranks, but torch.distributed is not initialized"):
             pickle.loads(data)
     for mesh_shape in [(1,), (4,)]:
         for messages in _run(spmd_pools, mesh_shape, LOAD_PICKLES, pickles=pickles):
@@ -215,7 +217,8 @@ def test_loading_a_mesh_whose_groups_this_process_lacks_raises_clearly(mesh):
     key = tuple(sorted(named["tp"].mesh.tolist()))
     group = mesh_module._groups.pop(key)  # as in a fresh process that has not built the 2x2 mesh yet
     try:
-        with pytest.raises(RuntimeError, match=rf"no process group over ranks {re.escape(str(list(key)))}.*Build the mesh"):
+        missing = re.escape(str(list(key)))
+        with pytest.raises(RuntimeError, match=rf"no process group over ranks {missing}.*Build the mesh"):
             pickle.loads(data)
     finally:
         mesh_module._groups[key] = group

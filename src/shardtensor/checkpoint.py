@@ -50,7 +50,9 @@ def writes_shard(layout: Layout, coordinate: Sequence[int]) -> bool:
 def _partial_error(what: str, layout: Layout, fqn: str | None) -> RuntimeError:
     name = f" {fqn!r}" if fqn else ""
     mesh_dims = layout.partial_mesh_dims()
-    fixed = ", ".join("Replicate()" if mesh_dim in mesh_dims else repr(p) for mesh_dim, p in enumerate(layout.placements))
+    fixed = ", ".join(
+        "Replicate()" if mesh_dim in mesh_dims else repr(placement) for mesh_dim, placement in enumerate(layout.placements)
+    )
     return RuntimeError(
         f"cannot {what} the DTensor{name} of shape {list(layout.shape)} with placements "
         f"{list(layout.placements)}: it is Partial on mesh dims {list(mesh_dims)}, so its local tensors "
@@ -60,7 +62,9 @@ def _partial_error(what: str, layout: Layout, fqn: str | None) -> RuntimeError:
 
 
 def _wrong_shard_error(index, offsets: torch.Size | None) -> ValueError:
-    held = "this rank is outside its mesh and holds none" if offsets is None else f"this rank's starts at {list(offsets)}"
+    held = "this rank is outside its mesh and holds none"
+    if offsets is not None:
+        held = f"this rank's starts at {list(offsets)}"
     return ValueError(
         f"checkpoint asked the DTensor {index.fqn!r} for the chunk at offsets {index.offset}, but {held}; "
         f"a DTensor holds one chunk per rank of its mesh"
