@@ -287,3 +287,14 @@ def test_ranks_outside_a_dtensors_mesh_take_part_without_data(mesh, tmp_path):
             assert tensor.to_local().numel() == 0, name
         else:
             assert torch.equal(tensor.full_tensor(), full), name
+
+
+def test_a_plain_single_process_checkpoint_loads_into_nested_and_tensor_parallel_shards(spmd_pools, tmp_path):
+    path = str(tmp_path / "plain")
+    saved, after_step, _ = _run(spmd_pools, (1,), SAVE, path=path, plan_name="plain")[0]
+    for rank, (loaded, loaded_after_step, collectives) in enumerate(
+        _run(spmd_pools, (2, 2), LOAD, path=path, plan_name="tp2")
+    ):
+        _assert_equal(loaded, saved, f"rank {rank}")
+        _assert_equal(loaded_after_step, after_step, f"rank {rank} after one more step")
+        assert collectives == 0

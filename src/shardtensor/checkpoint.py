@@ -50,14 +50,12 @@ def writes_shard(layout: Layout, coordinate: Sequence[int]) -> bool:
 def _partial_error(what: str, layout: Layout, fqn: str | None) -> RuntimeError:
     name = f" {fqn!r}" if fqn else ""
     mesh_dims = layout.partial_mesh_dims()
-    fixed = ", ".join(
-        "Replicate()" if mesh_dim in mesh_dims else repr(placement) for mesh_dim, placement in enumerate(layout.placements)
-    )
+    reduced = [Replicate() if mesh_dim in mesh_dims else p for mesh_dim, p in enumerate(layout.placements)]
     return RuntimeError(
         f"cannot {what} the DTensor{name} of shape {list(layout.shape)} with placements "
         f"{list(layout.placements)}: it is Partial on mesh dims {list(mesh_dims)}, so its local tensors "
         f"are operands of a pending reduction, not pieces of the value. Reduce it first on every rank of "
-        f"its mesh, e.g. x = x.redistribute(placements=[{fixed}]), and {what} that"
+        f"its mesh, e.g. x = x.redistribute(placements={reduced!r}), and {what} that"
     )
 
 
