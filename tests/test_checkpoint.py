@@ -145,21 +145,30 @@ def _assert_equal(actual: dict, expected: dict, where: str) -> None:
         assert torch.equal(actual[key], expected[key]), f"{where}: {key} differs"
 
 
-# The box (offsets, sizes) each rank of the 2x2 (dp, tp) mesh writes, per parameter: rank = 2 * dp + tp.
-# Replicas along dp are written by dp = 0 only; the fully replicated bias by rank 0 only.
-WRITERS_TP2 = {
-    "embed.weight": {0: ((0, 0), (2, 6)), 1: ((2, 0), (2, 6)), 2: ((4, 0), (2, 6)), 3: ((6, 0), (1, 6))},
-    "up.weight": {0: ((0, 0), (5, 6)), 1: ((5, 0), (5, 6))},
-    "up.bias": {0: ((0,), (5,)), 1: ((5,), (5,))},
-    "down.weight": {0: ((0, 0), (5, 5)), 1: ((0, 5), (5, 5))},
-    "down.bias": {0: ((0,), (5,))},
+# The boxes (offsets, sizes) of every parameter on the 2x2 (dp, tp) mesh and the ranks holding each
+# (rank = 2 * dp + tp): replicas along dp hold the same box; the fully replicated bias is on all four.
+HOLDERS_TP2 = {
+    "embed.weight": {((0, 0), (2, 6)): {0}, ((2, 0), (2, 6)): {1}, ((4, 0), (2, 6)): {2}, ((6, 0), (1, 6)): {3}},
+    "up.weight": {((0, 0), (5, 6)): {0, 2}, ((5, 0), (5, 6)): {1, 3}},
+    "up.bias": {((0,), (5,)): {0, 2}, ((5,), (5,)): {1, 3}},
+    "down.weight": {((0, 0), (5, 5)): {0, 2}, ((0, 5), (5, 5)): {1, 3}},
+    "down.bias": {((0,), (5,)): {0, 1, 2, 3}},
 }
 
 
-def _writers(path) -> dict[str, dict[int, tuple]]:
-    """From the checkpoint metadata: for every saved tensor, which rank wrote which box."""
+def _assert_each_box_written_once_by_a_holder(writers: dict[int, tuple], holders: dict[tuple, set], name: str):
+    """Every box is in the checkpoint once, written by a rank that holds it (its own shard, no gather)."""
+    written = {box: rank for rank, box in writers.items()}
+    assert len(written) == len(writers) and written.keys() == holders.keys(), (name, writers)
+    for box, rank in written.items():
+        assert rank in holders[box], (name, box, rank)
+
+
+def _writers(path) -> tuple[dict[str, dict[int, tuple]], dict[int, int]]:
+    """From the checkpoint metadata: for every saved tensor, which rank wrote which box; and the
+    bytes each rank wrote."""
     metadata = dcp.FileSystemReader(str(path)).read_metadata()
-    writers = {}
+    writers, bytes_by_rank = {}, {}
     for index, storage in metadata.storage_data.items():
         if index.offset is None:  # not a tensor (optimizer hyperparameters)
             continue
@@ -170,7 +179,8 @@ def _writers(path) -> dict[str, dict[int, tuple]]:
         box = (tuple(chunk.offsets), tuple(chunk.sizes))
         assert rank not in writers.setdefault(index.fqn, {}), f"rank {rank} wrote {index.fqn} twice"
         writers[index.fqn][rank] = box
-    return writers
+        bytes_by_rank[rank] = bytes_by_rank.get(rank, 0) + storage.length
+    return writers, bytes_by_rank
 
 
 def test_save_tp2_on_2x2_load_tp4_on_4_ranks_two_ranks_and_plain_on_1_rank(spmd_pools, tmp_path):
@@ -181,18 +191,18 @@ def test_save_tp2_on_2x2_load_tp4_on_4_ranks_two_ranks_and_plain_on_1_rank(spmd_
     for _, other_after_step, _ in saved_by_rank[1:]:
         _assert_equal(other_after_step, after_step, "ranks of the saving run disagree")
 
-    writers = _writers(tmp_path / "checkpoint")
-    for fqn, boxes in WRITERS_TP2.items():
-        assert writers[f"model.{fqn}"] == boxes, fqn
-        for key in ("exp_avg", "exp_avg_sq"):
-            assert writers[f"optim.state.{fqn}.{key}"] == boxes, (fqn, key)
+    writers, bytes_by_rank = _writers(tmp_path / "checkpoint")
+    for fqn, holders in HOLDERS_TP2.items():
+        for name in (f"model.{fqn}", f"optim.state.{fqn}.exp_avg", f"optim.state.{fqn}.exp_avg_sq"):
+            _assert_each_box_written_once_by_a_holder(writers[name], holders, name)
         assert len(writers[f"optim.state.{fqn}.step"]) == 1  # a plain tensor: one copy
+    assert sorted(bytes_by_rank) == [0, 1, 2, 3]  # DCP spreads the replicas' writing over their ranks
 
     # The checkpoint is ordinary DCP: one process without a world turns it into plain full tensors.
     converted = tmp_path / "converted.pt"
     dcp_to_torch_save(path, converted)
     plain = torch.load(converted)
-    for fqn in WRITERS_TP2:
+    for fqn in HOLDERS_TP2:
         assert torch.equal(plain["model"][fqn], saved[fqn]), fqn
         assert torch.equal(plain["optim"]["state"][fqn]["exp_avg"], saved[f"{fqn}.exp_avg"]), fqn
 
@@ -242,10 +252,10 @@ def test_uneven_shards_save_exactly_and_partial_is_refused_then_saves_reduced(me
     with comm.observe() as records:
         dcp.save({"uneven": uneven, "reduced": reduced, "empty": empty}, checkpoint_id=path)
     assert records == []
-    writers = _writers(path)
+    writers, _ = _writers(path)
     # Rank 1's shard is empty and writes nothing (its offset is rank 2's); an empty tensor is listed once.
     assert writers["uneven"] == {0: ((0, 0), (5, 4)), 2: ((5, 0), (1, 4)), 3: ((6, 0), (4, 4))}
-    assert writers["reduced"] == {0: ((0,), (3,))}
+    _assert_each_box_written_once_by_a_holder(writers["reduced"], {((0,), (3,)): {0, 1, 2, 3}}, "reduced")
     assert writers["empty"] == {0: ((0, 0), (0, 4))}
 
     target = {
@@ -272,7 +282,7 @@ def test_ranks_outside_a_dtensors_mesh_take_part_without_data(mesh, tmp_path):
     with comm.observe() as records:
         dcp.async_save(state, checkpoint_id=path).result()  # staged copies save the same boxes
     assert records == []
-    writers = _writers(path)
+    writers, _ = _writers(path)
     assert writers["sub"] == {1: ((0, 0), (3, 6)), 3: ((3, 0), (2, 6))}
     assert writers["world"] == {0: ((0, 0), (5, 2)), 1: ((0, 2), (5, 2)), 2: ((0, 4), (5, 2))}  # rank 3's is empty
 

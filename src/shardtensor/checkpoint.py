@@ -5,7 +5,7 @@ typing: which chunks do you write (`__create_write_items__`), which boxes of the
 hold to load into (`__create_chunk_list__`), and which local tensor backs a chunk
 (`__get_tensor_shard__`). A DTensor answers from its `Layout`: a rank's shard is one box (offsets and
 sizes per tensor dim; nested sharding too, since pieces are contiguous), so every rank writes only its
-own shard, a replica is written once (by coordinate 0 of every Replicate mesh dim), and loading reads
+own shard, a replica is written once (DCP's planner keeps one copy of each box), and loading reads
 into each shard its overlap with every saved box, whatever mesh, layout or plain tensor saved it.
 Nothing here communicates. `pickle`, `torch.save` and `copy.deepcopy` keep this rank's shard and the
 spec; the mesh pickles without its process groups (see `mesh.py`). See docs/checkpoint.md.
@@ -23,7 +23,7 @@ from .layout import Layout
 from .placement import Partial, Replicate, Shard
 from .spec import DTensorSpec
 
-__all__ = ["CheckpointableMixin", "local_box", "writes_shard"]
+__all__ = ["CheckpointableMixin", "local_box", "offers_shard"]
 
 
 def local_box(layout: Layout, coordinate: Sequence[int]) -> tuple[torch.Size, torch.Size]:
@@ -31,20 +31,18 @@ def local_box(layout: Layout, coordinate: Sequence[int]) -> tuple[torch.Size, to
     return torch.Size(layout.local_offset(coordinate)), torch.Size(layout.local_shape(coordinate))
 
 
-def writes_shard(layout: Layout, coordinate: Sequence[int]) -> bool:
-    """Whether the shard at `coordinate` is the copy that is saved: replicas along a Replicate mesh
-    dim hold the same box, and only coordinate 0 along each such mesh dim writes it.
+def offers_shard(layout: Layout, coordinate: Sequence[int]) -> bool:
+    """Whether the shard at `coordinate` is offered to DCP for writing.
 
-    An empty shard writes nothing (its offset may be a neighbour's, and DCP names a chunk by its
-    offset), except coordinate 0 of an empty tensor, so that the checkpoint still lists the tensor.
+    Every replica offers its box; DCP's save planner keeps one copy of each box (a chunk is named by
+    its fqn and offset), on the rank with the least to write so far, so the replicas of a tensor
+    share the writing instead of one coordinate writing them all. An empty shard offers nothing (its
+    offset may be a neighbour's non-empty box), except coordinate 0 of an empty tensor, so that the
+    checkpoint still lists the tensor.
     """
     if math.prod(layout.local_shape(coordinate)) == 0:
         return layout.numel == 0 and not any(coordinate)
-    return all(
-        coordinate[mesh_dim] == 0
-        for mesh_dim, placement in enumerate(layout.placements)
-        if isinstance(placement, Replicate)
-    )
+    return True
 
 
 def _partial_error(what: str, layout: Layout, fqn: str | None) -> RuntimeError:
@@ -130,13 +128,13 @@ class CheckpointableMixin:
         return self._spec.mesh.get_coordinate()
 
     def __create_write_items__(self, fqn: str, value) -> list:
-        """DCP save plan: this rank's shard as one chunk, or nothing for a replica or outside the mesh."""
+        """DCP save plan: this rank's shard as one chunk (DCP keeps one replica), none outside the mesh."""
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
         from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
         coordinate = self._checkpoint_coordinate("save", fqn)
         layout = self._spec.layout
-        if coordinate is None or not writes_shard(layout, coordinate):
+        if coordinate is None or not offers_shard(layout, coordinate):
             return []
         offsets, sizes = local_box(layout, coordinate)
         return [
