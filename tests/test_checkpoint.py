@@ -21,6 +21,8 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from shardtensor import DeviceMesh, DTensor, Partial, Replicate, Shard, comm, distribute_tensor, launch
+from shardtensor.layout import Layout
+from shardtensor.spec import DTensorSpec
 
 R = Replicate()
 
@@ -308,3 +310,26 @@ def test_a_plain_single_process_checkpoint_loads_into_nested_and_tensor_parallel
         _assert_equal(loaded, saved, f"rank {rank}")
         _assert_equal(loaded_after_step, after_step, f"rank {rank} after one more step")
         assert collectives == 0
+
+
+@spmd(meshes=[(2, 2)])
+def test_nested_sharding_in_either_shard_order_saves_its_boxes_and_loads_elsewhere(mesh, tmp_path):
+    """Both mesh dims split dim 0 (7 rows); with shard order (1, 0) mesh dim 1 splits first, so rank 1
+    at coordinate (0, 1) holds rows 4-5, not rows 2-3 as in the default order."""
+    full = torch.arange(21.0).view(7, 3)
+    coordinate = mesh.get_coordinate()
+    expected = {
+        (0, 1): {0: ((0, 0), (2, 3)), 1: ((2, 0), (2, 3)), 2: ((4, 0), (2, 3)), 3: ((6, 0), (1, 3))},
+        (1, 0): {0: ((0, 0), (2, 3)), 1: ((4, 0), (2, 3)), 2: ((2, 0), (2, 3)), 3: ((6, 0), (1, 3))},
+    }
+    for order, boxes in expected.items():
+        layout = Layout.create(mesh.shape, [Shard(0), Shard(0)], full.shape, shard_order=[order, ()])
+        offset, size = layout.local_offset(coordinate)[0], layout.local_shape(coordinate)[0]
+        spec = DTensorSpec(mesh, layout, (3, 1), full.dtype)
+        nested = DTensor(full[offset : offset + size].clone(), spec)
+        path = str(tmp_path / f"order{order[0]}{order[1]}")
+        dcp.save({"nested": nested}, checkpoint_id=path)
+        assert _writers(path)[0]["nested"] == boxes, order
+        target = {"nested": distribute_tensor(torch.zeros(7, 3), mesh, [Shard(1), R])}
+        dcp.load(target, checkpoint_id=path)
+        assert torch.equal(target["nested"].full_tensor(), full), order
