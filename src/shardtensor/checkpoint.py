@@ -111,12 +111,12 @@ class CheckpointableMixin:
     """
 
     __slots__ = ()
+    _data_attributes: tuple[str, ...] = ("_local_value", "_pending", "_spec")
 
     def __init_subclass__(cls, **options):
+        """A subclass may be rebuilt by `torch.load(weights_only=True)` like the values it holds."""
         super().__init_subclass__(**options)
         torch.serialization.add_safe_globals([cls])
-
-    _data_attributes: tuple[str, ...] = ("_local_value", "_pending", "_spec")
 
     # ---- torch.distributed.checkpoint -----------------------------------------------------------
 
