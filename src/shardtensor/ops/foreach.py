@@ -32,7 +32,7 @@ import torch
 
 from .. import comm
 from ..layout import Layout
-from ..placement import Partial, Replicate, Shard
+from ..placement import Replicate, Shard
 from ..propagation import ComposedRule, Decision, OpCall, ResizesWritten, TensorMeta, decide, run_on_meta
 from .registry import RULES, InPlaceVariantRule, register_rule
 
