@@ -138,8 +138,9 @@ def _print_rich(head: list[str], body: list[str], grid, notes: list[str]) -> Non
     if grid is None:
         console.print("\n".join(head + body + notes), highlight=False)
         return
+    console.print("\n".join(head), highlight=False)
     row_labels, column_labels, cells, _ = grid
-    table = rich.table.Table(title="\n".join(head), show_lines=True)
+    table = rich.table.Table(show_lines=True)
     table.add_column("")
     for label in column_labels:
         table.add_column(label, justify="center")

@@ -78,7 +78,7 @@ def local_map(
     `in_grad_placements` says how to read the gradient of each local input (default: the input's
     placements). Outputs become DTensors on `device_mesh` (default: the DTensor arguments' mesh)
     with `out_placements`, one PlacementType per flattened output (None for a non-tensor output).
-    Called without any DTensor argument, `func` runs as is.
+    Keyword arguments go to `func` as they are. Called without any DTensor argument, `func` runs as is.
 
     Beyond PyTorch: `out_shard_sizes="infer"` (default) makes Shard outputs exact when shards are
     uneven (one exchange of local shapes per such output); "chunk" assumes `torch.chunk` sizes
