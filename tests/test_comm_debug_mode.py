@@ -277,3 +277,37 @@ def test_hooks_are_removed_on_exit(mesh):
     modules, operations = mode.get_modules(), len(mode.operations)
     model(torch.randn(8, 10)).sum().backward()
     assert mode.get_modules() == modules and len(mode.operations) == operations and mode.get_total_counts() == 2
+
+
+@spmd(meshes=[(2,), (4,)])
+def test_sequence_parallel_mlp_gathers_forward_and_reduce_scatters_backward(mesh):
+    """Rows of the input and output sharded (sequence parallel): net1 all_gathers its input forward and
+    reduce_scatters its gradient backward; net2 reduce_scatters its output forward, all_gathers backward."""
+    ranks, rank = mesh.size(), mesh.get_rank()
+    reference, model = MLP(), MLP()
+    model.load_state_dict(reference.state_dict())
+    distribute_module(
+        model.net1, mesh, lambda name, module, mesh: _sharded(module, mesh, {"weight": 0, "bias": 0}),
+        input_fn=lambda module, inputs, mesh: tuple(
+            DTensor.from_local(x, mesh, [Shard(0)], shard_sizes="chunk").redistribute(placements=[Replicate()])
+            for x in inputs),
+    )
+    distribute_module(model.net2, mesh, lambda name, module, mesh: _sharded(module, mesh, {"weight": 1, "bias": None}),
+                      output_fn=lambda module, output, mesh: output.redistribute(placements=[Shard(0)]).to_local())
+    x = torch.randn(8, 10)
+    x_reference, x_local = x.clone().requires_grad_(), x.chunk(ranks)[rank].clone().requires_grad_()
+    reference(x_reference).sum().backward()
+    with CommDebugMode() as mode:
+        output = model(x_local)
+        output.sum().backward()
+    assert_close(output, reference(x).chunk(ranks)[rank])
+    assert_close(x_local.grad, x_reference.grad.chunk(ranks)[rank])
+    assert_close(model.net1.weight.grad.full_tensor(), reference.net1.weight.grad)
+    both = {"all_gather": 1, "reduce_scatter": 1}
+    assert mode.get_comm_module_counts() == {
+        "Global": {"forward": both, "backward": both},
+        "MLP": {"forward": both, "backward": both},
+        "MLP.net1": {"forward": {"all_gather": 1}, "backward": {"reduce_scatter": 1}},
+        "MLP.relu": {"forward": {}, "backward": {}},
+        "MLP.net2": {"forward": {"reduce_scatter": 1}, "backward": {"all_gather": 1}},
+    }
