@@ -123,9 +123,11 @@ class _Operations(TorchDispatchMode):
             self.mode._note_operation(func, "plain", tensors, range(0))
             return func(*args, **kwargs)
         start = len(self.mode.records)
+        index = self.mode._note_operation(func, "dtensor", tensors, range(start, start))  # before its local ops
         with self.local_ops:
             result = func(*args, **kwargs)
-        self.mode._note_operation(func, "dtensor", tensors, range(start, len(self.mode.records)))
+        operations = self.mode.operations
+        operations[index] = dataclasses.replace(operations[index], records=range(start, len(self.mode.records)))
         return result
 
 
@@ -173,13 +175,15 @@ class CommDebugMode:
     def _context_changed(self, module: str, phase: str) -> None:
         self._contexts.append(_Context(len(self.records), len(self.plans), module, phase))
 
-    def _note_operation(self, func, kind: str, tensors: list[torch.Tensor], records: range) -> None:
+    def _note_operation(self, func, kind: str, tensors: list[torch.Tensor], records: range) -> int:
+        """Append the op to `operations` (with the running module and phase); returns its position."""
         module, phase = self._tracker.current
         dtensors = [tensor for tensor in tensors if isinstance(tensor, DTensor)]
         placements = tuple("[" + ", ".join(map(str, tensor.placements)) + "]" for tensor in dtensors)
         mesh = str(dtensors[0].device_mesh) if dtensors else ""
         shapes = tuple(tuple(tensor.shape) for tensor in (dtensors if kind == "dtensor" else tensors))
         self.operations.append(Operation(str(func), kind, module, phase, shapes, placements, mesh, records))
+        return len(self.operations) - 1
 
     def _contexts_for(self, count: int, field: str) -> list[_Context]:
         """The context of each of the first `count` collectives (field "first_record") or plans ("first_plan")."""
