@@ -105,8 +105,10 @@ def test_non_tensor_arguments_and_outputs_pass_through(mesh):
     Y_dt, rows = local_count(X_dt, 100)
     assert rows == X_dt.to_local().shape[0] + 100
     assert_close(Y_dt.full_tensor(), X)
-    # Without DTensor arguments the function runs as is.
+    # Without DTensor arguments the function runs as is, even with a device_mesh given.
     assert_close(local_mul(X, 2.0), X * 2.0)
+    on_mesh = local_map(mul_forward, out_placements=row_wise, device_mesh=mesh)
+    assert type(on_mesh(X, 2.0)) is torch.Tensor
     # A plain tensor argument passes through even when in_placements names placements for it.
     plain = local_map(mm_forward, out_placements=row_wise, in_placements=(row_wise, row_wise))
     assert_close(plain(X_dt, torch.eye(4)).full_tensor(), X)

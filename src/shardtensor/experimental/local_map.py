@@ -119,7 +119,7 @@ def _local_arguments(flat_args, in_placements, in_grad_placements, device_mesh, 
                 f"{name} has {len(specs)} entries but the call has {len(flat_args)} flattened arguments",
                 "give one entry per argument (None for a non-tensor argument)",
             )
-    mesh, local_args = device_mesh, []
+    mesh, local_args, seen_dtensor = device_mesh, [], False
     for index, argument in enumerate(flat_args):
         spec = None if in_placements is None else in_placements[index]
         if not isinstance(argument, DTensor):
@@ -130,6 +130,7 @@ def _local_arguments(flat_args, in_placements, in_grad_placements, device_mesh, 
                 )
             local_args.append(argument)  # plain tensors and other values pass through
             continue
+        seen_dtensor = True
         if mesh is None:
             mesh = argument.device_mesh
         elif argument.device_mesh != mesh:
@@ -145,7 +146,7 @@ def _local_arguments(flat_args, in_placements, in_grad_placements, device_mesh, 
                                    "give the placements its local gradient is laid out in")
         grad_placements = None if grad_spec is None else normalize_placements(grad_spec, argument.ndim, mesh.ndim)
         local_args.append(argument.to_local(grad_placements=grad_placements))
-    return local_args, mesh
+    return local_args, mesh if seen_dtensor else None
 
 
 def _placed(argument: DTensor, index: int, spec, redistribute_inputs: bool) -> DTensor:
