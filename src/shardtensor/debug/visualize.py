@@ -9,9 +9,9 @@ prints a coloured grid through `rich` (the optional `viz` extra: `pip install sh
     >>> x = distribute_tensor(torch.zeros(8, 8), mesh, [Shard(0), Shard(1)])  # doctest: +SKIP
     >>> visualize_sharding(x)  # doctest: +SKIP
     shape (8, 8), placements [S(0), S(1)], mesh (2, 2)
-               Col 0-3    Col 4-7
-    Row 0-3    cpu:0      cpu:1
-    Row 4-7    cpu:2      cpu:3
+              Col 0-3   Col 4-7
+    Row 0-3   cpu:0     cpu:1
+    Row 4-7   cpu:2     cpu:3
 """
 
 from __future__ import annotations
