@@ -315,3 +315,27 @@ def test_sequence_parallel_mlp_gathers_forward_and_reduce_scatters_backward(mesh
         "MLP.relu": {"forward": {}, "backward": {}},
         "MLP.net2": {"forward": {"reduce_scatter": 1}, "backward": {"all_gather": 1}},
     }
+
+
+@spmd(meshes=[(2,), (4,)])
+def test_collectives_inside_a_rule_count_for_the_module_running_it(mesh):
+    """Embedding with a row-sharded index: its rule checks the indices with one all_reduce(max)."""
+    torch.manual_seed(0)
+    model, reference = torch.nn.Sequential(torch.nn.Embedding(10, 4)), torch.nn.Sequential(torch.nn.Embedding(10, 4))
+    model.load_state_dict(reference.state_dict())
+    distribute_module(model, mesh)
+    ids = torch.tensor([[1, 2, 3], [4, 5, 9], [0, 0, 1], [7, 8, 2]])
+    sharded_ids = distribute_tensor(ids, mesh, [Shard(0)])
+    with CommDebugMode() as mode:
+        output = model(sharded_ids)
+        output.sum().backward()
+    reference(ids).sum().backward()
+    assert_close(output.full_tensor(), reference(ids))
+    assert_close(model[0].weight.grad.full_tensor(), reference[0].weight.grad)
+    check = {"all_reduce": 1}
+    assert mode.get_comm_module_counts() == {
+        "Global": {"forward": check, "backward": {}},
+        "Sequential": {"forward": check, "backward": {}},
+        "Sequential.0": {"forward": check, "backward": {}},
+    }
+    assert mode.get_comm_counts_by_op() == {"aten.embedding.default": check}
