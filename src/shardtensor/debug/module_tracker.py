@@ -49,6 +49,15 @@ def _tensors(value) -> list[torch.Tensor]:
     return []
 
 
+def _remove_last(stack: list[str], fqn: str) -> bool:
+    """Remove the innermost entry `fqn` of a stack of running modules; False if it holds none."""
+    for position in range(len(stack) - 1, -1, -1):
+        if stack[position] == fqn:
+            del stack[position]
+            return True
+    return False
+
+
 class ModuleTracker:
     """Tracks the current (module, phase) and calls `on_change(fqn, phase)` whenever it changes."""
 
@@ -72,6 +81,7 @@ class ModuleTracker:
 
     def __enter__(self) -> ModuleTracker:
         self.modules = {GLOBAL: ModuleInfo(GLOBAL, "", 0, (), ())}
+        self._names = weakref.WeakKeyDictionary()
         self._forward, self._backward, self._in_backward = [], [], False
         self._handles = [register_module_forward_pre_hook(self._enter_forward)]
         return self
@@ -109,8 +119,7 @@ class ModuleTracker:
 
     def _leave_forward(self, module: torch.nn.Module, inputs, output) -> None:
         fqn = self._name(module)
-        if fqn in self._forward:
-            del self._forward[len(self._forward) - 1 - self._forward[::-1].index(fqn)]
+        _remove_last(self._forward, fqn)
         tensors = _tensors(output)
         if tensors:
             self._handles.append(register_multi_grad_hook(tensors, lambda grad: self._enter_backward(fqn), mode="any"))
@@ -130,8 +139,7 @@ class ModuleTracker:
         self._on_change(*self.current)
 
     def _leave_backward(self, fqn: str) -> None:
-        if fqn in self._backward:
-            del self._backward[len(self._backward) - 1 - self._backward[::-1].index(fqn)]
+        if _remove_last(self._backward, fqn):
             self._on_change(*self.current)
 
     def _end_backward(self) -> None:
