@@ -22,8 +22,9 @@ from collections.abc import Sequence
 from .layout import Layout
 from .redistribute.planner import plan as plan_redistribute
 
-__all__ = ["logger", "propagation_logger", "LEVELS", "configure_from_environment", "log_decision"]
+__all__ = ["logger", "propagation_logger", "DEBUG", "LEVELS", "configure_from_environment", "log_decision"]
 
+DEBUG = logging.DEBUG
 logger = logging.getLogger("shardtensor")
 propagation_logger = logging.getLogger("shardtensor.propagation")
 LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}

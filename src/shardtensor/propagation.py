@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -22,7 +21,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .layout import Layout
-from .log import log_decision, propagation_logger
+from .log import DEBUG, log_decision, propagation_logger
 from .placement import Partial, Placement, Replicate, Shard
 from .redistribute.planner import plan as plan_redistribute
 
@@ -479,10 +478,10 @@ def decide(
         decision = _decide_out_variant(call, layouts, rule, coordinate)
     else:
         decision = _decide_rows(call, layouts, rule, coordinate)
-    if propagation_logger.isEnabledFor(logging.DEBUG):
-        log_decision(call.op, layouts, decision, [meta.dtype.itemsize for meta in call.inputs])
     if cache_key is not None:
         _cache[cache_key] = decision
+    if propagation_logger.isEnabledFor(DEBUG):
+        log_decision(call.op, layouts, decision, [meta.dtype.itemsize for meta in call.inputs])
     return decision
 
 
