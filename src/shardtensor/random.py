@@ -2,8 +2,9 @@
 
 The flattened global tensor is cut into blocks of `BLOCK_SIZE` elements; block `k` of the random
 call number `counter` comes from a `torch.Generator` seeded with a hash of (seed, counter, k).
-A rank generates only the blocks that overlap its shard and keeps the elements it holds, so every
-mesh shape, placement and rank count (one rank included) sees the same global tensor.
+A rank generates only the blocks that overlap its shard, one at a time, and copies the part of each
+block that its shard holds (time and memory linear in the shard), so every mesh shape, placement and
+rank count (one rank included) sees the same global tensor.
 
 Semantics: `manual_seed(seed)` sets the seed and resets the counter to 0. Every random call on
 DTensors (the `rand`/`randn` factories and random ops such as `uniform_`, `rand_like`,
