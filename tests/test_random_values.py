@@ -112,3 +112,23 @@ def test_factories_and_in_place_fills_keep_the_previous_numbers_on_every_layout(
             shardtensor.random._counter = counter
             expected = _reference_shard(kind, shape, (0, 0), shape, seed=21, counter=counter, dtype=torch.float32, parameters=parameters)
             assert torch.equal(make().full_tensor(), expected), f"{kind} on mesh {tuple(mesh.shape)} {placements}"
+
+
+def test_a_shard_draws_each_block_it_touches_once_and_no_other(monkeypatch):
+    """Work is linear in the shard: a shard of whole rows draws exactly the blocks holding its
+    elements, each once (consecutive chunks reuse the block they share)."""
+    from shardtensor import random as random_module
+
+    drawn = []
+    original = random_module._block_seed
+    monkeypatch.setattr(random_module, "_block_seed", lambda seed, counter, block: drawn.append(block) or original(seed, counter, block))
+    shape = (64, BLOCK_SIZE // 16 + 3)  # rows do not align with blocks
+    offset, local_shape = (16, 0), (16, shape[1])
+    random_shard("randn", shape, offset, local_shape, seed=0, counter=0, dtype=torch.float32)
+    first = offset[0] * shape[1] // BLOCK_SIZE
+    last = ((offset[0] + local_shape[0]) * shape[1] - 1) // BLOCK_SIZE
+    assert drawn == list(range(first, last + 1))
+    drawn.clear()
+    wide = (4, 3 * BLOCK_SIZE)  # a narrow column box of wide rows touches one block per row
+    random_shard("rand", wide, (0, BLOCK_SIZE + 10), (4, 20), seed=0, counter=0, dtype=torch.float32)
+    assert drawn == [3 * row + 1 for row in range(4)]

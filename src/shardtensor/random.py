@@ -113,10 +113,11 @@ class _Blocks:
 def _fill_box(values: torch.Tensor, blocks: _Blocks, shape: Sequence[int], offset: Sequence[int]) -> None:
     """Write the box `offset + values.shape` of the global tensor into `values`, in O(its size).
 
-    The box is walked in chunks of whole index ranges of one `split` tensor dim, chosen so that a
-    chunk spans at most one block of flat indices: the draws in flight never exceed a few blocks,
-    and only blocks holding elements of the box are drawn (within a chunk, gaps between the box's
-    elements are shorter than a block).
+    The box is walked in chunks of consecutive indices of one `split` tensor dim (the outermost
+    whose rows fit in a block). A chunk is as long as fits in the block where it starts, so most
+    chunks are views of one block and only a row crossing a block edge is concatenated: the draws in
+    flight never exceed two blocks, and only blocks holding elements of the box are drawn (within a
+    chunk, gaps between the box's elements are shorter than a block).
     """
     ndim = len(shape)
     local_shape = tuple(values.shape)
@@ -128,20 +129,21 @@ def _fill_box(values: torch.Tensor, blocks: _Blocks, shape: Sequence[int], offse
     while split < ndim - 1 and strides[split] > BLOCK_SIZE:
         split += 1
     row = strides[split]
-    rows_per_chunk = max(1, BLOCK_SIZE // row)
     inner_shape, inner_strides = local_shape[split + 1 :], strides[split + 1 :]
     inner_start = sum(start * stride for start, stride in zip(offset[split + 1 :], inner_strides))
     inner_extent = sum((length - 1) * stride for length, stride in zip(inner_shape, inner_strides)) + 1
-    outer_ranges = [range(length) for length in local_shape[:split]]
-    for outer in itertools.product(*outer_ranges):
+    for outer in itertools.product(*(range(length) for length in local_shape[:split])):
         base = sum((start + index) * stride for start, index, stride in zip(offset, outer, strides))
         destination = values[outer] if outer else values
-        for first in range(0, local_shape[split], rows_per_chunk):
-            count = min(rows_per_chunk, local_shape[split] - first)
+        first = 0
+        while first < local_shape[split]:
             start = base + (offset[split] + first) * row + inner_start
+            room = (start // BLOCK_SIZE + 1) * BLOCK_SIZE - start
+            count = min(local_shape[split] - first, max(1, (room - inner_extent) // row + 1))
             drawn = blocks.range(start, start + (count - 1) * row + inner_extent)
             box = drawn.as_strided((count, *inner_shape), (row, *inner_strides), drawn.storage_offset())
             destination[first : first + count].copy_(box)
+            first += count
 
 
 def random_shard(
