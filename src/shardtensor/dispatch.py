@@ -26,8 +26,9 @@ from .modes import describe, implicit_communication_error, is_explicit, is_stric
 from .ops.registry import RULES
 from .placement import Replicate
 from .plain_tensors import created_by_torch
-from .plan_cache import Plan, fast_key, plans, recording, template
+from .plan_cache import Plan, fast_key, key_modes, misses, plans, recording, strip_values, template
 from .propagation import DataDependentOutput, Decision, OpCall, PlainTensor, ResizesWritten, TensorMeta, decide
+from .propagation import key_modes as key_modes_by_op
 from .redistribute import redistribute_local_tensor
 from .spec import DTensorSpec
 from .write_back import (
@@ -50,15 +51,21 @@ def dispatch(dtensor_class: type, op, types, args: tuple = (), kwargs: dict | No
     single-device value)."""
     if kwargs is None:
         kwargs = _NO_KEYWORDS
-    key = fast_key(dtensor_class, op, args, kwargs)
+    modes = key_modes_by_op.get(op)
+    if modes is None:
+        modes = key_modes(op)
+    key = fast_key(dtensor_class, op, args, kwargs, modes)
     if key is not None:
         plan = plans.get(key)
         if plan is not None and plan.generation == propagation.generation:
+            plans.move_to_end(key)
+            plan.hits += 1
             if recording:
-                recording[-1].append(plan)
+                recording[-1].append((plan, args, kwargs))
             return plan.run(args, kwargs)
     if recording:
         recording[-1].append(None)
+    misses[op] += 1
     return _dispatch_slowly(dtensor_class, op, args, kwargs, key)
 
 
@@ -108,17 +115,27 @@ def _frozen(value):
     return value
 
 
-def _decision_cache_key(op, layouts, call: OpCall, coordinate: tuple[int, ...] | None, flat: list):
+def _decision_cache_key(op, layouts, call: OpCall, coordinate: tuple[int, ...] | None, flat: list, modes: tuple):
     """What a decision depends on. The type of every argument is in it because 2, 2.0 and True are
-    equal keys but give other dtypes; the coordinate because local arguments and local ops are this
-    rank's, and two meshes of one shape may place this rank at different coordinates."""
+    equal keys but give other dtypes; the values that decide (`modes`); the coordinate because local
+    arguments and local ops are this rank's, and two meshes of one shape may place this rank at
+    different coordinates."""
     types = tuple(type(value) for value in flat)
-    key = (op, tuple(layouts), call.inputs, call.args, call.kwargs, types, coordinate)
+    partial_input = any(layout.partial_mesh_dims() for layout in layouts)
+    key = (op, tuple(layouts), call.inputs, *strip_values(call.args, call.kwargs, modes, partial_input), types, coordinate)
     try:
         hash(key)
     except TypeError:
         return None
     return key
+
+
+def _value_keys_error(op, rule) -> RuntimeError:
+    return RuntimeError(
+        f"the sharding rule of {op} ({getattr(rule, '__name__', type(rule).__name__)}) declares that the values of "
+        f"{sorted(rule.value_keys)} do not decide, but it builds local arguments or a local op, which would keep "
+        f"the first call's values for every later call; leave those arguments out of its value_keys"
+    )
 
 
 def _moves_no_mutated_input(decision: Decision, mutated_dtensors: list, dtensors: list) -> bool:
@@ -168,12 +185,15 @@ def _dispatch_slowly(dtensor_class: type, op, args: tuple, kwargs: dict, key: tu
             raise implicit_communication_error(op, dtensors, decision.input_layouts, "its sharding rule needs other layouts")
         return _outside_mesh(dtensor_class, op, flat, tree, positions, dtensors, mesh, decision.output_layouts)
     coordinate = tuple(coordinate)
+    modes = key_modes(op)
     try:
-        decision = decide(call, layouts, rule, coordinate, _decision_cache_key(op, layouts, call, coordinate, flat))
+        decision = decide(call, layouts, rule, coordinate, _decision_cache_key(op, layouts, call, coordinate, flat, modes))
     except DataDependentOutput:  # every rank reaches the same verdict: the replicate fallback computes it
         return _fallback(dtensor_class, op, flat, tree, positions, dtensors, mutated_dtensors, mesh)
     except ResizesWritten as resize:
         return write_resized(dtensor_class, op, args, kwargs, *tree_unflatten(flat, tree), resize.functional_op)
+    if modes and (decision.local_arguments is not None or decision.local_op is not None):
+        raise _value_keys_error(op, rule)
     if key is not None and _moves_no_mutated_input(decision, mutated_dtensors, dtensors):
         local_template = None if decision.local_arguments is None else template(decision, args, kwargs)
         if decision.local_arguments is None or local_template is not None:

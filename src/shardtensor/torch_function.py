@@ -35,7 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import propagation
 from .plain_tensors import outermost_call
-from .plan_cache import MAX_PLANS, fast_key, function_plans, recording
+from .plan_cache import fast_key, function_key_modes, function_plans, key_modes, recording, store_function_plan
 from .spec import DTensorSpec
 from .write_back import returns_view
 
@@ -55,10 +55,12 @@ class _FunctionPlan:
     """What a learnt public function needs: where its DTensors are and the spec of its result
     (None: not servable here, but known to run from cached aten plans only)."""
 
-    __slots__ = ("function", "positions", "spec", "input_specs", "generation")
+    __slots__ = ("function", "positions", "spec", "input_specs", "generation", "op", "hits")
 
-    def __init__(self, cls, function, args: tuple, kwargs: dict, positions: tuple[int, ...], spec: DTensorSpec | None):
+    def __init__(self, cls, function, args: tuple, kwargs: dict, positions: tuple[int, ...], spec: DTensorSpec | None,
+                 op=None):
         self.function, self.positions, self.spec = function, positions, spec
+        self.op, self.hits = op, 0  # the one aten op a servable plan stands for, and how often it served
         # The key holds the ids of these specs: keeping them alive keeps the ids from being reused.
         self.input_specs = tuple(value._spec for value in (*args, *kwargs.values()) if isinstance(value, cls))
         self.generation = propagation.generation
@@ -78,9 +80,10 @@ def torch_function(cls, function, types, args=(), kwargs=None):
     if not kwargs and len(args) == 1 and type(args[0]) is cls:  # `x.relu()`, `x.t()`: no loop
         key = (id(function), id(args[0]._spec))
     else:
-        key = fast_key(cls, function, args, kwargs)
+        key = fast_key(cls, function, args, kwargs, function_key_modes.get((function, len(args)), ()))
     plan = function_plans.get(key) if key is not None else None
     if plan is not None and plan.function is function and plan.generation == propagation.generation:
+        function_plans.move_to_end(key)
         if (
             plan.spec is not None
             and fast_path_enabled
@@ -88,6 +91,7 @@ def torch_function(cls, function, types, args=(), kwargs=None):
             and not _autocast()
             and (not _grad_enabled() or not _any_requires_grad(*args))
         ):
+            plan.hits += 1
             local_args = list(args)
             for position in plan.positions:
                 local_args[position] = args[position]._local_tensor
@@ -116,10 +120,31 @@ def _call(cls, function, args: tuple, kwargs: dict, key: tuple | None):
         finally:
             recording.pop()
     if None not in recorded:  # every aten op ran from a cached plan: the verdict is final
-        if len(function_plans) >= MAX_PLANS:
-            function_plans.clear()
-        function_plans[key] = _learn(cls, function, args, kwargs, recorded, result)
+        plan = _learn(cls, function, args, kwargs, recorded, result)
+        # Later calls that differ only in values that do not decide find this plan too.
+        signature = (function, len(args))
+        modes = _modes_passed_through(args, kwargs, recorded)
+        if function_key_modes.setdefault(signature, modes) != modes:
+            function_key_modes[signature] = ()
+        key = fast_key(cls, function, args, kwargs, function_key_modes[signature])
+        store_function_plan(key, plan)
     return result
+
+
+def _modes_passed_through(args: tuple, kwargs: dict, recorded: list) -> tuple:
+    """The aten op's key modes (`plan_cache.key_modes`) when the function ran one aten op and passed
+    it its own arguments unchanged, position for position and keyword for keyword; else ()."""
+    if len(recorded) != 1:
+        return ()
+    plan, aten_args, aten_kwargs = recorded[0]
+    modes = key_modes(plan.op)
+    if not modes or len(aten_args) != len(args) or list(aten_kwargs) != list(kwargs):
+        return ()
+    pairs = [*zip(args, aten_args), *((kwargs[name], aten_kwargs[name]) for name in kwargs)]
+    if all(given is passed or (type(given) is type(passed) and not isinstance(given, torch.Tensor) and given == passed)
+           for given, passed in pairs):
+        return modes
+    return ()
 
 
 class _AtenOps(TorchDispatchMode):
@@ -140,7 +165,7 @@ def _learn(cls, function, args: tuple, kwargs: dict, recorded: list, result) -> 
     positions = tuple(index for index, value in enumerate(args) if type(value) is cls)
     if len(recorded) != 1 or type(result) is not cls:
         return _FunctionPlan(cls, function, args, kwargs, positions, None)
-    plan = recorded[0]
+    plan = recorded[0][0]
     op = plan.op
     if (
         plan.single_spec is None
@@ -167,7 +192,7 @@ def _learn(cls, function, args: tuple, kwargs: dict, recorded: list, result) -> 
         or local.dtype != expected.dtype
     ):
         return _FunctionPlan(cls, function, args, kwargs, positions, None)
-    return _FunctionPlan(cls, function, args, kwargs, positions, plan.single_spec)
+    return _FunctionPlan(cls, function, args, kwargs, positions, plan.single_spec, op)
 
 
 # ---- arguments read as data ----------------------------------------------------------------------

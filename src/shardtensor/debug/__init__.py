@@ -1,9 +1,12 @@
-"""Debug tools: count the collectives a block issues, and explain a redistribute before it runs.
+"""Debug tools: count the collectives a block issues, explain a redistribute before it runs, and
+report the dispatch caches' hits, misses and decisions per op (`plan_cache_counts`).
 
 Mirrors `torch.distributed.tensor.debug` (`CommDebugMode`) and adds `explain_redistribute`.
 """
 
+from ..plan_cache import CacheCounts
+from ..plan_cache import cache_counts as plan_cache_counts
 from .comm_mode import CommDebugMode
 from .explain import explain_redistribute
 
-__all__ = ["CommDebugMode", "explain_redistribute"]
+__all__ = ["CommDebugMode", "explain_redistribute", "plan_cache_counts", "CacheCounts"]

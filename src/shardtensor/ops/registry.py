@@ -65,6 +65,10 @@ class InPlaceVariantRule(ShardingRule):
     def _functional(self, call: OpCall) -> tuple[ShardingRule, OpCall]:
         return self._rules[self.functional_op], dataclasses.replace(call, op=self.functional_op)
 
+    @property
+    def value_keys(self):
+        return self._rules[self.functional_op].value_keys
+
     def rows_for_layouts(self, call, layouts):
         rule, functional_call = self._functional(call)
         return [row for row in rule.rows_for_layouts(functional_call, layouts) if row.outputs[0] == row.inputs[0]]
