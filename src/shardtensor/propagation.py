@@ -28,7 +28,8 @@ from .placement import Partial, Placement, Replicate, Shard
 from .redistribute.planner import plan as plan_redistribute
 
 __all__ = [
-    "Row", "TensorMeta", "PlainTensor", "DataDependentOutput", "ResizesWritten", "OpCall", "ShardingRule", "RowsRule",
+    "Row", "TensorMeta", "PlainTensor", "DataDependentOutput", "ResizesWritten", "OpCall", "schema_positions",
+    "ShardingRule", "RowsRule",
     "OutVariantRule",
     "Decision", "decide", "TYPE_ONLY", "SIGN",
     "transition_cost", "clear_cache", "MAX_DECISIONS", "decisions_made", "decision_cache_hits",
@@ -98,6 +99,16 @@ class OpCall:
         if positional and position < len(self.args):
             return self.args[position]
         return self.kwarg(name, default)
+
+    def input_names(self) -> list[str]:
+        """The schema name of each DTensor input, in the order `inputs` lists them (a tensor list
+        argument such as `indices` names each of its DTensors)."""
+        names = []
+        for name in schema_positions(self.op):
+            value = self.argument(name)
+            values = value if isinstance(value, (list, tuple)) else [value]
+            names += [name for item in values if isinstance(item, TensorMeta)]
+        return names
 
     def with_arguments(self, **values) -> tuple[tuple, dict]:
         """(args, kwargs) of this call with the named arguments replaced: where they were given

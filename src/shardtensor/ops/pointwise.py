@@ -62,7 +62,7 @@ def _scalars(call: OpCall) -> list:
 
 
 def _first_argument_is_dtensor(call: OpCall) -> bool:
-    return bool(call.args) and isinstance(call.args[0], TensorMeta)
+    return isinstance(call.argument("self"), TensorMeta)
 
 
 def _linear(call: OpCall) -> list[PartialRow]:
@@ -86,7 +86,7 @@ def _monotone(call: OpCall) -> list[PartialRow]:
 
 def _monotone_with_slope(call: OpCall) -> list[PartialRow]:
     """leaky_relu is non-decreasing only for a non-negative negative_slope."""
-    slope = call.args[1] if len(call.args) > 1 else call.kwarg("negative_slope", 0.01)
+    slope = call.argument("negative_slope")
     return _monotone(call) if slope >= 0 else []
 
 
@@ -121,7 +121,7 @@ def _product(call: OpCall) -> list[PartialRow]:
 
 
 def _quotient(call: OpCall) -> list[PartialRow]:
-    if call.kwarg("rounding_mode") is not None or not _first_argument_is_dtensor(call):
+    if call.argument("rounding_mode") is not None or not _first_argument_is_dtensor(call):
         return []  # floor/trunc division is not linear; a DTensor divisor is not either
     operands = _operand_count(call)
     if operands == 2:
@@ -195,7 +195,7 @@ def _cast(call: OpCall) -> list[PartialRow]:
     of P(max) has no integer value.
     """
     source = call.inputs[0].dtype
-    target = call.kwarg("dtype") or source
+    target = call.argument("dtype") or source
     every = LINEAR_REDUCE_OPS + EXTREME_REDUCE_OPS + ("product",)
     if target == source:
         kept = every
