@@ -26,7 +26,7 @@ from .modes import describe, implicit_communication_error, is_explicit, is_stric
 from .ops.registry import RULES
 from .placement import Replicate
 from .plain_tensors import created_by_torch
-from .plan_cache import Plan, fast_key, key_modes, misses, plans, recording, strip_values, template
+from .plan_cache import Plan, counts_of, fast_key, key_modes, plans, recording, strip_values, template
 from .propagation import DataDependentOutput, Decision, OpCall, PlainTensor, ResizesWritten, TensorMeta, decide
 from .propagation import key_modes as key_modes_by_op
 from .redistribute import redistribute_local_tensor
@@ -51,22 +51,29 @@ def dispatch(dtensor_class: type, op, types, args: tuple = (), kwargs: dict | No
     single-device value)."""
     if kwargs is None:
         kwargs = _NO_KEYWORDS
-    modes = key_modes_by_op.get(op)
-    if modes is None:
-        modes = key_modes(op)
-    key = fast_key(dtensor_class, op, args, kwargs, modes)
+    key = fast_key(dtensor_class, op, args, kwargs)
     if key is not None:
         plan = plans.get(key)
+        if plan is None:  # the plan may be stored without the values that do not decide
+            plan = plans.get(_value_free_key(dtensor_class, op, args, kwargs))
         if plan is not None and plan.generation == propagation.generation:
-            plans.move_to_end(key)
-            plan.hits += 1
+            plan.used = True
+            plan.counts.hits += 1
             if recording:
                 recording[-1].append((plan, args, kwargs))
             return plan.run(args, kwargs)
     if recording:
         recording[-1].append(None)
-    misses[op] += 1
+    counts_of(op).misses += 1
     return _dispatch_slowly(dtensor_class, op, args, kwargs, key)
+
+
+def _value_free_key(dtensor_class: type, op, args: tuple, kwargs: dict) -> tuple | None:
+    """The call's key without the values that do not decide (None when every value decides)."""
+    modes = key_modes_by_op.get(op)
+    if modes is None:
+        modes = key_modes(op)
+    return fast_key(dtensor_class, op, args, kwargs, modes) if modes else None
 
 
 def _common_mesh(op, dtensors: list):
@@ -199,6 +206,8 @@ def _dispatch_slowly(dtensor_class: type, op, args: tuple, kwargs: dict, key: tu
         if decision.local_arguments is None or local_template is not None:
             plan = Plan(dtensor_class, op, mesh, args, kwargs, decision, writes(op), local_template)
             plan_cache.store(key, plan)
+            if modes:
+                plan_cache.store(_value_free_key(dtensor_class, op, args, kwargs), plan)
             return plan.run(args, kwargs)
     if is_explicit() and decision.moves_inputs(layouts):
         raise implicit_communication_error(op, dtensors, decision.input_layouts, "its sharding rule needs other layouts")

@@ -6,17 +6,21 @@ decision with the output specs and, for rules with local arguments such as `view
 arguments already built), which runs the local op and wraps its outputs. `torch_function` keeps
 its plans for public functions here too, so that one `clear_plans` forgets both.
 
-A non-tensor argument enters the key with its type and value, unless the op's rule declares that
-its value does not decide (`ShardingRule.value_keys`: `mul`'s scalar by its sign only, `add`'s
-`alpha` by its type only): `x * step_size` with a new step size every call is then a hit. Both
-caches are bounded LRUs of `MAX_PLANS` entries each; `cache_counts()` reports hits, misses and
-decisions per op (`shardtensor.debug.plan_cache_counts`).
+A plan is stored under the call's key, in which every non-tensor argument counts with its type and
+value, and, when the op's rule declares arguments whose value does not decide
+(`ShardingRule.value_keys`: `mul`'s scalar by its sign only, `add`'s `alpha` by its type only),
+also under the key without those values (`fast_key(..., modes)`). A call first looks up its own
+key (the hot path, unchanged for repeated values) and then the other: `x * step_size` with a new
+step size every call is a hit. Each cache holds at most `MAX_PLANS` entries; when full, the least
+recently used go first, approximated as CLOCK does (a plan used since the last sweep is kept once
+more), so that a hit only sets a flag. `cache_counts()` reports hits, misses and decisions per op
+(`shardtensor.debug.plan_cache_counts`).
 """
 
 from __future__ import annotations
 
 import functools
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -32,7 +36,7 @@ from .write_back import mark_views_of_copies, mutated, refuse_writes_into_views_
 
 __all__ = [
     "fast_key", "key_modes", "strip_values", "template", "Plan", "plans", "function_plans", "recording", "store",
-    "store_function_plan", "function_key_modes", "clear_plans", "MAX_PLANS", "CacheCounts", "cache_counts", "misses",
+    "store_function_plan", "function_key_modes", "clear_plans", "MAX_PLANS", "CacheCounts", "cache_counts", "counts_of",
 ]
 
 # fast key -> Plan, least recently used first. Keys hold the id of each DTensor argument's spec; the
@@ -48,9 +52,25 @@ MAX_PLANS = 8192
 # calls disagree (other overloads, or arguments not passed through), so that no value is left out.
 function_key_modes: dict = {}
 
-# Per op: calls that missed the plan cache, and hits of plans that were dropped since.
-misses: Counter = Counter()
-_dropped_hits: Counter = Counter()
+
+
+class _OpCounts:
+    """One op's plan-cache hits and misses, shared by its plans (so a dropped plan keeps its count)."""
+
+    __slots__ = ("hits", "misses")
+
+    def __init__(self):
+        self.hits = self.misses = 0
+
+
+_op_counts: dict = {}
+
+
+def counts_of(op) -> _OpCounts:
+    counts = _op_counts.get(op)
+    if counts is None:
+        counts = _op_counts[op] = _OpCounts()
+    return counts
 
 # While `torch_function` learns a public function, the plan each aten op ran from (None: a miss).
 recording: list[list] = []
@@ -72,10 +92,13 @@ def store_function_plan(key: tuple, plan) -> None:
 
 
 def _store(cache: OrderedDict, key: tuple, plan) -> None:
-    while len(cache) >= MAX_PLANS:
-        _, dropped = cache.popitem(last=False)
-        if dropped.op is not None:
-            _dropped_hits[dropped.op] += dropped.hits
+    while len(cache) >= MAX_PLANS:  # CLOCK: the oldest entry goes unless it was used since the last sweep
+        oldest_key, oldest = next(iter(cache.items()))
+        if oldest.used:
+            oldest.used = False
+            cache.move_to_end(oldest_key)
+        else:
+            del cache[oldest_key]
     cache[key] = plan
 
 
@@ -103,13 +126,11 @@ class CacheCounts:
 
 def cache_counts() -> dict[str, CacheCounts]:
     """`CacheCounts` per op (by name), for ops that ran at least once on DTensors."""
-    hits = Counter(_dropped_hits)
-    for plan in (*plans.values(), *function_plans.values()):
-        if plan.op is not None:
-            hits[plan.op] += plan.hits
-    ops = set(hits) | set(misses) | set(propagation.decisions_made) | set(propagation.decision_cache_hits)
+    ops = set(_op_counts) | set(propagation.decisions_made) | set(propagation.decision_cache_hits)
+    empty = _OpCounts()
     counts = {
-        str(op): CacheCounts(hits[op], misses[op], propagation.decisions_made[op], propagation.decision_cache_hits[op])
+        str(op): CacheCounts(_op_counts.get(op, empty).hits, _op_counts.get(op, empty).misses,
+                             propagation.decisions_made[op], propagation.decision_cache_hits[op])
         for op in ops
     }
     return dict(sorted(counts.items()))
@@ -254,14 +275,14 @@ class Plan:
     __slots__ = (
         "generation", "dtensor_class", "wrap", "op", "mesh", "specs", "slots", "moves", "output_specs", "call",
         "runs_op", "mutates", "local_args", "local_kwargs", "writes_kwargs", "simple_positions", "single_spec",
-        "view_of_copy", "hits",
+        "view_of_copy", "counts", "used",
     )
 
     def __init__(self, dtensor_class: type, op, mesh, args: tuple, kwargs: dict, decision: Decision, mutates: bool,
                  template):
         self.op, self.mesh, self.mutates = op, mesh, mutates
         self.dtensor_class, self.wrap = dtensor_class, dtensor_class._wrap
-        self.hits = 0
+        self.counts, self.used = counts_of(op), False
         self.generation = propagation.generation  # a rule registered later makes the plan stale
         # The op's C++ callable skips `OpOverload.__call__`'s Python frame.
         self.runs_op = decision.local_op is None

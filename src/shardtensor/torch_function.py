@@ -35,7 +35,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import propagation
 from .plain_tensors import outermost_call
-from .plan_cache import fast_key, function_key_modes, function_plans, key_modes, recording, store_function_plan
+from .plan_cache import (
+    counts_of, fast_key, function_key_modes, function_plans, key_modes, recording, store_function_plan,
+)
 from .spec import DTensorSpec
 from .write_back import returns_view
 
@@ -55,12 +57,13 @@ class _FunctionPlan:
     """What a learnt public function needs: where its DTensors are and the spec of its result
     (None: not servable here, but known to run from cached aten plans only)."""
 
-    __slots__ = ("function", "positions", "spec", "input_specs", "generation", "op", "hits")
+    __slots__ = ("function", "positions", "spec", "input_specs", "generation", "counts", "used")
 
     def __init__(self, cls, function, args: tuple, kwargs: dict, positions: tuple[int, ...], spec: DTensorSpec | None,
                  op=None):
         self.function, self.positions, self.spec = function, positions, spec
-        self.op, self.hits = op, 0  # the one aten op a servable plan stands for, and how often it served
+        # A servable plan counts its calls as hits of the one aten op it stands for.
+        self.counts, self.used = (None if op is None else counts_of(op)), False
         # The key holds the ids of these specs: keeping them alive keeps the ids from being reused.
         self.input_specs = tuple(value._spec for value in (*args, *kwargs.values()) if isinstance(value, cls))
         self.generation = propagation.generation
@@ -80,10 +83,14 @@ def torch_function(cls, function, types, args=(), kwargs=None):
     if not kwargs and len(args) == 1 and type(args[0]) is cls:  # `x.relu()`, `x.t()`: no loop
         key = (id(function), id(args[0]._spec))
     else:
-        key = fast_key(cls, function, args, kwargs, function_key_modes.get((function, len(args)), ()))
+        key = fast_key(cls, function, args, kwargs)
     plan = function_plans.get(key) if key is not None else None
+    if plan is None and key is not None:  # the plan may be stored without the values that do not decide
+        modes = function_key_modes.get((function, len(args)))
+        if modes:
+            plan = function_plans.get(fast_key(cls, function, args, kwargs, modes))
     if plan is not None and plan.function is function and plan.generation == propagation.generation:
-        function_plans.move_to_end(key)
+        plan.used = True
         if (
             plan.spec is not None
             and fast_path_enabled
@@ -91,7 +98,7 @@ def torch_function(cls, function, types, args=(), kwargs=None):
             and not _autocast()
             and (not _grad_enabled() or not _any_requires_grad(*args))
         ):
-            plan.hits += 1
+            plan.counts.hits += 1
             local_args = list(args)
             for position in plan.positions:
                 local_args[position] = args[position]._local_tensor
@@ -126,8 +133,9 @@ def _call(cls, function, args: tuple, kwargs: dict, key: tuple | None):
         modes = _modes_passed_through(args, kwargs, recorded)
         if function_key_modes.setdefault(signature, modes) != modes:
             function_key_modes[signature] = ()
-        key = fast_key(cls, function, args, kwargs, function_key_modes[signature])
         store_function_plan(key, plan)
+        if function_key_modes[signature]:
+            store_function_plan(fast_key(cls, function, args, kwargs, function_key_modes[signature]), plan)
     return result
 
 
