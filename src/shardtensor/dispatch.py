@@ -26,7 +26,7 @@ from .modes import describe, implicit_communication_error, is_explicit, is_stric
 from .ops.registry import RULES
 from .placement import Replicate
 from .plain_tensors import created_by_torch
-from .plan_cache import Plan, counts_of, fast_key, key_modes, plans, recording, strip_values, template
+from .plan_cache import Plan, counts_of, fast_key, key_modes, plans, record, recording, strip_values, template
 from .propagation import DataDependentOutput, Decision, OpCall, PlainTensor, ResizesWritten, TensorMeta, decide
 from .propagation import key_modes as key_modes_by_op
 from .redistribute import redistribute_local_tensor
@@ -60,10 +60,10 @@ def dispatch(dtensor_class: type, op, types, args: tuple = (), kwargs: dict | No
             plan.used = True
             plan.counts.hits += 1
             if recording:
-                recording[-1].append((plan, args, kwargs))
+                record(plan, args, kwargs)
             return plan.run(args, kwargs)
     if recording:
-        recording[-1].append(None)
+        record(None, args, kwargs)
     counts_of(op).misses += 1
     return _dispatch_slowly(dtensor_class, op, args, kwargs, key)
 

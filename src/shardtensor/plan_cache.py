@@ -36,7 +36,7 @@ from .write_back import mark_views_of_copies, mutated, refuse_writes_into_views_
 
 __all__ = [
     "fast_key", "key_modes", "strip_values", "template", "Plan", "plans", "function_plans", "recording", "store",
-    "store_function_plan", "function_key_modes", "clear_plans", "MAX_PLANS", "CacheCounts", "cache_counts", "counts_of",
+    "store_function_plan", "function_key_modes", "clear_plans", "Recording", "record", "CachedPlan", "MAX_PLANS", "CacheCounts", "cache_counts", "counts_of",
 ]
 
 # fast key -> Plan, least recently used first. Keys hold the id of each DTensor argument's spec; the
@@ -72,8 +72,37 @@ def counts_of(op) -> _OpCounts:
         counts = _op_counts[op] = _OpCounts()
     return counts
 
+
 # While `torch_function` learns a public function, the plan each aten op ran from (None: a miss).
 recording: list[list] = []
+
+
+class Recording(list):
+    """One public call's entry in `recording`: the plans, and the (args, kwargs) each aten op got."""
+
+    __slots__ = ("arguments",)
+
+    def __init__(self):
+        super().__init__()
+        self.arguments: list[tuple[tuple, dict]] = []
+
+
+def record(plan, args: tuple, kwargs: dict) -> None:
+    """Note in the innermost `recording` entry that an aten op ran from `plan` (None: a miss)."""
+    entry = recording[-1]
+    entry.append(plan)
+    if type(entry) is Recording:
+        entry.arguments.append((args, kwargs))
+
+
+class CachedPlan:
+    """What every entry of `plans` has for the hot path: the `propagation.generation` it was made in,
+    whether it was used since the last sweep (`used`), and its op's shared hit and miss counts."""
+
+    __slots__ = ("generation", "used", "counts")
+
+    def __init__(self, op):
+        self.generation, self.used, self.counts = propagation.generation, False, counts_of(op)
 
 _KEY_SCALAR_TYPES = frozenset(
     (int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout)
@@ -267,23 +296,22 @@ def template(decision: Decision, args: tuple, kwargs: dict) -> tuple[list, dict,
     return list(local_args), dict(local_kwargs), destinations
 
 
-class Plan:
+class Plan(CachedPlan):
     """A decision for flat calls with everything per call precomputed: where each tensor argument
     comes from and goes to (a rule's local arguments are a template filled with the local tensors),
     where each DTensor must move (None: stays), and the output specs."""
 
     __slots__ = (
-        "generation", "dtensor_class", "wrap", "op", "mesh", "specs", "slots", "moves", "output_specs", "call",
+        "dtensor_class", "wrap", "op", "mesh", "specs", "slots", "moves", "output_specs", "call",
         "runs_op", "mutates", "local_args", "local_kwargs", "writes_kwargs", "simple_positions", "single_spec",
-        "view_of_copy", "counts", "used",
+        "view_of_copy",
     )
 
     def __init__(self, dtensor_class: type, op, mesh, args: tuple, kwargs: dict, decision: Decision, mutates: bool,
                  template):
+        super().__init__(op)  # a rule registered later makes the plan stale (its generation)
         self.op, self.mesh, self.mutates = op, mesh, mutates
         self.dtensor_class, self.wrap = dtensor_class, dtensor_class._wrap
-        self.counts, self.used = counts_of(op), False
-        self.generation = propagation.generation  # a rule registered later makes the plan stale
         # The op's C++ callable skips `OpOverload.__call__`'s Python frame.
         self.runs_op = decision.local_op is None
         self.call = op._op if self.runs_op else functools.partial(decision.local_op, mesh)

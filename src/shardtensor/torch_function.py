@@ -36,7 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from . import propagation
 from .plain_tensors import outermost_call
 from .plan_cache import (
-    counts_of, fast_key, function_key_modes, function_plans, key_modes, recording, store_function_plan,
+    Recording, counts_of, fast_key, function_key_modes, function_plans, key_modes, recording, store_function_plan,
 )
 from .spec import DTensorSpec
 from .write_back import returns_view
@@ -119,7 +119,7 @@ def _call(cls, function, args: tuple, kwargs: dict, key: tuple | None):
         if key is None or _dispatch_modes() or _autocast():
             with _disabled():
                 return function(*args, **kwargs)
-        recorded: list = []
+        recorded = Recording()
         recording.append(recorded)
         try:
             with _disabled():
@@ -139,12 +139,12 @@ def _call(cls, function, args: tuple, kwargs: dict, key: tuple | None):
     return result
 
 
-def _modes_passed_through(args: tuple, kwargs: dict, recorded: list) -> tuple:
+def _modes_passed_through(args: tuple, kwargs: dict, recorded: Recording) -> tuple:
     """The aten op's key modes (`plan_cache.key_modes`) when the function ran one aten op and passed
     it its own arguments unchanged, position for position and keyword for keyword; else ()."""
     if len(recorded) != 1:
         return ()
-    plan, aten_args, aten_kwargs = recorded[0]
+    plan, (aten_args, aten_kwargs) = recorded[0], recorded.arguments[0]
     modes = key_modes(plan.op)
     if not modes or len(aten_args) != len(args) or list(aten_kwargs) != list(kwargs):
         return ()
@@ -173,7 +173,7 @@ def _learn(cls, function, args: tuple, kwargs: dict, recorded: list, result) -> 
     positions = tuple(index for index, value in enumerate(args) if type(value) is cls)
     if len(recorded) != 1 or type(result) is not cls:
         return _FunctionPlan(cls, function, args, kwargs, positions, None)
-    plan = recorded[0][0]
+    plan = recorded[0]
     op = plan.op
     if (
         plan.single_spec is None
