@@ -24,13 +24,14 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .layout import Layout
+from .log import DEBUG, log_decision, propagation_logger
 from .placement import Partial, Placement, Replicate, Shard
 from .redistribute.planner import plan as plan_redistribute
 
 __all__ = [
     "Row", "TensorMeta", "PlainTensor", "DataDependentOutput", "ResizesWritten", "OpCall", "schema_positions",
     "ShardingRule", "RowsRule",
-    "OutVariantRule",
+    "OutVariantRule", "ComposedRule",
     "Decision", "decide", "TYPE_ONLY", "SIGN",
     "transition_cost", "clear_cache", "MAX_DECISIONS", "decisions_made", "decision_cache_hits",
 ]
@@ -253,6 +254,18 @@ class OutVariantRule(ShardingRule):
 
     def rows(self, call: OpCall) -> Sequence[Row]:
         raise NotImplementedError(f"{self.__name__} is decided by `decide` from its functional op's rule")
+
+
+class ComposedRule(ShardingRule):
+    """A rule that builds its whole decision from the decisions of other rules (a multi-tensor op
+    decides each list element with its single-tensor op's rule, `ops/foreach.py`): `decide` calls
+    `decision` instead of choosing rows."""
+
+    def decision(self, call: OpCall, layouts: Sequence[Layout], coordinate: Sequence[int]) -> Decision:
+        raise NotImplementedError
+
+    def rows(self, call: OpCall) -> Sequence[Row]:
+        raise NotImplementedError(f"{self.__name__} is decided by its `decision`, not by rows")
 
 
 def _local_op_into_out(local_op: Callable, out_names: tuple[str, ...], returns_out: bool) -> Callable:
@@ -540,6 +553,8 @@ def decide(
             return cached
     if isinstance(rule, OutVariantRule):
         decision = _decide_out_variant(call, layouts, rule, coordinate)
+    elif isinstance(rule, ComposedRule):
+        decision = rule.decision(call, layouts, coordinate)
     else:
         decision = _decide_rows(call, layouts, rule, coordinate)
     decisions_made[call.op] += 1
@@ -547,6 +562,8 @@ def decide(
         while len(_cache) >= MAX_DECISIONS:
             _cache.popitem(last=False)
         _cache[cache_key] = decision
+    if propagation_logger.isEnabledFor(DEBUG):
+        log_decision(call.op, layouts, decision, [meta.dtype.itemsize for meta in call.inputs])
     return decision
 
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 import functools
 import heapq
 import itertools
+import logging
 import math
 from dataclasses import dataclass
 
@@ -62,6 +63,8 @@ LOCAL_STEPS = frozenset({SLICE, MAKE_PARTIAL, RELABEL})
 
 # A search that expands this many layouts has gone wrong (typical plans expand a few dozen).
 _MAX_EXPANDED_STATES = 200_000
+# Each new plan is logged at DEBUG (see `shardtensor.log`); cached plans log nothing.
+_logger = logging.getLogger("shardtensor.redistribute")
 
 
 @dataclass(frozen=True, slots=True)
@@ -574,4 +577,7 @@ def _cached_plan(source: Layout, target: Layout, itemsize: int, cost_model: Cost
         step = arrival[state]
         steps.append(step)
         state = step.before
-    return Plan(source, target, itemsize, tuple(reversed(steps)), lower_bound_bytes(source, target, itemsize))
+    result = Plan(source, target, itemsize, tuple(reversed(steps)), lower_bound_bytes(source, target, itemsize))
+    if _logger.isEnabledFor(logging.DEBUG):
+        _logger.debug("planned %s", result)
+    return result
