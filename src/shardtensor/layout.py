@@ -17,7 +17,7 @@ import torch
 
 from .placement import Partial, Placement, Replicate, Shard, normalize_placements
 
-__all__ = ["Layout", "chunk_sizes", "ShardSizes"]
+__all__ = ["Layout", "chunk_sizes", "contiguous_stride", "ShardSizes"]
 
 # What users may pass to describe shard sizes: "chunk", or {mesh_dim: sizes along that mesh dim}.
 ShardSizes = str | Mapping[int, Sequence[int]] | None
@@ -33,6 +33,15 @@ def chunk_sizes(size: int, parts: int) -> tuple[int, ...]:
         sizes.append(take)
         remaining -= take
     return tuple(sizes)
+
+
+def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of `shape` (a dim of size 0 counts as 1, as torch does)."""
+    stride, step = [], 1
+    for size in reversed(shape):
+        stride.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(stride))
 
 
 def _default_pieces(size: int, split_counts: Sequence[int]) -> tuple[int, ...]:

@@ -6,15 +6,18 @@ placements are cheapest to reach from where the inputs are (bytes moved, then nu
 collectives, then the rule's own order); when that moves a nested-sharded input, the
 redistribute planner prices the best few combinations exactly. It builds the full input and
 output layouts. Decisions
-are cached by (op, input layouts, dtypes, non-tensor arguments): the hot path is one dict lookup.
+are cached by (op, input layouts, dtypes, the non-tensor arguments that decide): the hot path is one
+dict lookup. The cache is a bounded LRU (`MAX_DECISIONS`), and counts decisions made per op.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -26,10 +29,11 @@ from .placement import Partial, Placement, Replicate, Shard
 from .redistribute.planner import plan as plan_redistribute
 
 __all__ = [
-    "Row", "TensorMeta", "PlainTensor", "DataDependentOutput", "ResizesWritten", "OpCall", "ShardingRule", "RowsRule",
+    "Row", "TensorMeta", "PlainTensor", "DataDependentOutput", "ResizesWritten", "OpCall", "schema_positions",
+    "ShardingRule", "RowsRule",
     "OutVariantRule", "ComposedRule",
-    "Decision", "decide",
-    "transition_cost", "clear_cache",
+    "Decision", "decide", "TYPE_ONLY", "SIGN",
+    "transition_cost", "clear_cache", "MAX_DECISIONS", "decisions_made", "decision_cache_hits",
 ]
 
 
@@ -89,13 +93,47 @@ class OpCall:
     def argument(self, name: str):
         """The value of the op's argument `name`, positional or keyword (its schema default when it
         was not given; None when the op has no such argument)."""
-        for position, schema_argument in enumerate(self.op._schema.arguments):
-            if schema_argument.name == name:
-                if position < len(self.args) and not schema_argument.kwarg_only:
-                    return self.args[position]
-                default = schema_argument.default_value if schema_argument.has_default_value() else None
-                return self.kwarg(name, default)
-        return None
+        found = schema_positions(self.op).get(name)
+        if found is None:
+            return None
+        position, positional, default = found
+        if positional and position < len(self.args):
+            return self.args[position]
+        return self.kwarg(name, default)
+
+    def input_names(self) -> list[str]:
+        """The schema name of each DTensor input, in the order `inputs` lists them (a tensor list
+        argument such as `indices` names each of its DTensors)."""
+        names = []
+        for name in schema_positions(self.op):
+            value = self.argument(name)
+            values = value if isinstance(value, (list, tuple)) else [value]
+            names += [name for item in values if isinstance(item, TensorMeta)]
+        return names
+
+    def with_arguments(self, **values) -> tuple[tuple, dict]:
+        """(args, kwargs) of this call with the named arguments replaced: where they were given
+        (by position or keyword), else added as keywords. For a rule's local arguments."""
+        args, kwargs = list(self.args), dict(self.kwargs)
+        positions = schema_positions(self.op)
+        for name, value in values.items():
+            position, positional, _ = positions[name]
+            if positional and position < len(args):
+                args[position] = value
+            else:
+                kwargs[name] = value
+        return tuple(args), kwargs
+
+
+@functools.cache
+def schema_positions(op) -> dict[str, tuple[int, bool, object]]:
+    """name -> (position, may be given by position, schema default or None) for each argument of `op`."""
+    return {
+        argument.name: (
+            position, not argument.kwarg_only, argument.default_value if argument.has_default_value() else None,
+        )
+        for position, argument in enumerate(op._schema.arguments)
+    }
 
 
 class DataDependentOutput(Exception):
@@ -122,6 +160,13 @@ class ShardingRule:
 
     # True: plain (non-DTensor) tensor arguments are accepted and treated as Replicate (index tensors).
     accepts_plain_tensors: bool = False
+    # Non-tensor arguments (by schema name) whose value does not change the decision, each with what
+    # of it does: TYPE_ONLY (2, 2.0 and True still differ: other dtypes) or SIGN (its sign picks
+    # among Partial rows, as a negative scale swaps P(max) and P(min); without a Partial input only its
+    # type counts). Calls that differ only there share one cached decision and dispatch plan, so the
+    # rule's local arguments and local op must not depend on these values. Every argument not listed
+    # decides with its value (views' sizes, dims, reduce ops...).
+    value_keys: Mapping[str, str] = {}
 
     def rows(self, call: OpCall) -> Sequence[Row]:
         raise NotImplementedError
@@ -153,11 +198,13 @@ class ShardingRule:
 
 
 class RowsRule(ShardingRule):
-    """A rule given as a plain function from an `OpCall` to rows."""
+    """A rule given as a plain function from an `OpCall` to rows (and, optionally, its `value_keys`)."""
 
-    def __init__(self, rows: Callable[[OpCall], Sequence[Row]]):
+    def __init__(self, rows: Callable[[OpCall], Sequence[Row]], value_keys: Mapping[str, str] | None = None):
         self._rows = rows
         self.__name__ = getattr(rows, "__name__", type(self).__name__)
+        if value_keys:
+            self.value_keys = dict(value_keys)
 
     def rows(self, call: OpCall) -> Sequence[Row]:
         return self._rows(call)
@@ -187,6 +234,10 @@ class OutVariantRule(ShardingRule):
 
     def functional_rule(self) -> ShardingRule:
         return self._rules[self.functional_op]
+
+    @property
+    def value_keys(self) -> Mapping[str, str]:
+        return self.functional_rule().value_keys
 
     def split(self, call: OpCall) -> tuple[OpCall, list[int], list[int]]:
         """The functional call, and the indices in `call.inputs` of its operands and of the out tensors."""
@@ -461,7 +512,18 @@ def _aligned_pieces(layouts: Sequence[Layout], targets: tuple[Layout, ...]) -> t
     return tuple(aligned)
 
 
-_cache: dict = {}
+# How a non-tensor argument's value enters a cache key when it does not decide (`ShardingRule.value_keys`).
+TYPE_ONLY = "type"
+SIGN = "sign"
+
+# Decisions by cache key, least recently used first; at most MAX_DECISIONS (then the oldest goes).
+MAX_DECISIONS = 4096
+_cache: OrderedDict = OrderedDict()
+# Per op: decisions made (cache misses) and decisions found in the cache, since the process started.
+decisions_made: Counter = Counter()
+decision_cache_hits: Counter = Counter()
+# op -> how its arguments enter cache keys (dispatch fills it from the op's rule); cleared with the rules.
+key_modes: dict = {}
 
 # Counts `clear_cache` calls: a dispatch plan built from a decision is valid while this is unchanged.
 generation = 0
@@ -471,6 +533,7 @@ def clear_cache() -> None:
     """Forget every decision (a rule was added or replaced), and with them the dispatch plans."""
     global generation
     _cache.clear()
+    key_modes.clear()
     generation += 1
 
 
@@ -485,6 +548,8 @@ def decide(
     if cache_key is not None:
         cached = _cache.get(cache_key)
         if cached is not None:
+            _cache.move_to_end(cache_key)
+            decision_cache_hits[call.op] += 1
             return cached
     if isinstance(rule, OutVariantRule):
         decision = _decide_out_variant(call, layouts, rule, coordinate)
@@ -492,7 +557,10 @@ def decide(
         decision = rule.decision(call, layouts, coordinate)
     else:
         decision = _decide_rows(call, layouts, rule, coordinate)
+    decisions_made[call.op] += 1
     if cache_key is not None:
+        while len(_cache) >= MAX_DECISIONS:
+            _cache.popitem(last=False)
         _cache[cache_key] = decision
     if propagation_logger.isEnabledFor(DEBUG):
         log_decision(call.op, layouts, decision, [meta.dtype.itemsize for meta in call.inputs])
