@@ -153,3 +153,98 @@ def test_one_all_gather_per_unit_forward_and_one_reduce_scatter_per_unit_backwar
             assert backward == ({"all_gather": backward_gathers, "reduce_scatter": 3} if backward_gathers
                                 else {"reduce_scatter": 3}), backward
             assert step == {}, step
+
+
+@spmd(meshes=[(2,), (4,)])
+def test_training_equals_single_device_without_nesting_and_for_every_reshard_choice(mesh):
+    batches = _batches(2)
+    reference = _train_reference(_model(), batches)
+    rank, ranks = _data_parallel_rank(mesh)
+    for nested, reshard_after_forward in ((False, None), (True, True), (True, False)):
+        sharded = _shard(_model(), mesh, nested=nested, reshard_after_forward=reshard_after_forward)
+        _train_sharded(sharded, batches, rank, ranks)
+        _assert_same_parameters(sharded, reference)
+
+
+@spmd(meshes=[(2,), (4,)])
+def test_gradient_accumulation_without_sync_communicates_once(mesh):
+    micro_batches = _batches(3)
+    reference = _model()
+    for inputs, target in micro_batches:
+        _loss(reference(inputs), target).backward()
+    sharded = _shard(_model(), mesh)
+    rank, ranks = _data_parallel_rank(mesh)
+    for index, (inputs, target) in enumerate(micro_batches):
+        last = index == len(micro_batches) - 1
+        sharded.set_requires_gradient_sync(last)
+        with comm.observe() as records:
+            loss = _loss(sharded(_local_batch(inputs, rank, ranks)), _local_batch(target, rank, ranks))
+            loss.backward()
+        assert _kinds(records).get("reduce_scatter", 0) == (3 if last else 0)
+        if not last:
+            assert all(parameter.grad is None for parameter in sharded.parameters())
+    for (name, parameter), expected in zip(sharded.named_parameters(), reference.parameters(), strict=True):
+        assert parameter.grad.placements == (Shard(0),) and parameter.grad.to_local().shape == parameter.to_local().shape
+        assert_close(parameter.grad.full_tensor(), expected.grad, msg=name)
+
+
+def _mixed_precision_reference(model, batches, ranks):
+    """bf16 compute on each data-parallel slice, fp32 sum of the bf16 gradients divided by the ranks, fp32 AdamW."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    for inputs, target in batches:
+        summed = [torch.zeros_like(parameter) for parameter in model.parameters()]
+        for rank in range(ranks):
+            low = copy.deepcopy(model).to(torch.bfloat16)
+            output = low(_local_batch(inputs, rank, ranks).to(torch.bfloat16)).float()
+            _loss(output, _local_batch(target, rank, ranks)).backward()
+            for total, parameter in zip(summed, low.parameters()):
+                total += parameter.grad.float()
+        for parameter, total in zip(model.parameters(), summed):
+            parameter.grad = total / ranks
+        optimizer.step()
+        optimizer.zero_grad()
+    return model
+
+
+def _mixed_precision_model(mesh):
+    """bf16 blocks and root; the root alone returns fp32 (a block's fp32 output would meet the root's bf16 head)."""
+    model = _model(torch.float32)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    return fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32))
+
+
+@spmd(meshes=[(2,), (4,)])
+def test_bf16_parameters_with_fp32_reduction_equal_the_same_mixed_precision_by_hand(mesh):
+    batches = _batches(3, torch.float32)
+    rank, ranks = _data_parallel_rank(mesh)
+    reference = _mixed_precision_reference(_model(torch.float32), batches, ranks)
+    sharded = _mixed_precision_model(mesh)
+    inputs, target = (_local_batch(tensor, rank, ranks) for tensor in batches[0])
+    with comm.observe() as records:
+        output = sharded(inputs)
+    assert output.dtype == torch.float32
+    assert {record.bytes_sent % 2 for record in records} == {0}
+    sent = sum(record.bytes_sent for record in records)
+    expected_sent = sum(parameter.to_local().numel() * 2 * (ranks - 1) for parameter in sharded.parameters())
+    assert sent == expected_sent  # bf16 on the wire, exact pieces
+    _loss(output, target).backward()
+    assert all(parameter.grad.dtype == torch.float32 for parameter in sharded.parameters())
+    sharded = _mixed_precision_model(mesh)
+    _train_sharded(sharded, batches, rank, ranks)
+    _assert_same_parameters(sharded, reference)
+
+
+@spmd(meshes=[(2, 2)])
+def test_hsdp_replicates_on_mesh_dim_0_and_shards_on_mesh_dim_1(mesh):
+    batches = _batches(3)
+    reference = _train_reference(_model(), batches)
+    sharded = _shard(_model(), mesh)
+    head = sharded.head.weight
+    assert head.placements == (Replicate(), Shard(0)) and head.to_local().shape == ([4, 3][mesh.get_coordinate()[1]], 12)
+    _train_sharded(sharded, batches, mesh.get_rank(), mesh.size())
+    _assert_same_parameters(sharded, reference)
+    inputs, target = (_local_batch(tensor, mesh.get_rank(), mesh.size()) for tensor in batches[0])
+    forward, backward, _ = _step_records(sharded, inputs, target)
+    assert forward == {"all_gather": 3} and backward == {"all_gather": 2, "reduce_scatter": 3, "all_reduce": 3}
