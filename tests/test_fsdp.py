@@ -93,7 +93,7 @@ def _train_sharded(model, batches, rank, ranks):
 def _assert_same_parameters(sharded, reference):
     for (name, parameter), (_, expected) in zip(sharded.named_parameters(), reference.named_parameters(), strict=True):
         assert isinstance(parameter, DTensor), name
-        assert_close(parameter.full_tensor(), expected.detach(), msg=name)
+        assert_close(parameter.full_tensor(), expected.detach(), msg=lambda message, name=name: f"{name}: {message}")
 
 
 @spmd(meshes=[(1,), (2,), (4,)])

@@ -119,6 +119,13 @@ def _sharded_layout(parameter: torch.Tensor, mesh: DeviceMesh, dim: int) -> Layo
     return layout.transition(data_parallel_dims - 1, Shard(dim))
 
 
+def _parameter(dtensor: DTensor) -> nn.Parameter:
+    """`dtensor` itself marked as an `nn.Parameter`, as `nn.Parameter(dtensor)` does for tensor subclasses
+    but without its `detach()`, whose view rule would re-derive the layout (and lose a nested shard order)."""
+    dtensor._is_param = True
+    return dtensor
+
+
 class Reduction:
     """One backward's reduced gradients of a unit, in flight: a reduce-scatter over the sharding mesh
     dim, for HSDP then an all-reduce over the replicating one, then the division and the cast back."""
@@ -257,7 +264,7 @@ class ParameterUnit:
         for parameter, locations, dim, shape, pieces, offset, gathered, sharded_spec, unsharded_spec, local in pending_slots:
             absolute = tuple(base + relative for base, relative in zip(bases, gathered))
             slot = ParameterSlot(tuple(locations), dim, shape, pieces, offset, absolute, sharded_spec, unsharded_spec)
-            sharded = nn.Parameter(DTensor(local, sharded_spec), requires_grad=parameter.requires_grad)
+            sharded = _parameter(DTensor(local, sharded_spec, requires_grad=parameter.requires_grad))
             for module, name in locations:
                 setattr(module, name, sharded)
             self.slots.append(slot)
