@@ -248,3 +248,120 @@ def test_hsdp_replicates_on_mesh_dim_0_and_shards_on_mesh_dim_1(mesh):
     inputs, target = (_local_batch(tensor, mesh.get_rank(), mesh.size()) for tensor in batches[0])
     forward, backward, _ = _step_records(sharded, inputs, target)
     assert forward == {"all_gather": 3} and backward == {"all_gather": 2, "reduce_scatter": 3, "all_reduce": 3}
+
+
+@spmd(meshes=[(1,), (2,), (4,), (2, 2)])
+def test_all_gather_into_writes_exact_pieces_in_coordinate_order(mesh):
+    from test_comm import SIZES, meshes_with_unsorted
+
+    for current in meshes_with_unsorted(mesh):
+        for mesh_dim in range(current.ndim):
+            n, me = current.size(mesh_dim), current.get_local_rank(mesh_dim)
+            for sizes in (SIZES["even"][:n], SIZES["uneven"][:n], SIZES["empty_first"][:n]):
+                full = torch.arange(sum(sizes), dtype=torch.float32) + 1000 * current.get_rank() * 0
+                output = torch.full((sum(sizes),), -1.0)
+                with comm.observe() as records:
+                    handle = comm.all_gather_into(output, full.split(sizes)[me], current, mesh_dim, sizes=sizes, async_op=True)
+                    assert handle.wait() is output
+                assert torch.equal(output, full)
+                if n > 1:
+                    others = sum(sizes) - sizes[me]
+                    assert records == [comm.CommRecord("all_gather", mesh_dim, n, sizes[me] * 4 * (n - 1), others * 4)]
+
+
+class _Columns(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(6, 7)
+        self.second = nn.Linear(7, 3)
+
+    def forward(self, x):
+        return self.second(torch.relu(self.first(x)))
+
+
+@spmd(meshes=[(2,), (4,)])
+def test_shard_placement_fn_and_a_list_of_modules_as_one_unit(mesh):
+    rank, ranks = _data_parallel_rank(mesh)
+    torch.manual_seed(0)
+    reference = _Columns().double()
+    sharded = copy.deepcopy(reference)
+    fully_shard([sharded.first, sharded.second], mesh=mesh,
+                shard_placement_fn=lambda parameter: Shard(1) if parameter.ndim == 2 else None)
+    fully_shard(sharded, mesh=mesh)
+    columns = {2: [3, 3], 4: [2, 2, 2, 0]}[ranks]  # torch.chunk of 6 columns; the last rank's piece is empty
+    assert sharded.first.weight.placements == (Shard(1),) and sharded.first.weight.to_local().shape == (7, columns[rank])
+    assert sharded.first.bias.placements == (Shard(0),)
+    generator = torch.Generator().manual_seed(2)
+    inputs, target = torch.randn(8, 6, generator=generator, dtype=torch.float64), torch.randn(8, 3, generator=generator, dtype=torch.float64)
+    with comm.observe() as records:
+        loss = _loss(sharded(_local_batch(inputs, rank, ranks)), _local_batch(target, rank, ranks))
+        loss.backward()
+    assert _kinds(records) == {"all_gather": 2, "reduce_scatter": 1}  # the list is one unit (resharded once)
+    _loss(reference(inputs), target).backward()
+    for parameter, expected in zip(sharded.parameters(), reference.parameters(), strict=True):
+        assert_close(parameter.grad.full_tensor(), expected.grad)
+
+
+@spmd(meshes=[(2,)])
+def test_explicit_unshard_and_prefetch_lists(mesh):
+    rank, ranks = _data_parallel_rank(mesh)
+    model = _shard(_model(), mesh)
+    first, second = model.blocks
+    first.set_modules_to_forward_prefetch([second])
+    second.set_modules_to_backward_prefetch([first])
+    handle = model.unshard(async_op=True)
+    handle.wait()
+    inputs, target = (_local_batch(tensor, rank, ranks) for tensor in _batches(1)[0])
+    with comm.observe() as records:
+        loss = _loss(model(inputs), target)
+    assert _kinds(records) == {"all_gather": 2}  # the root was gathered before forward
+    loss.backward()
+    reference = _model()
+    full_inputs, full_target = _batches(1)[0]
+    _loss(reference(full_inputs), full_target).backward()
+    for parameter, expected in zip(model.parameters(), reference.parameters(), strict=True):
+        assert_close(parameter.grad.full_tensor(), expected.grad)
+    second.unshard()
+    second.reshard()
+    with comm.observe() as records:
+        model.set_reshard_after_backward(False)
+        _loss(model(inputs), target).backward()
+        _loss(model(inputs), target).backward()
+    # kept after backward: the second forward gathers nothing; its blocks still reshard after forward (2 backward gathers)
+    assert _kinds(records) == {"all_gather": 3 + 2 + 0 + 2, "reduce_scatter": 6}, _kinds(records)
+
+
+@spmd(meshes=[(2,)])
+def test_gradient_divide_factor_scales_the_sum(mesh):
+    rank, ranks = _data_parallel_rank(mesh)
+    inputs, target = (_local_batch(tensor, rank, ranks) for tensor in _batches(1)[0])
+    averaged, summed = _shard(_model(), mesh), _shard(_model(), mesh)
+    for module in summed.modules():
+        if isinstance(module, FSDPModule):  # a unit's own setting, as in PyTorch
+            module.set_gradient_divide_factor(1.0)
+    for model in (averaged, summed):
+        _loss(model(inputs), target).backward()
+    for mean, total in zip(averaged.parameters(), summed.parameters()):
+        assert_close(total.grad.full_tensor(), mean.grad.full_tensor() * ranks)
+
+
+@spmd(meshes=[(2,)])
+def test_bad_arguments_raise_clear_errors(mesh):
+    import pytest
+
+    with pytest.raises(ValueError, match="already sharded"):
+        fully_shard(fully_shard(nn.Linear(2, 2), mesh=mesh), mesh=mesh)
+    with pytest.raises(ValueError, match="shard_placement_fn returned Replicate"):
+        fully_shard(nn.Linear(2, 2), mesh=mesh, shard_placement_fn=lambda parameter: Replicate())
+    with pytest.raises(ValueError, match="cannot be sharded with Shard"):
+        fully_shard(nn.Linear(2, 2), mesh=mesh, shard_placement_fn=lambda parameter: Shard(2))
+    mixed = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).double())
+    with pytest.raises(ValueError, match="different dtypes"):
+        fully_shard(mixed, mesh=mesh)
+    with pytest.raises(TypeError, match="pass an nn.Module"):
+        fully_shard([], mesh=mesh)
+    with pytest.raises(ValueError, match="floating torch.dtype"):
+        MixedPrecisionPolicy(param_dtype=torch.int32)
+    ignored = nn.Linear(2, 2)
+    fully_shard(ignored, mesh=mesh, ignored_params={ignored.bias})
+    assert isinstance(ignored.weight, DTensor) and not isinstance(ignored.bias, DTensor)
