@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from .. import comm
-from ..dtensor import DTensor, DTensorSpec, contiguous_stride
+from ..dtensor import DTensor
+from ..spec import DTensorSpec, contiguous_stride
 from ..layout import Layout
 from ..mesh import DeviceMesh
 from ..placement import Placement, Replicate, Shard
