@@ -86,3 +86,34 @@ def test_fsdp_over_hand_written_tensor_parallel_trains_like_one_device(mesh):
         optimizer.zero_grad()
     assert BATCH % 2 == 0
     _assert_same_parameters(model, reference)
+
+
+@spmd(meshes=[(2, 2)])
+def test_fsdp_over_parallelize_module_trains_like_one_device(mesh):
+    from test_fsdp import _model
+
+    from shardtensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = _named_mesh(mesh)
+    dp_mesh, tp_mesh = mesh["dp"], mesh["tp"]
+    batches = _batches(3)
+    reference = _train_reference(_model(), batches)
+    model = _model()
+    for block in model.blocks:
+        parallelize_module(block, tp_mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        fully_shard(block, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
+    assert model.blocks[1].up.weight.placements == (Shard(0), Shard(0))
+    assert model.blocks[1].down.weight.placements == (Shard(0), Shard(1))
+    assert model.blocks[1].down.bias.placements == (Shard(0), Replicate())
+    dp = mesh.get_coordinate()[0]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    for inputs, target in batches:
+        with comm.observe() as records:
+            _loss(model(_local_batch(inputs, dp, 2)), _local_batch(target, dp, 2)).backward()
+        kinds = _kinds(records)
+        # FSDP: 3 + 2 all-gathers, 3 reduce-scatters on dp; TP: one all-reduce per block forward and backward
+        assert kinds == {"all_gather": 5, "reduce_scatter": 3, "all_reduce": 4}, kinds
+        optimizer.step()
+        optimizer.zero_grad()
+    _assert_same_parameters(model, reference)
