@@ -4,7 +4,7 @@
     .venv/bin/python bench/bench_fsdp.py --quick    # fewer steps
 
 Model: an input projection, BLOCKS MLP blocks (width -> hidden -> width, residual) and a head, each
-block one `fully_shard` unit and the root one more; AdamW; each rank trains on its slice of the
+block one `fully_shard` unit and the root one more; AdamW (foreach=True, for both); each rank trains on its slice of the
 batch. `hidden` is chosen not to divide by the rank count, so torch pads every block's shards.
 
 Reported per implementation: the time of forward + backward (where FSDP works: gathers,
@@ -133,7 +133,7 @@ def _torch_bytes_per_step(model, ranks: int) -> int:
 
 
 def _measure(name: str, model, rank: int, ranks: int, steps: int, observe) -> dict:
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
     for step in range(3):  # warm-up: caches, optimizer state
         _train_step(model, optimizer, step, rank)
     passes, updates = [], []
