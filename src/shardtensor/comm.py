@@ -320,10 +320,11 @@ def all_gather_into(output: torch.Tensor, tensor: torch.Tensor, mesh: DeviceMesh
     """Write every peer's flat `tensor` (peer c's has sizes[c] elements) into the flat `output`, in
     coordinate order, and return `output`: the buffer of a sharded-data-parallel unit.
 
-    Even sizes use one all_gather; uneven sizes one all_to_all whose send buffer repeats this
-    piece once per peer, so the received pieces land in `output` with no padding and no copy
-    after the collective (when c10d's group order is coordinate order; else one reordering copy).
-    Recorded as an "all_gather".
+    Even sizes use one all_gather; uneven sizes one batch of point-to-point sends and receives
+    (one grouped call: this piece to every peer, each peer's piece straight into its place), so
+    nothing is padded, no send buffer repeats the piece (as an all_to_all's would) and nothing is
+    copied after the collective (when c10d's group order is coordinate order; else one reordering
+    copy). Recorded as one "all_gather".
     """
     peers = _peers(mesh, mesh_dim)
     sizes = _check_sizes("all_gather_into", "sizes", sizes, peers)
@@ -345,9 +346,20 @@ def all_gather_into(output: torch.Tensor, tensor: torch.Tensor, mesh: DeviceMesh
     if len(set(sizes)) == 1:
         work = _all_gather_single(target, local, group=peers.group, async_op=async_op)
     else:
-        send = local.repeat(peers.size)
-        work = dist.all_to_all_single(target, send, group_sizes, [local.numel()] * peers.size,
-                                      group=peers.group, async_op=async_op)
+        # Point-to-point: this piece goes to every peer as it is and each peer's piece lands in its place
+        # of the output, so no send buffer repeats the piece (an all_to_all_single would need one).
+        pieces = target.split(group_sizes)
+        operations = []
+        for c in range(peers.size):
+            if c != peers.coordinate:
+                peer = peers.ranks[c]
+                operations.append(dist.P2POp(dist.isend, local, peer, group=peers.group))
+                operations.append(dist.P2POp(dist.irecv, pieces[peers.group_rank[c]], peer, group=peers.group))
+        pieces[peers.group_rank[peers.coordinate]].copy_(local)
+        work = dist.batch_isend_irecv(operations)
+        if not async_op:
+            for item in work:
+                item.wait()
 
     def finish() -> torch.Tensor:
         if target is not wire_output:
