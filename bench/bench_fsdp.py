@@ -2,9 +2,10 @@
 
     .venv/bin/python bench/bench_fsdp.py            # 4 local gloo ranks, CPU
     .venv/bin/python bench/bench_fsdp.py --quick    # fewer steps
+    .venv/bin/python bench/bench_fsdp.py --foreach  # AdamW(foreach=True) for both (default: the for-loop AdamW)
 
 Model: an input projection, BLOCKS MLP blocks (width -> hidden -> width, residual) and a head, each
-block one `fully_shard` unit and the root one more; AdamW (foreach=True, for both); each rank trains on its slice of the
+block one `fully_shard` unit and the root one more; AdamW (the same implementation for both); each rank trains on its slice of the
 batch. `hidden` is chosen not to divide by the rank count, so torch pads every block's shards.
 
 Reported per implementation: the time of forward + backward (where FSDP works: gathers,
@@ -14,13 +15,14 @@ rank's median, memory held between steps (bytes of the storages of parameters, g
 state on one rank, padding included), the step's peak above that (the largest running sum of
 allocations minus frees during one step, from the profiler's per-op memory on the training thread,
 each op's own at its start), and
-bytes per step (what one rank receives in the step's collectives, ideal-algorithm count: ours
+bytes per step (what one rank receives in the collectives of forward and backward, ideal-algorithm count: ours
 from `comm.observe()`, torch's computed from its padded shard sizes). Both runs start from the
 same weights and data; the table says whether their parameters agree after the steps.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import sys
@@ -32,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 WIDTH, HIDDEN, BLOCKS, BATCH_PER_RANK = 256, 1030, 4, 16
+FOREACH = "--foreach" in sys.argv
 
 
 class Block(nn.Module):
@@ -75,12 +78,15 @@ def _batch(step: int, rank: int):
     return torch.randn(BATCH_PER_RANK, 64, generator=generator), torch.randn(BATCH_PER_RANK, 10, generator=generator)
 
 
-def _train_step(model, optimizer, step: int, rank: int) -> tuple[float, float]:
+def _train_step(model, optimizer, step: int, rank: int, around_passes=contextlib.nullcontext) -> tuple[float, float]:
     """One step; returns the seconds of forward + backward and of the optimizer step."""
     inputs, target = _batch(step, rank)
     start = time.perf_counter()
-    loss = ((model(inputs) - target) ** 2).mean()
-    loss.backward()
+    with around_passes():
+        loss = ((model(inputs) - target) ** 2).mean()
+        loss.backward()
+        for parameter in model.parameters():  # ours leaves reduce-scatters in flight: wait here, like torch
+            _local(parameter.grad)
     middle = time.perf_counter()
     optimizer.step()
     optimizer.zero_grad(set_to_none=False)
@@ -132,31 +138,40 @@ def _torch_bytes_per_step(model, ranks: int) -> int:
     return total
 
 
-def _measure(name: str, model, rank: int, ranks: int, steps: int, observe) -> dict:
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
-    for step in range(3):  # warm-up: caches, optimizer state
-        _train_step(model, optimizer, step, rank)
-    passes, updates = [], []
-    for step in range(3, 3 + steps):
-        dist.barrier()
-        forward_backward, update = _train_step(model, optimizer, step, rank)
-        passes.append(forward_backward)
-        updates.append(update)
-    held = _held_bytes(model, optimizer)
-    received = None
-    if observe is not None:
-        with observe() as records:
-            _train_step(model, optimizer, 3 + steps, rank)
-        received = sum(record.bytes_received for record in records)
-    else:
-        _train_step(model, optimizer, 3 + steps, rank)
-    peak = _step_peak(lambda: _train_step(model, optimizer, 4 + steps, rank))
-    full = [parameter.full_tensor().detach() for parameter in model.parameters()]
-    return {"name": name, "passes_s": statistics.median(passes), "updates_s": statistics.median(updates),
-            "held": held, "peak": peak, "received": received, "full": full}
+def _measure_interleaved(models: dict, rank: int, steps: int, observe) -> dict:
+    """Train every model the same steps, alternating step by step (so both see the same machine load)."""
+    optimizers = {name: torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=FOREACH) for name, model in models.items()}
+    passes = {name: [] for name in models}
+    updates = {name: [] for name in models}
+    for step in range(3 + steps):  # the first 3 steps warm caches and create the optimizer state
+        for name, model in models.items():
+            dist.barrier()
+            forward_backward, update = _train_step(model, optimizers[name], step, rank)
+            if step >= 3:
+                passes[name].append(forward_backward)
+                updates[name].append(update)
+    results = {}
+    for name, model in models.items():
+        seen: list = []
+
+        @contextlib.contextmanager
+        def collect():
+            with observe() as records:
+                yield
+            seen.extend(records)
+
+        _train_step(model, optimizers[name], 3 + steps, rank, collect if name == "ours" else contextlib.nullcontext)
+        peak = _step_peak(lambda: _train_step(model, optimizers[name], 4 + steps, rank))
+        results[name] = {
+            "passes_s": statistics.median(passes[name]), "updates_s": statistics.median(updates[name]),
+            "held": _held_bytes(model, optimizers[name]), "peak": peak,
+            "received": sum(record.bytes_received for record in seen) if name == "ours" else None,
+            "full": [parameter.full_tensor().detach() for parameter in model.parameters()],
+        }
+    return results
 
 
-def run_rank(steps: int):
+def run_rank(steps: int, foreach: bool):
     from torch.distributed.device_mesh import init_device_mesh as torch_mesh
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
@@ -164,12 +179,17 @@ def run_rank(steps: int):
     from shardtensor.fsdp import fully_shard
     from shardtensor.mesh import init_device_mesh
 
+    global FOREACH
+    FOREACH = foreach
     torch.set_num_threads(1)
     rank, ranks = dist.get_rank(), dist.get_world_size()
-    theirs_model = _shard(_model(), torch_fully_shard, torch_mesh("cpu", (ranks,)))
-    theirs = _measure("torch", theirs_model, rank, ranks, steps, None)
-    theirs["received"] = _torch_bytes_per_step(_model(), ranks)
-    ours = _measure("shardtensor", _shard(_model(), fully_shard, init_device_mesh("cpu", (ranks,))), rank, ranks, steps, comm.observe)
+    models = {
+        "theirs": _shard(_model(), torch_fully_shard, torch_mesh("cpu", (ranks,))),
+        "ours": _shard(_model(), fully_shard, init_device_mesh("cpu", (ranks,))),
+    }
+    results = _measure_interleaved(models, rank, steps, comm.observe)
+    results["theirs"]["received"] = _torch_bytes_per_step(_model(), ranks)
+    ours, theirs = results["ours"], results["theirs"]
     agree = all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(ours.pop("full"), theirs.pop("full")))
     return {"ours": ours, "theirs": theirs, "agree": agree}
 
@@ -182,7 +202,8 @@ def _table(per_rank: list[dict], ranks: int, steps: int) -> list[str]:
     lines = [
         f"{ranks} gloo ranks, CPU, fp32; model: 64 -> {WIDTH}, {BLOCKS} blocks {WIDTH} -> {HIDDEN} -> {WIDTH}, head {WIDTH} -> 10 "
         f"({HIDDEN} rows over {ranks} ranks: torch pads to {math.ceil(HIDDEN / ranks)} per rank); {BATCH_PER_RANK} rows per rank; "
-        f"median of {steps} steps; parameters of the two runs agree after training: {all(r['agree'] for r in per_rank)}",
+        f"median of {steps} steps (the two implementations alternate step by step); AdamW foreach={FOREACH}; parameters of the two runs agree after training: "
+        f"{all(r['agree'] for r in per_rank)}",
         "",
         "| implementation | forward+backward (ms) | ratio to torch | optimizer step (ms) | whole step ratio | "
         "held between steps (MB) | step peak above held (MB) | received per step (MB) |",
@@ -207,7 +228,7 @@ def main() -> None:
     ranks = 4
     steps = 5 if "--quick" in sys.argv else 15
     start = time.perf_counter()
-    per_rank = launch.spawn(bench_fsdp.run_rank, ranks, steps)
+    per_rank = launch.spawn(bench_fsdp.run_rank, ranks, steps, FOREACH)
     print("\n".join(_table(per_rank, ranks, steps)))
     print(f"\n(total {time.perf_counter() - start:.0f} s)")
 
