@@ -2,7 +2,7 @@
 
 import torch
 from spmd import spmd
-from test_fsdp import BATCH, _assert_same_parameters, _batches, _kinds, _local_batch, _loss, _train_reference
+from test_fsdp import _assert_same_parameters, _batches, _kinds, _local_batch, _loss, _model, _train_reference
 from torch import nn
 
 from shardtensor import DTensor, Replicate, Shard, comm, distribute_tensor
@@ -42,8 +42,6 @@ def _named_mesh(mesh):
 
 
 def _tensor_parallel_model(tp_mesh):
-    from test_fsdp import _model
-
     model = _model()
     model.blocks = nn.ModuleList([TensorParallelBlock(block, tp_mesh) for block in model.blocks])
     return model
@@ -51,8 +49,6 @@ def _tensor_parallel_model(tp_mesh):
 
 @spmd(meshes=[(2, 2)])
 def test_fsdp_over_hand_written_tensor_parallel_trains_like_one_device(mesh):
-    from test_fsdp import _model
-
     mesh = _named_mesh(mesh)
     dp_mesh, tp_mesh = mesh["dp"], mesh["tp"]
     batches = _batches(3)
@@ -84,14 +80,11 @@ def test_fsdp_over_hand_written_tensor_parallel_trains_like_one_device(mesh):
             optimizer.step()
         assert records == [] and up.sharding.shard_order[0] == (1, 0)
         optimizer.zero_grad()
-    assert BATCH % 2 == 0
     _assert_same_parameters(model, reference)
 
 
 @spmd(meshes=[(2, 2)])
 def test_fsdp_over_parallelize_module_trains_like_one_device(mesh):
-    from test_fsdp import _model
-
     from shardtensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     mesh = _named_mesh(mesh)

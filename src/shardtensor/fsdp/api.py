@@ -13,7 +13,6 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterable, Sequence
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
