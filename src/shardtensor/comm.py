@@ -35,7 +35,7 @@ from .mesh import DeviceMesh
 
 __all__ = [
     "CommRecord", "CommHandle", "PointToPoint", "observe", "call_counts",
-    "all_gather", "all_to_all", "all_reduce", "reduce_scatter", "broadcast", "scatter",
+    "all_gather", "all_gather_into", "all_to_all", "all_reduce", "reduce_scatter", "broadcast", "scatter",
     "all_gather_object", "send", "recv", "batch_p2p",
 ]
 
@@ -313,6 +313,61 @@ def all_gather(tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: MeshDims, *, di
         return _unwire(torch.cat(pieces, dim), tensor.dtype)
 
     return _complete(work, finish_uneven, async_op)
+
+
+def all_gather_into(output: torch.Tensor, tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: MeshDims, *,
+                    sizes: Sequence[int], async_op: bool = False):
+    """Write every peer's flat `tensor` (peer c's has sizes[c] elements) into the flat `output`, in
+    coordinate order, and return `output`: the buffer of a sharded-data-parallel unit.
+
+    Even sizes use one all_gather; uneven sizes one batch of point-to-point sends and receives
+    (one grouped call: this piece to every peer, each peer's piece straight into its place), so
+    nothing is padded, no send buffer repeats the piece (as an all_to_all's would) and nothing is
+    copied after the collective (when c10d's group order is coordinate order; else one reordering
+    copy). Recorded as one "all_gather".
+    """
+    peers = _peers(mesh, mesh_dim)
+    sizes = _check_sizes("all_gather_into", "sizes", sizes, peers)
+    if tensor.ndim != 1 or output.ndim != 1 or not output.is_contiguous() or output.numel() != sum(sizes) \
+            or tensor.numel() != sizes[peers.coordinate] or output.dtype != tensor.dtype:
+        raise _sizes_error("all_gather_into", "(output, tensor) shapes",
+                           (tuple(output.shape), tuple(tensor.shape), output.dtype, tensor.dtype), peers,
+                           f"a flat contiguous output of sum(sizes) = {sum(sizes)} elements and a flat tensor of "
+                           f"sizes[{peers.coordinate}] = {sizes[peers.coordinate]} elements, of one dtype")
+    if peers.size == 1:
+        output.copy_(tensor)
+        return _identity(output, async_op)
+    local = _wire(tensor).contiguous()
+    wire_output = _wire(output)
+    _record("all_gather", peers.mesh_dim, peers.size, _nbytes(local) * (peers.size - 1),
+            (sum(sizes) - sizes[peers.coordinate]) * local.element_size())
+    target = wire_output if peers.in_coordinate_order else torch.empty_like(wire_output)
+    group_sizes = [sizes[c] for c in peers.group_order]
+    if len(set(sizes)) == 1:
+        work = _all_gather_single(target, local, group=peers.group, async_op=async_op)
+    else:
+        # Point-to-point: this piece goes to every peer as it is and each peer's piece lands in its place
+        # of the output, so no send buffer repeats the piece (an all_to_all_single would need one).
+        pieces = target.split(group_sizes)
+        operations = []
+        for c in range(peers.size):
+            if c != peers.coordinate:
+                peer = peers.ranks[c]
+                operations.append(dist.P2POp(dist.isend, local, peer, group=peers.group))
+                operations.append(dist.P2POp(dist.irecv, pieces[peers.group_rank[c]], peer, group=peers.group))
+        pieces[peers.group_rank[peers.coordinate]].copy_(local)
+        work = dist.batch_isend_irecv(operations)
+        if not async_op:
+            for item in work:
+                item.wait()
+
+    def finish() -> torch.Tensor:
+        if target is not wire_output:
+            by_group_rank = target.split(group_sizes)
+            torch.cat([by_group_rank[peers.group_rank[c]] for c in range(peers.size)], out=wire_output)
+        return output
+
+    return _complete(work, finish, async_op)
 
 
 def all_to_all(tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: MeshDims, *, split_dim: int,

@@ -266,8 +266,11 @@ class Layout:
         """The same tensor under other placements: a redistribute target.
 
         Tensor dims whose shard order is unchanged keep their exact pieces; the others get the
-        `torch.chunk` default.
+        `torch.chunk` default. The same placements (no `shard_order`) give this layout itself, so a
+        nested shard order that is not the default one is not "moved" to the default.
         """
+        if shard_order is None and tuple(placements) == self.placements:
+            return self
         target = Layout.create(self.mesh_shape, placements, self.shape, shard_order=shard_order)
         pieces = tuple(
             old if old_order == new_order else new

@@ -442,6 +442,31 @@ def _contiguous_meta(shape: tuple[int, ...], dtype: torch.dtype) -> TensorMeta:
     return TensorMeta(shape, tuple(reversed(stride)), dtype)
 
 
+def _inherited_shard_order(placements, ndim: int, input_layouts) -> tuple[tuple[int, ...], ...] | None:
+    """The output's shard order: a tensor dim split by several mesh dims takes the order of an input dim
+    split by the same mesh dims (the local op keeps each coordinate's piece where it was), else the default.
+
+    Without this, an input whose nested order is not ascending (FSDP's data-parallel split inside a
+    tensor-parallel one) would give an output whose pieces are labelled with the wrong coordinates.
+    """
+    mesh_dims_of = [[] for _ in range(ndim)]
+    for mesh_dim, placement in enumerate(placements):
+        if isinstance(placement, Shard):
+            mesh_dims_of[placement.dim % ndim].append(mesh_dim)
+    orders = [tuple(mesh_dims) for mesh_dims in mesh_dims_of]
+    changed = False
+    for dim, mesh_dims in enumerate(mesh_dims_of):
+        if len(mesh_dims) < 2:
+            continue
+        for layout in input_layouts:
+            found = next((order for order in layout.shard_order if sorted(order) == mesh_dims), None)
+            if found is not None:
+                changed = changed or found != orders[dim]
+                orders[dim] = found
+                break
+    return tuple(orders) if changed else None
+
+
 def _exact_output_layouts(call, rule, mesh_shape, placements, metas, input_layouts) -> tuple[Layout | None, ...]:
     """Output layouts whose pieces are exactly what the local op produces on every coordinate.
 
@@ -472,7 +497,8 @@ def _exact_output_layouts(call, rule, mesh_shape, placements, metas, input_layou
             layouts.append(Layout.create(mesh_shape, placements[index], meta.shape))
         else:
             shapes = {coordinate: outputs[index].shape for coordinate, outputs in local_shapes.items()}
-            layout = Layout.from_local_shapes(mesh_shape, placements[index], shapes)
+            order = _inherited_shard_order(placements[index], meta.ndim, input_layouts)
+            layout = Layout.from_local_shapes(mesh_shape, placements[index], shapes, shard_order=order)
             if layout.shape != meta.shape:
                 raise RuntimeError(
                     f"sharding rule of {call.op} is wrong: placements {list(placements[index])} give local "
