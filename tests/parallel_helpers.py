@@ -44,13 +44,17 @@ def _value(tensor: torch.Tensor) -> torch.Tensor:
 
 def train_and_compare(mesh, build, plan, make_inputs, *, output_placements=None, steps=3, tolerance=None):
     """Train `build()` parallelized with `plan` on `tp_mesh(mesh)` and a single-device copy with
-    AdamW on the same data; compare outputs, input and parameter gradients, and parameters."""
+    AdamW on the same data; compare outputs, input and parameter gradients, and parameters.
+    `plan` is a parallelize_module plan, or a function `(module, mesh)` that distributes the module."""
     tolerance = tolerance or {}
     tp = tp_mesh(mesh)
     torch.manual_seed(0)
     module = build()
     reference = copy.deepcopy(module)
-    parallelize_module(module, tp, plan)
+    if callable(plan):
+        plan(module, tp)
+    else:
+        parallelize_module(module, tp, plan)
     optimizer = torch.optim.AdamW(module.parameters(), lr=0.05)
     reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.05)
     generator = torch.Generator().manual_seed(data_seed(mesh))
