@@ -3,6 +3,8 @@ backward, with every option; the logits are never gathered (collectives counted)
 
 import itertools
 
+import pytest
+
 import torch
 import torch.nn.functional as F
 from spmd import spmd
@@ -64,8 +66,9 @@ def test_cross_entropy_on_class_sharded_logits_matches_one_device(mesh):
 
 @spmd(meshes=MESHES)
 def test_the_vocab_parallel_loss_costs_three_small_all_reduces(mesh):
-    """max and sum of exponentials for the log-softmax, the picked values' sum; backward one
-    (the log-softmax gradient's row sums): all over the class mesh dim, none gathers logits."""
+    """max and sum of exponentials for the log-softmax, the picked values' sum; backward none on
+    a 1-D mesh (one, the log-softmax gradient's row sums, when the batch is sharded too): all over
+    the class mesh dim, none gathers logits."""
     logits = distribute_tensor(torch.randn(ROWS, CLASSES), mesh, _logits_placements(mesh)).requires_grad_()
     target = torch.randint(0, CLASSES, (ROWS,))
     with loss_parallel(), comm.observe() as forward:
@@ -79,7 +82,7 @@ def test_the_vocab_parallel_loss_costs_three_small_all_reduces(mesh):
         assert [record.kind for record in forward] == ["all_reduce"] * 3 * sharded
     else:  # the batch's share of the mean is reduced over the data-parallel mesh dim too
         assert [record.mesh_dim for record in forward][:2] == [class_mesh_dim] * 2
-    assert [(record.kind, record.mesh_dim) for record in backward] == [("all_reduce", class_mesh_dim)] * sharded
+    assert [(record.kind, record.mesh_dim) for record in backward] == [("all_reduce", class_mesh_dim)] * sharded * (mesh.ndim == 2)
 
 
 @spmd(meshes=[(1,), (2,), (4,)])
@@ -112,3 +115,11 @@ def test_plain_tensors_and_other_functions_pass_through(mesh):
     assert not isinstance(plain, DTensor) and not isinstance(softmax, DTensor)
     assert_close(plain, F.cross_entropy(logits, target))
     assert_close(replicated.full_tensor(), plain)
+
+
+@spmd(meshes=[(2,)])
+def test_a_target_out_of_range_raises_on_every_rank(mesh):
+    logits = distribute_tensor(torch.randn(3, 5), mesh, [Shard(1)])
+    for bad in (torch.tensor([0, 5, 1]), torch.tensor([0, -2, 1])):
+        with loss_parallel(), pytest.raises(IndexError, match="out of range for 5 classes"):
+            F.cross_entropy(logits, bad)

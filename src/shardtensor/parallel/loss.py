@@ -2,10 +2,12 @@
 
 The engine already computes `F.cross_entropy` on class-sharded logits exactly and locally (the
 log-softmax reduces its max and sum of exponentials across the shards, `nll_loss` picks each
-target on the rank that holds its class and gives a Partial sum). What the context adds is
-PyTorch's calling convention for the vocab-parallel loss: the target and class weights may be
-plain tensors (read as laid out like the logits' batch dims, and replicated), and the loss comes
-back replicated. It intercepts `F.cross_entropy` (and so `nn.CrossEntropyLoss`) through a
+target on the rank that holds its class and gives a Partial sum), but its backward needs one more
+all_reduce (the log-softmax gradient's row sums). The context adds PyTorch's calling convention
+for the vocab-parallel loss: the target and class weights may be plain tensors (read as laid out
+like the logits' batch dims, and replicated), and the loss comes back replicated; logits sharded
+along classes only, with class-index targets, take `vocab_loss`, whose backward communicates
+nothing. It intercepts `F.cross_entropy` (and so `nn.CrossEntropyLoss`) through a
 `TorchFunctionMode`, only while the block runs; backward needs no context.
 
     >>> with loss_parallel():  # doctest: +SKIP
@@ -24,6 +26,7 @@ from torch.overrides import TorchFunctionMode
 from ..dtensor import DTensor
 from ..placement import Placement, Replicate, Shard
 from .layouts import redistribute_to
+from .vocab_loss import class_sharded_cross_entropy, takes_fast_path
 
 __all__ = ["loss_parallel"]
 
@@ -60,6 +63,9 @@ def _cross_entropy(input, target, weight=None, size_average=None, ignore_index=-
     """F.cross_entropy with plain target/weight read as laid out like the logits; Partial results reduced."""
     if not isinstance(input, DTensor):
         return F.cross_entropy(input, target, weight, size_average, ignore_index, reduce, reduction, label_smoothing)
+    legacy = size_average is not None or reduce is not None
+    if takes_fast_path(input, target, weight, reduction, legacy):
+        return class_sharded_cross_entropy(input, target, weight, ignore_index, reduction, label_smoothing)
     class_dim = 1 if input.ndim >= 2 else 0
     loss = F.cross_entropy(
         input,
