@@ -9,7 +9,7 @@ gradient averaging (one all_reduce over "dp", one over the whole mesh for the no
 sequence parallelism leaves Partial) and AdamW, in the same worker processes, alternating step by
 step so both see the same machine load. Reported per step: the slowest rank's median wall time,
 the ratio ours/torch, the collectives (ours from `comm.observe()`, torch's from its
-`CommDebugMode`, gradient averaging included in both), and per rank the bytes of parameters,
+`CommDebugMode`, which also sees c10d calls: gradient averaging included in both), and per rank the bytes of parameters,
 gradients, optimizer state and the activations saved for backward (local shards; CPU has no
 allocator peak to read).
 """
@@ -146,19 +146,13 @@ def body(mesh_shape, steps):
                 counter = comm.observe() if name == "ours" else CommDebugMode()
                 with counter as records, SavedBytes() as saved:
                     run(tokens, targets)
-                counts[name] = len(records) if name == "ours" else {str(op): count for op, count in counter.get_comm_counts().items()}
+                counts[name] = len(records) if name == "ours" else counter.get_total_counts()
                 memory[name] = saved.total + _state_bytes(ours if name == "ours" else theirs, optimizers[name])
             else:
                 run(tokens, targets)
             if step >= 2:
                 times[name].append(time.perf_counter() - began)
     return times, counts, memory
-
-
-def _c10d_calls(mesh_shape) -> int:
-    """The gradient averaging's plain c10d all_reduces, which torch's CommDebugMode does not see:
-    one over dp (skipped by neither library when dp is 1: ours counts none there either) + one over all."""
-    return (mesh_shape[0] > 1) + 1
 
 
 def main() -> None:
@@ -173,7 +167,6 @@ def main() -> None:
         slowest = {name: [max(rank[0][name][i] for rank in results) for i in range(arguments.steps)] for name in ("ours", "torch")}
         ours_ms, torch_ms = (statistics.median(slowest[name]) * 1e3 for name in ("ours", "torch"))
         counts, memory = results[0][1], results[0][2]
-        print(counts)
         print(
             f"| {mesh_shape[0]}x{mesh_shape[1]} | {ours_ms:.1f} | {torch_ms:.1f} | {ours_ms / torch_ms:.2f} | "
             f"{counts['ours']} | {counts['torch']} | {memory['ours'] / 2**20:.2f} | {memory['torch'] / 2**20:.2f} |"
