@@ -22,6 +22,7 @@ from ..mesh import DeviceMesh, init_device_mesh
 from ..placement import Replicate
 from ..parallel import loss_parallel
 from . import report
+from .checkpoint import load_checkpoint, save_checkpoint
 from .data import Corpus, batch_for_step, load_corpus
 from .model import GPT, GPTConfig, parallelize
 
@@ -44,7 +45,7 @@ class Options:
     data: str | None = None
     checkpoint: str | None = None
     compare: bool = False
-    sample_length: int = 200
+    sample_length: int = 160
     device_type: str = "cpu"
 
 
@@ -125,8 +126,6 @@ def train(options: Options) -> None:
     reference_optimizer = _optimizer(reference, options) if reference is not None else None
     start = 0
     if options.checkpoint:
-        from .checkpoint import load_checkpoint
-
         start = load_checkpoint(options.checkpoint, model, optimizer, reference, reference_optimizer)
     progress = report.Progress(options, corpus, start) if is_main else None
     parameters = list(model.parameters())
@@ -147,8 +146,6 @@ def train(options: Options) -> None:
             progress.update(step, loss_value, reference_loss, tokens.numel() / elapsed)
     step_communication = [(mesh["tp"], model_records), (mesh, gradient_records)] if options.steps > start else []
     if options.checkpoint:
-        from .checkpoint import save_checkpoint
-
         save_checkpoint(options.checkpoint, model, optimizer, options.steps, reference, reference_optimizer)
     sample = report.generate(model, corpus, options, device)
     if progress is not None:
