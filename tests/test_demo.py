@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from parallel_helpers import tp_mesh, train_and_compare
+from parallel_helpers import train_and_compare
 from spmd import spmd
 
 from shardtensor import comm
