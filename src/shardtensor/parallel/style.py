@@ -50,14 +50,10 @@ class ParallelStyle(ABC):
         """Lay out `module` over `device_mesh` in place and return it."""
 
 
-def module_name(module: nn.Module) -> str:
-    return type(module).__name__
-
-
 def unsupported_module_error(style: ParallelStyle, module: nn.Module, supported: Sequence[type], hint: str) -> UnsupportedModuleError:
     names = ", ".join(f"nn.{kind.__name__}" for kind in supported)
     return UnsupportedModuleError(
-        f"{type(style).__name__} cannot lay out a {module_name(module)} module: it supports {names}. {hint}"
+        f"{type(style).__name__} cannot lay out a {type(module).__name__} module: it supports {names}. {hint}"
     )
 
 
