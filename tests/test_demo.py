@@ -67,8 +67,9 @@ def test_options_check_the_mesh_against_the_ranks():
     assert options.mesh == (1, 2) and size == 2
     options, size = parse_options([])
     assert options.mesh == (2, 2) and size == 4
-    with pytest.raises(SystemExit):
-        parse_options(["--nproc", "2", "--mesh", "2x2"])
+    for wrong in (["--nproc", "2", "--mesh", "2x2"], ["--mesh", "1x3"], ["--mesh", "4x1", "--batch-size", "6"]):
+        with pytest.raises(SystemExit):
+            parse_options(wrong)
 
 
 def test_the_default_corpus_is_a_few_hundred_kilobytes_of_python():

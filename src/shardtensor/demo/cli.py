@@ -62,6 +62,13 @@ def parse_options(argv=None, world_size: int | None = None) -> tuple[Options, in
     mesh = arguments.mesh or _default_mesh(size)
     if mesh[0] * mesh[1] != size:
         parser.error(f"--mesh {mesh[0]}x{mesh[1]} needs {mesh[0] * mesh[1]} ranks, but there are {size}")
+    if arguments.heads % mesh[1] or arguments.width % arguments.heads:
+        parser.error(
+            f"--heads {arguments.heads} must divide --width {arguments.width} and be a multiple of the "
+            f"{mesh[1]} tensor-parallel ranks (attention is split by heads)"
+        )
+    if arguments.batch_size % mesh[0]:
+        parser.error(f"--batch-size {arguments.batch_size} must divide over the {mesh[0]} data-parallel ranks")
     options = Options(
         mesh=mesh, steps=arguments.steps, batch_size=arguments.batch_size, block_size=arguments.block_size,
         layers=arguments.layers, heads=arguments.heads, width=arguments.width, learning_rate=arguments.lr,

@@ -115,8 +115,6 @@ def train(options: Options) -> None:
     """The demo on this rank (every rank of the world runs it)."""
     mesh = init_device_mesh(options.device_type, options.mesh, mesh_dim_names=("dp", "tp"))
     device = torch.device(options.device_type, torch.cuda.current_device()) if options.device_type == "cuda" else torch.device("cpu")
-    if options.batch_size % mesh.size(0):
-        raise ValueError(f"--batch-size {options.batch_size} must divide over the {mesh.size(0)} data-parallel ranks")
     corpus = load_corpus(options.data, options.block_size)
     model = build(options, corpus, device)
     is_main = mesh.get_rank() == 0
