@@ -14,6 +14,7 @@ from shardtensor.layout import chunk_sizes
 from shardtensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
@@ -172,6 +173,16 @@ def test_prepare_module_input_and_output_with_keyword_inputs(mesh):
     assert not isinstance(output, DTensor)
     assert_close(output, reference(x, 2.0, shift=shift))
     assert [record.kind for record in records] == (["all_gather"] if tp.size() > 1 else [])
+    # Both at once: the same conversions from one plan entry.
+    both = Mix()
+    both.load_state_dict(reference.state_dict())
+    parallelize_module(both, tp, {"proj": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)})
+    parallelize_module(both, tp, PrepareModuleInputOutput(
+        input_layouts=(Replicate(), None), desired_input_layouts=(Replicate(), None),
+        input_kwarg_layouts={"shift": Replicate()}, desired_input_kwarg_layouts={"shift": Shard(1)},
+        output_layouts=Shard(1), desired_output_layouts=Replicate(),
+    ))
+    assert_close(both(x, 2.0, shift=shift), reference(x, 2.0, shift=shift))
     with pytest.raises(ValueError, match="pair up"):
         PrepareModuleInput(input_layouts=(Shard(0), Replicate()), desired_input_layouts=(Replicate(),))
     with pytest.raises(ValueError, match="pair up"):

@@ -10,7 +10,7 @@ class-sharded logits without gathering them.
 
 from .api import parallelize_module
 from .loss import loss_parallel
-from .prepare import PrepareModuleInput, PrepareModuleOutput
+from .prepare import PrepareModuleInput, PrepareModuleInputOutput, PrepareModuleOutput
 from .style import ParallelStyle, UnsupportedModuleError
 from .styles import ColwiseParallel, RowwiseParallel, SequenceParallel
 
@@ -23,5 +23,6 @@ __all__ = [
     "SequenceParallel",
     "PrepareModuleInput",
     "PrepareModuleOutput",
+    "PrepareModuleInputOutput",
     "UnsupportedModuleError",
 ]

@@ -1,4 +1,4 @@
-"""PrepareModuleInput / PrepareModuleOutput: fix the layouts at a module's boundary, nothing else.
+"""PrepareModuleInput / PrepareModuleOutput (and both at once): fix the layouts at a module's boundary, nothing else.
 
 They leave parameters alone (the module's own submodules carry their styles) and only convert:
 each input or output is read as the given layout (a plain local tensor becomes a DTensor), then
@@ -20,7 +20,7 @@ from ..placement import Placement
 from .layouts import check_tp_mesh, to_dtensor, to_output
 from .style import ParallelStyle, as_placements
 
-__all__ = ["PrepareModuleInput", "PrepareModuleOutput"]
+__all__ = ["PrepareModuleInput", "PrepareModuleInputOutput", "PrepareModuleOutput"]
 
 Layouts = Placement | Sequence[Placement | None] | None
 
@@ -134,3 +134,42 @@ class PrepareModuleOutput(ParallelStyle):
 
         module.register_forward_hook(prepare)
         return module
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PrepareModuleInputOutput(ParallelStyle):
+    """PrepareModuleInput and PrepareModuleOutput on one module, in one plan entry
+    (`use_local_input` is the input side's `use_local_output`)."""
+
+    input_layouts: Layouts = None
+    desired_input_layouts: Layouts = None
+    input_kwarg_layouts: Mapping[str, Placement] | None = None
+    desired_input_kwarg_layouts: Mapping[str, Placement] | None = None
+    use_local_input: bool = False
+    output_layouts: Layouts
+    desired_output_layouts: Layouts
+    use_local_output: bool = True
+
+    def __post_init__(self) -> None:
+        self._input_style()
+        self._output_style()  # both check their layouts now, as they would on their own
+
+    def _input_style(self) -> PrepareModuleInput:
+        return PrepareModuleInput(
+            input_layouts=self.input_layouts,
+            desired_input_layouts=self.desired_input_layouts,
+            input_kwarg_layouts=self.input_kwarg_layouts,
+            desired_input_kwarg_layouts=self.desired_input_kwarg_layouts,
+            use_local_output=self.use_local_input,
+        )
+
+    def _output_style(self) -> PrepareModuleOutput:
+        return PrepareModuleOutput(
+            output_layouts=self.output_layouts,
+            desired_output_layouts=self.desired_output_layouts,
+            use_local_output=self.use_local_output,
+        )
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        self._input_style()._apply(module, device_mesh)
+        return self._output_style()._apply(module, device_mesh)
