@@ -67,6 +67,8 @@ def parse_options(argv=None, world_size: int | None = None) -> tuple[Options, in
             f"--heads {arguments.heads} must divide --width {arguments.width} and be a multiple of the "
             f"{mesh[1]} tensor-parallel ranks (attention is split by heads)"
         )
+    if arguments.data is not None and not os.path.isfile(arguments.data):
+        parser.error(f"--data {arguments.data}: no such file")
     if arguments.batch_size % mesh[0]:
         parser.error(f"--batch-size {arguments.batch_size} must divide over the {mesh[0]} data-parallel ranks")
     options = Options(
