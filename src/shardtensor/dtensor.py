@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from .autograd import FromLocal, Redistribute, ToLocal
+from .checkpoint import CheckpointableMixin
 from .dispatch import dispatch
 from .from_local import from_local_layout
 from .layout import Layout
@@ -38,7 +39,7 @@ def _mirror_math_bits(wrapper: torch.Tensor, local_tensor: torch.Tensor) -> None
     torch._C._set_neg(wrapper, local_tensor.is_neg())
 
 
-class DTensor(FastTensorMethods, torch.Tensor):
+class DTensor(FastTensorMethods, CheckpointableMixin, torch.Tensor):
     """A distributed tensor: global metadata on the wrapper, this rank's shard in `_local_tensor`.
 
     Build one with `distribute_tensor`, `DTensor.from_local` or a factory (`shardtensor.zeros`, ...).

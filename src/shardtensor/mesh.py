@@ -131,11 +131,7 @@ class DeviceMesh:
         return mine
 
     def _line_through_me(self, mesh_dim: int) -> tuple[int, ...] | None:
-        if self._coordinate is None:
-            return None
-        index = list(self._coordinate)
-        index[mesh_dim] = slice(None)
-        return tuple(self.mesh[tuple(index)].tolist())
+        return _line_through(self.mesh, self._coordinate, mesh_dim)
 
     # --- shape and coordinates ---------------------------------------------------------------
     @property
@@ -250,6 +246,73 @@ class DeviceMesh:
     def __repr__(self) -> str:
         names = "" if self.mesh_dim_names is None else f", mesh_dim_names={self.mesh_dim_names!r}"
         return f"DeviceMesh({self.device_type!r}, {self.mesh.tolist()}{names})"
+
+    # --- pickling ----------------------------------------------------------------------------------
+    def __reduce__(self):
+        """Pickle (and `torch.save`, `copy.deepcopy`) the ranks, names and world size, not the process
+        groups: unpickling re-attaches the groups this process already has for the same world."""
+        return (_rebuild_mesh, (self.device_type, self.mesh.tolist(), self.mesh_dim_names, dist.get_world_size()))
+
+
+def _line_through(mesh: torch.Tensor, coordinate: Sequence[int] | None, mesh_dim: int) -> tuple[int, ...] | None:
+    """Global ranks along `mesh_dim` through `coordinate` (None for a rank outside the mesh)."""
+    if coordinate is None:
+        return None
+    index = list(coordinate)
+    index[mesh_dim] = slice(None)
+    return tuple(mesh[tuple(index)].tolist())
+
+
+def _rebuild_mesh(device_type: str, ranks: list, mesh_dim_names: tuple[str, ...] | None, world_size: int) -> DeviceMesh:
+    """Unpickle a mesh: the same ranks over the process groups this process already has.
+
+    No group is created here (that would be a collective the other ranks may not be in): build the
+    mesh once in this process first (`init_device_mesh`), as a program does before loading.
+    """
+    if not dist.is_initialized() and world_size == 1:
+        _ensure_default_group(device_type)
+    current_size = dist.get_world_size() if dist.is_initialized() else None
+    if current_size != world_size:
+        raise _other_world_error(ranks, world_size, current_size)
+    rank = dist.get_rank()
+    mesh = torch.tensor(ranks, dtype=torch.int64)
+    position = (mesh == rank).nonzero()
+    coordinate = None if position.numel() == 0 else position[0].tolist()
+    groups = []
+    for mesh_dim in range(mesh.ndim):
+        line = _line_through(mesh, coordinate, mesh_dim)
+        key = None if line is None else tuple(sorted(line))
+        if key is None:
+            groups.append(None)  # outside the mesh: no group
+        elif len(key) == world_size:
+            groups.append(dist.group.WORLD)
+        elif len(key) == 1 or key in _groups:
+            groups.append(_groups.get(key))  # a one-rank group is made on demand (get_group)
+        else:
+            raise _missing_group_error(ranks, key)
+    return DeviceMesh(device_type, mesh, mesh_dim_names=mesh_dim_names, _groups_by_dim=groups)
+
+
+torch.serialization.add_safe_globals([_rebuild_mesh])  # `torch.load` (weights_only) may rebuild meshes
+
+
+def _other_world_error(ranks: list, world_size: int, current_size: int | None) -> RuntimeError:
+    here = "torch.distributed is not initialized" if current_size is None else f"this world has {current_size} ranks"
+    return RuntimeError(
+        f"cannot unpickle DeviceMesh {ranks}: it was saved in a world of {world_size} ranks, but {here}. "
+        f"A pickled mesh (and a pickled DTensor) only loads inside a world of the same size, where its "
+        f"process groups exist; to move a DTensor to another world or layout, save it with "
+        f"torch.distributed.checkpoint (docs/checkpoint.md), which reshards on load"
+    )
+
+
+def _missing_group_error(ranks: list, key: tuple[int, ...]) -> RuntimeError:
+    return RuntimeError(
+        f"cannot unpickle DeviceMesh {ranks}: this process has no process group over ranks {list(key)} "
+        f"yet, and unpickling creates none (that would be a collective other ranks are not in). Build "
+        f"the mesh first on every rank, e.g. init_device_mesh(...) with the shape it was sliced from, "
+        f"then load"
+    )
 
 
 def _check_names(names: tuple[str, ...] | None, ndim: int) -> None:
