@@ -27,7 +27,7 @@ LAYERS = [
     ["comm"],
     ["redistribute", "random"],
     ["modes", "propagation", "ops"],  # rules, and the switches they read
-    ["spec", "plain_tensors", "write_back", "plan_cache", "dispatch", "torch_function", "tensor_methods",
+    ["spec", "plain_tensors", "write_back", "plan_cache", "list_plans", "dispatch", "torch_function", "tensor_methods",
      "from_local", "autograd", "checkpoint"],  # the engine below the class, and the mixins it inherits
     ["dtensor", "api"],
     ["debug", "experimental", "parallel", "fsdp", ""],  # "": the package's `__init__`, which exports it all

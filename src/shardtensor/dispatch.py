@@ -22,7 +22,9 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from . import ops  # noqa: F401  (registers every op family)
 from . import plan_cache, propagation
 from .layout import Layout
+from .list_plans import ListPlan, is_multi_tensor, list_key
 from .modes import describe, implicit_communication_error, is_explicit, is_strict
+from .ops.foreach import canonical_arguments
 from .ops.registry import RULES
 from .placement import Replicate
 from .plain_tensors import created_by_torch
@@ -51,6 +53,8 @@ def dispatch(dtensor_class: type, op, types, args: tuple = (), kwargs: dict | No
     if kwargs is None:
         kwargs = _NO_KEYWORDS
     key = fast_key(dtensor_class, op, args, kwargs)
+    if key is None and is_multi_tensor(op):
+        key = list_key(dtensor_class, op, args, kwargs)
     if key is not None:
         plan = plans.get(key)
         if plan is not None and plan.generation == propagation.generation:
@@ -113,7 +117,10 @@ def _decision_cache_key(op, layouts, call: OpCall, coordinate: tuple[int, ...] |
     equal keys but give other dtypes; the coordinate because local arguments and local ops are this
     rank's, and two meshes of one shape may place this rank at different coordinates."""
     types = tuple(type(value) for value in flat)
-    key = (op, tuple(layouts), call.inputs, call.args, call.kwargs, types, coordinate)
+    args, kwargs = call.args, call.kwargs
+    if is_multi_tensor(op):  # its rules read scalars' signs only: Adam's new step sizes must not miss
+        args, kwargs = canonical_arguments(args), canonical_arguments(kwargs)
+    key = (op, tuple(layouts), call.inputs, args, kwargs, types, coordinate)
     try:
         hash(key)
     except TypeError:
@@ -140,8 +147,8 @@ def _dispatch_slowly(dtensor_class: type, op, args: tuple, kwargs: dict, key: tu
     mesh = _common_mesh(op, [flat[index] for index in positions])
     rule = RULES.get(op)
     written_ids = frozenset(id(value) for value in written(op, args, kwargs) if not isinstance(value, dtensor_class))
-    if written_ids:  # a plan would run the op on the plain tensor itself, without the write-back `_run` does
-        key = None
+    if written_ids and not is_multi_tensor(op):  # a plan would run the op on the plain tensor itself, without
+        key = None  # the write-back `_run` does (a list plan passes plain tensors on untouched: they must not move)
     _plain_tensors_as_replicate(dtensor_class, op, flat, mesh, getattr(rule, "accepts_plain_tensors", False), written_ids)
     positions = [index for index, value in enumerate(flat) if isinstance(value, dtensor_class)]
     dtensors = [flat[index] for index in positions]
@@ -174,7 +181,12 @@ def _dispatch_slowly(dtensor_class: type, op, args: tuple, kwargs: dict, key: tu
         return _fallback(dtensor_class, op, flat, tree, positions, dtensors, mutated_dtensors, mesh)
     except ResizesWritten as resize:
         return write_resized(dtensor_class, op, args, kwargs, *tree_unflatten(flat, tree), resize.functional_op)
-    if key is not None and _moves_no_mutated_input(decision, mutated_dtensors, dtensors):
+    if key is not None and is_multi_tensor(op):
+        list_plan = ListPlan.build(dtensor_class, op, rule, mesh, args, kwargs, flat, decision)
+        if list_plan is not None:
+            plan_cache.store(key, list_plan)
+            return list_plan.run(args, kwargs)
+    elif key is not None and _moves_no_mutated_input(decision, mutated_dtensors, dtensors):
         local_template = None if decision.local_arguments is None else template(decision, args, kwargs)
         if decision.local_arguments is None or local_template is not None:
             plan = Plan(dtensor_class, op, mesh, args, kwargs, decision, writes(op), local_template)

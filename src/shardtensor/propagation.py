@@ -26,7 +26,7 @@ from .redistribute.planner import plan as plan_redistribute
 
 __all__ = [
     "Row", "TensorMeta", "PlainTensor", "DataDependentOutput", "ResizesWritten", "OpCall", "ShardingRule", "RowsRule",
-    "OutVariantRule",
+    "OutVariantRule", "ComposedRule",
     "Decision", "decide",
     "transition_cost", "clear_cache",
 ]
@@ -202,6 +202,18 @@ class OutVariantRule(ShardingRule):
 
     def rows(self, call: OpCall) -> Sequence[Row]:
         raise NotImplementedError(f"{self.__name__} is decided by `decide` from its functional op's rule")
+
+
+class ComposedRule(ShardingRule):
+    """A rule that builds its whole decision from the decisions of other rules (a multi-tensor op
+    decides each list element with its single-tensor op's rule, `ops/foreach.py`): `decide` calls
+    `decision` instead of choosing rows."""
+
+    def decision(self, call: OpCall, layouts: Sequence[Layout], coordinate: Sequence[int]) -> Decision:
+        raise NotImplementedError
+
+    def rows(self, call: OpCall) -> Sequence[Row]:
+        raise NotImplementedError(f"{self.__name__} is decided by its `decision`, not by rows")
 
 
 def _local_op_into_out(local_op: Callable, out_names: tuple[str, ...], returns_out: bool) -> Callable:
@@ -475,6 +487,8 @@ def decide(
             return cached
     if isinstance(rule, OutVariantRule):
         decision = _decide_out_variant(call, layouts, rule, coordinate)
+    elif isinstance(rule, ComposedRule):
+        decision = rule.decision(call, layouts, coordinate)
     else:
         decision = _decide_rows(call, layouts, rule, coordinate)
     if cache_key is not None:

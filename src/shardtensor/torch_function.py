@@ -34,6 +34,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import propagation
+from .list_plans import is_multi_tensor_function, learn_function, list_key
 from .plain_tensors import outermost_call
 from .plan_cache import MAX_PLANS, fast_key, function_plans, recording
 from .spec import DTensorSpec
@@ -77,6 +78,8 @@ def torch_function(cls, function, types, args=(), kwargs=None):
         kwargs = _NO_KEYWORDS
     if not kwargs and len(args) == 1 and type(args[0]) is cls:  # `x.relu()`, `x.t()`: no loop
         key = (id(function), id(args[0]._spec))
+    elif args and type(args[0]) is list and is_multi_tensor_function(function):
+        return _multi_tensor_call(cls, function, args, kwargs)
     else:
         key = fast_key(cls, function, args, kwargs)
     plan = function_plans.get(key) if key is not None else None
@@ -96,6 +99,34 @@ def torch_function(cls, function, types, args=(), kwargs=None):
         # mark the call for `created_by_torch`.
         return _run_normally(function, types, args, kwargs)
     return _call(cls, function, args, kwargs, key)
+
+
+def _multi_tensor_call(cls, function, args: tuple, kwargs: dict):
+    """`torch._foreach_*` / `torch._fused_*` on DTensor lists: served from a learnt list plan (the
+    function runs on the local lists) when no autograd history, mode or autocast is involved, or
+    run normally and learnt from the aten list plan it ran (`list_plans`)."""
+    key = list_key(cls, function, args, kwargs)
+    if key is None:
+        return _call(cls, function, args, kwargs, None)
+    plan = function_plans.get(key)
+    if (
+        plan is not None
+        and plan.generation == propagation.generation
+        and fast_path_enabled
+        and not _dispatch_modes()
+        and not _autocast()
+        and (not _grad_enabled() or not _any_requires_grad(*args))
+    ):
+        return plan.run(args, kwargs)
+    recorded: list = []
+    recording.append(recorded)
+    try:
+        with outermost_call(cls, args, kwargs), _disabled():
+            result = function(*args, **kwargs)
+    finally:
+        recording.pop()
+    learn_function(cls, function, key, args, kwargs, recorded, result)
+    return result
 
 
 def _call(cls, function, args: tuple, kwargs: dict, key: tuple | None):

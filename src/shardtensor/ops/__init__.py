@@ -6,3 +6,5 @@ Importing this package imports every family module, and each registers its table
 from . import distance, fft, indexing, linalg, matrix, nn, nn_elementwise, nn_spatial, pointwise, random_ops, reductions, registry, shape_ops, tensor_ops, views  # noqa: F401
 
 registry.register_variants()  # after every family: in-place and out= overloads take their functional op's rule
+
+from . import foreach  # noqa: E402, F401  (last: multi-tensor rules wrap the single-tensor ones; no out= variants)
