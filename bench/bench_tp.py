@@ -119,7 +119,7 @@ def body(mesh_shape, steps):
     theirs = copy.deepcopy(ours)
     parallelize_module(ours, mesh["tp"], tensor_parallel_plan(), src_data_rank=None)
     torch_parallelize_module(theirs, theirs_mesh["tp"], torch_plan(tensor_parallel_plan()), src_data_rank=None)
-    optimizers = {name: torch.optim.AdamW(model.parameters(), lr=1e-3) for name, model in (("ours", ours), ("torch", theirs))}
+    optimizers = {name: torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True) for name, model in (("ours", ours), ("torch", theirs))}
     dp = mesh.get_coordinate()[0]
 
     def our_step(tokens, targets):

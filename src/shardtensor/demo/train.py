@@ -104,7 +104,7 @@ def build(options: Options, corpus: Corpus, device: torch.device) -> GPT:
 
 
 def _optimizer(model: GPT, options: Options) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=options.learning_rate, weight_decay=0.01)
+    return torch.optim.AdamW(model.parameters(), lr=options.learning_rate, weight_decay=0.01, foreach=True)
 
 
 def _dp_slice(tensor: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
