@@ -26,7 +26,7 @@ LAYERS = [
     ["mesh", "launch"],
     ["comm"],
     ["redistribute", "random"],
-    ["modes", "propagation", "ops"],  # rules, and the switches they read
+    ["modes", "log", "propagation", "ops"],  # rules, the switches they read, the logger of decisions
     ["spec", "plain_tensors", "write_back", "plan_cache", "list_plans", "dispatch", "torch_function", "tensor_methods",
      "from_local", "autograd", "checkpoint"],  # the engine below the class, and the mixins it inherits
     ["dtensor", "api"],

@@ -450,7 +450,8 @@ def scatter(pieces: Sequence[torch.Tensor] | None, mesh: DeviceMesh, mesh_dim: M
     """Coordinate `src` sends pieces[c] to coordinate c (sizes may differ); returns this coordinate's piece.
 
     Only `src` passes `pieces` (in coordinate order); every rank passes the `shape` and `dtype` of
-    its own piece. One all_to_all moves exact bytes; `src` gets its own piece back as is.
+    its own piece. Point-to-point sends move exact bytes (empty pieces move nothing); `src` gets its
+    own piece back as is. Pieces may be views of one tensor: each is made contiguous only when sent.
     """
     peers = _peers(mesh, mesh_dim)
     if not 0 <= src < peers.size:
@@ -466,18 +467,29 @@ def scatter(pieces: Sequence[torch.Tensor] | None, mesh: DeviceMesh, mesh_dim: M
                                f"shape {tuple(shape)} and dtype {dtype}")
     if peers.size == 1:
         return _identity(pieces[0], async_op)
-    template = _wire(pieces[me] if me == src else torch.empty(0, dtype=dtype, device=mesh.device_type))
-    if me == src:
-        send = [None if c == me else _wire(pieces[c]) for c in range(peers.size)]
-        shapes = [None] * peers.size
-    else:
-        send = [None] * peers.size
-        shapes = [shape if c == src else None for c in range(peers.size)]
-    work, received, sent_bytes, received_bytes = _exchange(send, shapes, template, peers, async_op)
-    _record("scatter", peers.mesh_dim, peers.size, sent_bytes, received_bytes)
-    if me == src:
-        return _complete(work, lambda: pieces[me], async_op)
-    return _complete(work, lambda: _unwire(received()[src], dtype), async_op)
+    if me != src:
+        buffer = torch.empty(shape, dtype=dtype, device=mesh.device_type)
+        _record("scatter", peers.mesh_dim, peers.size, 0, _nbytes(buffer))
+        work = dist.irecv(_wire(buffer), src=peers.ranks[src], group=peers.group) if buffer.numel() else None
+        if work is not None and not async_op:
+            work.wait()
+        return _complete(work, lambda: buffer, async_op)
+    # The source sends each piece straight from the caller's tensor: no send buffer holding all pieces
+    # (an all_to_all would concatenate them). Synchronously, one piece is in flight at a time, so a
+    # piece that must be made contiguous is freed before the next one is made.
+    works, sent_bytes = [], 0
+    for coordinate in range(peers.size):
+        if coordinate == me or pieces[coordinate].numel() == 0:
+            continue
+        piece = _wire(pieces[coordinate].contiguous())
+        sent_bytes += _nbytes(piece)
+        work = dist.isend(piece, dst=peers.ranks[coordinate], group=peers.group)
+        if async_op:
+            works.append(work)
+        else:
+            work.wait()
+    _record("scatter", peers.mesh_dim, peers.size, sent_bytes, 0)
+    return _complete(works, lambda: pieces[me], async_op)
 
 
 def all_gather_object(obj: Any, mesh: DeviceMesh, mesh_dim: int | str | None = None) -> list:

@@ -21,6 +21,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .layout import Layout
+from .log import DEBUG, log_decision, propagation_logger
 from .placement import Partial, Placement, Replicate, Shard
 from .redistribute.planner import plan as plan_redistribute
 
@@ -493,6 +494,8 @@ def decide(
         decision = _decide_rows(call, layouts, rule, coordinate)
     if cache_key is not None:
         _cache[cache_key] = decision
+    if propagation_logger.isEnabledFor(DEBUG):
+        log_decision(call.op, layouts, decision, [meta.dtype.itemsize for meta in call.inputs])
     return decision
 
 

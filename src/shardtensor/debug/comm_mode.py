@@ -1,10 +1,13 @@
-"""CommDebugMode: count the collectives (and their bytes) that a block of DTensor code issues.
+"""CommDebugMode: the collectives (and their bytes) a block of DTensor code issues, per module and op.
 
-Mirrors `torch.distributed.tensor.debug.CommDebugMode` (`get_total_counts`, `get_comm_counts`,
-`generate_comm_debug_tracing_table`) and adds what it lacks: the bytes this rank sent and
-received per kind, the collectives each torch op caused, and the ops that took the replicate
-fallback inside the block. It reads `shardtensor.comm.observe()` records, so it sees the same
-numbers as every other tool.
+Mirrors `torch.distributed.tensor.debug.CommDebugMode`: `get_total_counts`, `get_comm_counts`,
+per-module tracing (`generate_comm_debug_tracing_table(noise_level)`, `generate_json_dump`,
+`log_comm_debug_tracing_table_to_file`, forward and backward apart), `get_parameter_info`,
+`get_sharding_info`, `comm_module_counts`. It adds what PyTorch lacks: the bytes this rank sent and
+received per kind and per module, the collectives each torch op caused, the redistribute plans that
+ran (with their explain text), and the ops that took the replicate fallback. Counts are read from
+`shardtensor.comm.observe()` records, so they are true by construction: collectives issued in
+backward, inside sharding rules and in module hooks are all there.
 
 Counts are keyed by our collective kinds (strings). Their c10d counterparts (`C10D_NAMES`):
 
@@ -19,33 +22,31 @@ Counts are keyed by our collective kinds (strings). Their c10d counterparts (`C1
 | send, recv, batch_p2p | send, recv, batch_isend_irecv |
 
     >>> with CommDebugMode() as mode:  # doctest: +SKIP
-    ...     y = x.redistribute(placements=[Replicate()])
-    >>> mode.get_comm_counts()  # doctest: +SKIP
-    {'all_gather': 1}
+    ...     model(x).sum().backward()
+    >>> mode.get_comm_module_counts()["MLP.net2"]  # doctest: +SKIP
+    {'forward': {'all_reduce': 1}, 'backward': {}}
+    >>> print(mode.generate_comm_debug_tracing_table(noise_level=1))  # doctest: +SKIP
 """
 
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
 
+import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import comm, dispatch
+from ..dtensor import DTensor
+from ..redistribute.executor import observe_plans
+from ..redistribute.planner import Plan
+from . import tracing_table
+from .module_tracker import FORWARD, GLOBAL, ModuleInfo, ModuleTracker
+from .tracing_table import C10D_NAMES, PHASES
 
-__all__ = ["CommDebugMode", "CommBytes", "C10D_NAMES"]
+__all__ = ["CommDebugMode", "CommBytes", "Operation", "C10D_NAMES", "OUTSIDE_OPS"]
 
-C10D_NAMES = {
-    "all_gather": "all_gather_into_tensor",
-    "all_to_all": "all_to_all_single",
-    "all_reduce": "all_reduce",
-    "reduce_scatter": "reduce_scatter_tensor",
-    "broadcast": "broadcast",
-    "scatter": "scatter",
-    "send": "send",
-    "recv": "recv",
-    "batch_p2p": "batch_isend_irecv",
-}
 # Collectives not issued inside a torch op: redistribute, full_tensor, distribute_tensor, from_local.
 OUTSIDE_OPS = "(no op: redistribute, full_tensor, distribute_tensor)"
 
@@ -58,48 +59,141 @@ class CommBytes:
     received: int
 
 
-class _OpTracker(TorchDispatchMode):
-    """Notes which collective records each torch op added (by their positions in the record list)."""
+@dataclasses.dataclass(frozen=True, slots=True)
+class Operation:
+    """A torch op seen inside the mode: on DTensors ("dtensor"), on a DTensor op's local tensors
+    ("local") or on plain tensors outside any DTensor op ("plain"), with the module it ran in."""
 
-    def __init__(self, records: list):
+    name: str
+    kind: str
+    module: str
+    phase: str
+    input_shapes: tuple[tuple[int, ...], ...]
+    input_placements: tuple[str, ...]  # of the DTensor inputs, e.g. "[S(0), R]"
+    device_mesh: str
+    records: range  # the collectives it issued (positions in `CommDebugMode.records`)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Context:
+    """From collective `first_record` and plan `first_plan` on, the running module and phase."""
+
+    first_record: int
+    first_plan: int
+    module: str
+    phase: str
+
+
+def _tensor_arguments(values) -> list[torch.Tensor]:
+    tensors = []
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            tensors.append(value)
+        elif isinstance(value, (list, tuple)):
+            tensors += _tensor_arguments(value)
+    return tensors
+
+
+class _LocalOps(TorchDispatchMode):
+    """Inside a DTensor op: notes the ops on local tensors (not the meta tensors of propagation)."""
+
+    def __init__(self, mode: CommDebugMode):
         super().__init__()
-        self.records = records
-        self.by_op: list[tuple[str, int, int]] = []  # (op name, first record, end record)
+        self.mode = mode
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        start = len(self.records)
-        result = func(*args, **(kwargs or {}))
-        if len(self.records) > start:
-            self.by_op.append((str(func), start, len(self.records)))
+        tensors = _tensor_arguments(args)
+        if not any(tensor.is_meta for tensor in tensors):
+            self.mode._note_operation(func, "local", tensors, range(0))
+        return func(*args, **(kwargs or {}))
+
+
+class _Operations(TorchDispatchMode):
+    """Notes every op: a DTensor op with the collectives it issued, the others as plain ops."""
+
+    def __init__(self, mode: CommDebugMode):
+        super().__init__()
+        self.mode = mode
+        self.local_ops = _LocalOps(mode)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tensors = _tensor_arguments(args) + _tensor_arguments(kwargs.values())
+        if not any(issubclass(kind, DTensor) for kind in types):
+            self.mode._note_operation(func, "plain", tensors, range(0))
+            return func(*args, **kwargs)
+        start = len(self.mode.records)
+        index = self.mode._note_operation(func, "dtensor", tensors, range(start, start))  # before its local ops
+        with self.local_ops:
+            result = func(*args, **kwargs)
+        operations = self.mode.operations
+        operations[index] = dataclasses.replace(operations[index], records=range(start, len(self.mode.records)))
         return result
 
 
 class CommDebugMode:
-    """A context manager that records every collective this rank issues inside it.
+    """A context manager that records every collective this rank issues inside it, with the module
+    (forward or backward) and the torch op that issued it.
 
     The mode is reusable: entering it again starts a fresh recording.
     """
 
     def __init__(self):
         self.records: list[comm.CommRecord] = []
-        self._observer = None
-        self._tracker: _OpTracker | None = None
+        self.plans: list[Plan] = []
+        self.operations: list[Operation] = []
+        self._contexts: list[_Context] = []
+        self._tracker = ModuleTracker(self._context_changed)
+        self._operations_mode = _Operations(self)
+        self._observers: list = []
         self._fallbacks_before: collections.Counter[str] = collections.Counter()
         self._fallbacks: collections.Counter[str] | None = None
 
     def __enter__(self) -> CommDebugMode:
-        self._observer = comm.observe()
-        self.records = self._observer.__enter__()
-        self._tracker = _OpTracker(self.records)
+        self._observers = [comm.observe(), observe_plans()]
+        self.records = self._observers[0].__enter__()
+        self.plans = self._observers[1].__enter__()
+        self.operations = []
+        self._contexts = [_Context(0, 0, GLOBAL, FORWARD)]
         self._tracker.__enter__()
+        self._operations_mode.__enter__()
         self._fallbacks_before = collections.Counter(dispatch.fallback_counts)
         self._fallbacks = None
         return self
 
     def __exit__(self, *exc_info) -> None:
         self._fallbacks = collections.Counter(dispatch.fallback_counts) - self._fallbacks_before
+        self._operations_mode.__exit__(*exc_info)
         self._tracker.__exit__(*exc_info)
-        self._observer.__exit__(*exc_info)
+        for observer in reversed(self._observers):
+            observer.__exit__(*exc_info)
+
+    def __repr__(self) -> str:
+        return f"CommDebugMode(get_total_counts()={self.get_total_counts()})"
+
+    # --- recording ------------------------------------------------------------------------------------
+    def _context_changed(self, module: str, phase: str) -> None:
+        self._contexts.append(_Context(len(self.records), len(self.plans), module, phase))
+
+    def _note_operation(self, func, kind: str, tensors: list[torch.Tensor], records: range) -> int:
+        """Append the op to `operations` (with the running module and phase); returns its position."""
+        module, phase = self._tracker.current
+        dtensors = [tensor for tensor in tensors if isinstance(tensor, DTensor)]
+        placements = tuple("[" + ", ".join(map(str, tensor.placements)) + "]" for tensor in dtensors)
+        mesh = str(dtensors[0].device_mesh) if dtensors else ""
+        shapes = tuple(tuple(tensor.shape) for tensor in (dtensors if kind == "dtensor" else tensors))
+        self.operations.append(Operation(str(func), kind, module, phase, shapes, placements, mesh, records))
+        return len(self.operations) - 1
+
+    def _contexts_for(self, count: int, field: str) -> list[_Context]:
+        """The context of each of the first `count` collectives (field "first_record") or plans ("first_plan")."""
+        starts = [getattr(context, field) for context in self._contexts]
+        return [self._contexts[bisect.bisect_right(starts, index) - 1] for index in range(count)]
+
+    def _lineage(self, module: str) -> tuple[str, ...]:
+        """The module and everything it ran inside (its counts add up into theirs)."""
+        info = self._tracker.modules.get(module)
+        return (module,) if info is None else (*info.parents, module)
 
     # --- PyTorch's API ---------------------------------------------------------------------------------
     def get_total_counts(self) -> int:
@@ -110,19 +204,65 @@ class CommDebugMode:
         """Collectives by kind, e.g. `{'all_gather': 2, 'all_reduce': 1}`."""
         return dict(collections.Counter(record.kind for record in self.records))
 
+    def get_comm_module_counts(self) -> dict[str, dict[str, dict[str, int]]]:
+        """Per module (`Global`, `MLP`, `MLP.net1`, ... in the order first run), per phase
+        (`forward`, `backward`), collectives by kind; a module's counts include its submodules'."""
+        counts = self._by_module(lambda records: collections.Counter(record.kind for record in records))
+        return {module: {phase: dict(counter) for phase, counter in phases.items()} for module, phases in counts.items()}
+
+    @property
+    def comm_module_counts(self) -> dict[str, dict[str, dict[str, int]]]:
+        """PyTorch's attribute name for `get_comm_module_counts()`."""
+        return self.get_comm_module_counts()
+
+    def get_parameter_info(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Per module that ran and has parameters of its own: `{name: parameter}`."""
+        return {info.fqn: dict(info.parameters) for info in self._tracker.modules.values() if info.parameters}
+
+    def get_sharding_info(self) -> dict[str, tuple]:
+        """`{"MLP.net1.weight": placements}` for every DTensor parameter of the modules that ran."""
+        return self._tracker.sharding_info()
+
+    def generate_comm_debug_tracing_table(self, noise_level: int = 3) -> str:
+        """The module tree with each module's collectives (counts and bytes), forward and backward.
+
+        noise_level 0: collectives per module; 1: also module types, parameter placements, the
+        DTensor ops (shapes, placements, mesh, the collectives each issued), collectives by mesh dim
+        and replicate fallbacks; 2: also the ops on plain and local tensors; 3: also trivial ops
+        (views, detach, ...) and the redistribute plans that ran, with their explain text.
+        """
+        return tracing_table.table(self, noise_level)
+
+    def generate_json_dump(self, file_name: str = "comm_mode_log.json", noise_level: int = 3) -> None:
+        """Write the tracing information as a JSON tree of modules (see `generate_comm_debug_tracing_table`)."""
+        tracing_table.write_json(self, file_name, noise_level)
+
+    def log_comm_debug_tracing_table_to_file(self, file_name: str = "comm_mode_log.txt", noise_level: int = 3) -> None:
+        """Write `generate_comm_debug_tracing_table(noise_level)` to `file_name`."""
+        with open(file_name, "w") as log_file:
+            log_file.write(self.generate_comm_debug_tracing_table(noise_level))
+
     # --- what PyTorch lacks ----------------------------------------------------------------------------
     def get_comm_bytes(self) -> dict[str, CommBytes]:
         """Bytes this rank sent and received, by collective kind."""
-        sent: collections.Counter[str] = collections.Counter()
-        received: collections.Counter[str] = collections.Counter()
-        for record in self.records:
-            sent[record.kind] += record.bytes_sent
-            received[record.kind] += record.bytes_received
-        return {kind: CommBytes(sent[kind], received[kind]) for kind in self.get_comm_counts()}
+        return _bytes_by_kind(self.records)
 
     def get_total_bytes(self) -> CommBytes:
         """Bytes this rank sent and received over all collectives."""
         return CommBytes(sum(r.bytes_sent for r in self.records), sum(r.bytes_received for r in self.records))
+
+    def get_comm_module_bytes(self) -> dict[str, dict[str, dict[str, CommBytes]]]:
+        """Like `get_comm_module_counts`, with the bytes this rank sent and received per kind."""
+        return self._by_module(_bytes_by_kind)
+
+    def get_modules(self) -> dict[str, ModuleInfo]:
+        """The modules that ran, in the order first run, with their type, depth and parents."""
+        return dict(self._tracker.modules)
+
+    def get_redistribute_plans(self) -> list[tuple[str, str, Plan]]:
+        """Every redistribute plan that ran, in order, as (module, phase, plan); `str(plan)` explains it."""
+        contexts = self._contexts_for(len(self.plans), "first_plan")
+        return [(context.module, context.phase, plan) for context, plan in zip(contexts, self.plans)]
 
     def get_fallback_counts(self) -> dict[str, int]:
         """Ops (by name) that had no sharding rule and gathered their inputs to Replicate, with counts."""
@@ -134,43 +274,28 @@ class CommDebugMode:
         """Collectives by the torch op that issued them; `OUTSIDE_OPS` holds the rest."""
         by_op: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
         inside = set()
-        for name, start, end in self._tracker.by_op if self._tracker else []:
-            for index in range(start, end):
-                if index not in inside:
-                    by_op[name][self.records[index].kind] += 1
-                    inside.add(index)
+        for operation in self.operations:
+            for index in operation.records:
+                by_op[operation.name][self.records[index].kind] += 1
+                inside.add(index)
         for index, record in enumerate(self.records):
             if index not in inside:
                 by_op[OUTSIDE_OPS][record.kind] += 1
         return {name: dict(counts) for name, counts in by_op.items()}
 
-    def generate_comm_debug_tracing_table(self, noise_level: int = 0) -> str:
-        """A text summary: totals by kind with bytes; noise_level >= 1 adds collectives per op
-        and per mesh dim, and the fallback ops."""
-        lines = [f"Global: {self.get_total_counts()} collectives, "
-                 f"{_bytes_text(self.get_total_bytes())}"]
-        for kind, count in sorted(self.get_comm_counts().items()):
-            lines.append(f"  {kind} (c10d {C10D_NAMES.get(kind, kind)}): {count}, "
-                         f"{_bytes_text(self.get_comm_bytes()[kind])}")
-        if noise_level >= 1:
-            by_mesh_dim = collections.Counter((r.kind, r.mesh_dim) for r in self.records)
-            if by_mesh_dim:
-                lines.append("By mesh dim:")
-                for (kind, mesh_dim), count in sorted(by_mesh_dim.items(), key=str):
-                    lines.append(f"  {kind} on mesh dim {mesh_dim}: {count}")
-            by_op = self.get_comm_counts_by_op()
-            if by_op:
-                lines.append("By op:")
-                for name, counts in by_op.items():
-                    text = ", ".join(f"{kind} x{count}" for kind, count in sorted(counts.items()))
-                    lines.append(f"  {name}: {text}")
-            fallbacks = self.get_fallback_counts()
-            if fallbacks:
-                lines.append("Replicate fallback (no sharding rule):")
-                for name, count in sorted(fallbacks.items()):
-                    lines.append(f"  {name}: {count}")
-        return "\n".join(lines)
+    def _by_module(self, summarize) -> dict:
+        """`summarize(records)` per module (submodules included) and phase."""
+        grouped: dict[str, dict[str, list]] = {module: {phase: [] for phase in PHASES} for module in self._tracker.modules}
+        for context, record in zip(self._contexts_for(len(self.records), "first_record"), self.records):
+            for module in self._lineage(context.module):
+                grouped.setdefault(module, {phase: [] for phase in PHASES})[context.phase].append(record)
+        return {module: {phase: summarize(records) for phase, records in phases.items()} for module, phases in grouped.items()}
 
 
-def _bytes_text(amount: CommBytes) -> str:
-    return f"sent {amount.sent} B, received {amount.received} B"
+def _bytes_by_kind(records) -> dict[str, CommBytes]:
+    sent: collections.Counter[str] = collections.Counter()
+    received: collections.Counter[str] = collections.Counter()
+    for record in records:
+        sent[record.kind] += record.bytes_sent
+        received[record.kind] += record.bytes_received
+    return {kind: CommBytes(sent[kind], received[kind]) for kind in sent}

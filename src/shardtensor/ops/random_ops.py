@@ -26,13 +26,17 @@ aten = torch.ops.aten
 
 
 def _draw(kind: str, layout: Layout, coordinate: Sequence[int], parameters: tuple = ()):
-    """A function `(mesh, dtype) -> this coordinate's box of the next global random tensor`."""
+    """A function `(mesh, dtype, out=None) -> this coordinate's box of the next global random tensor`.
+
+    With `out` (the shard itself, for in-place ops) the values are written into it, so filling a
+    shard needs no second shard.
+    """
     shape, offset, local_shape = layout.shape, layout.local_offset(coordinate), layout.local_shape(coordinate)
 
-    def draw(mesh, dtype: torch.dtype) -> torch.Tensor:
+    def draw(mesh, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
         seed, counter = next_random_call(mesh)
         return random_shard(kind, shape, offset, local_shape, seed=seed, counter=counter, dtype=dtype,
-                            parameters=parameters)
+                            parameters=parameters, out=out)
 
     return draw
 
@@ -73,7 +77,7 @@ class InPlaceRandom(ShardingRule):
         draw = _draw(self.kind, input_layouts[0], coordinate, self.parameters(call))
 
         def fill(mesh, tensor, *args, **kwargs):
-            return tensor.copy_(draw(mesh, tensor.dtype))
+            return draw(mesh, tensor.dtype, out=tensor)
 
         return _on_shards(call.op, fill)
 
@@ -95,7 +99,7 @@ class LikeRandom(ShardingRule):
 
         def like(mesh, *args, **kwargs):
             result = call.op(*args, **kwargs)  # the right dtype, device and local shape
-            return result.copy_(draw(mesh, result.dtype))
+            return draw(mesh, result.dtype, out=result)
 
         return _on_shards(call.op, like)
 

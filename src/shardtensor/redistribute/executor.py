@@ -7,6 +7,7 @@ relabel) issue no collective.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Sequence
 
@@ -28,7 +29,7 @@ from .planner import (
     Step,
 )
 
-__all__ = ["execute", "PendingRedistribute"]
+__all__ = ["execute", "observe_plans", "PendingRedistribute"]
 
 
 class PendingRedistribute:
@@ -57,6 +58,20 @@ class PendingRedistribute:
         return pending
 
 
+_plan_observers: list[list[Plan]] = []
+
+
+@contextlib.contextmanager
+def observe_plans():
+    """Collect every plan `execute` runs inside the block (nestable), for debug tools."""
+    plans: list[Plan] = []
+    _plan_observers.append(plans)
+    try:
+        yield plans
+    finally:  # by identity: two lists of the same plans compare equal
+        del _plan_observers[next(index for index, held in enumerate(_plan_observers) if held is plans)]
+
+
 def _execute_error(local: torch.Tensor, plan: Plan, coordinate, expected) -> ValueError:
     return ValueError(
         f"the local tensor of shape {tuple(local.shape)} at mesh coordinate {coordinate} is not this "
@@ -75,6 +90,8 @@ def execute(local: torch.Tensor, plan: Plan, mesh, *, async_op: bool = False):
     expected = plan.source.local_shape(coordinate)
     if tuple(local.shape) != expected:
         raise _execute_error(local, plan, coordinate, expected)
+    for plans in _plan_observers:
+        plans.append(plan)
     if not async_op:
         for step in plan.steps:
             local = _run_step(local, step, mesh, coordinate)
