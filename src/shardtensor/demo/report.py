@@ -12,6 +12,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsed
 from rich.progress import Progress as RichProgress
 from rich.table import Table
 
+from ..debug import visualize_sharding
 from ..dtensor import DTensor
 from ..mesh import DeviceMesh
 from .data import Corpus
@@ -47,22 +48,6 @@ def communication_table(phases) -> Table:
     for key in sorted(calls):
         table.add_row(key[0], key[1], str(calls[key]), f"{sent[key] / 1024:.1f}")
     table.add_row("total", "", str(sum(calls.values())), f"{sum(sent.values()) / 1024:.1f}", style="bold")
-    return table
-
-
-def layout_table(name: str, weight: DTensor, world: DeviceMesh) -> Table:
-    """Which ranks hold which block of a weight laid out over the tp sub-mesh (dp rows hold copies)."""
-    layout, tp = weight.sharding, weight.device_mesh
-    table = Table(title=f"{name}: global {tuple(weight.shape)}, placements {list(map(str, weight.placements))} over tp",
-                  title_justify="left")
-    for column in ("tp coordinate", "ranks (one per dp row)", "rows", "columns", "local shape"):
-        table.add_column(column)
-    tp_dim = world.mesh_dim_names.index("tp")
-    for coordinate in range(tp.size()):
-        ranks = world.mesh.select(tp_dim, coordinate).tolist()
-        offset, shape = layout.local_offset((coordinate,)), layout.local_shape((coordinate,))
-        spans = [f"{start}:{start + length}" for start, length in zip(offset, shape)]
-        table.add_row(str(coordinate), ", ".join(map(str, ranks)), spans[0], spans[1], str(shape))
     return table
 
 
@@ -120,7 +105,8 @@ class Progress:
         self.console.print(f"model: {_global_parameters(model):,} parameters")
         if step_communication:
             self.console.print(communication_table(step_communication))
-        self.console.print(layout_table("blocks.0.mlp.fc.weight", model.blocks[0].mlp.fc.weight, mesh))
+        weight = model.blocks[0].mlp.fc.weight
+        visualize_sharding(weight, header="blocks.0.mlp.fc.weight over tp (each dp row holds the same shards):", use_rich=True)
         self.console.rule("sample")
         self.console.print(sample, markup=False, highlight=False)
         self.console.rule()
