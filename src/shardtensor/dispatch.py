@@ -34,6 +34,7 @@ from . import dtensor as _dtensor_module
 from . import ops  # noqa: F401  (registers every op family)
 from . import propagation
 from .dtensor import DTensor, DTensorSpec, created_by_torch, interned_spec, partial_from_replicate, without_partial
+from .input_moves import moved_local
 from .layout import Layout
 from .ops.registry import RULES
 from .placement import Replicate, Shard
@@ -370,7 +371,7 @@ class _Plan:
             if is_dtensor:
                 local = value._local_tensor
                 if target is not None:
-                    local = redistribute_local_tensor(local, value._spec.layout, target, self.mesh)
+                    local = moved_local(value, target, self.mesh)  # plans move no written input
                 if self.mutates:
                     inputs.append((local, value))
             if to_kwargs:
@@ -609,9 +610,11 @@ def _run(op, flat, tree, positions, dtensors, mutated, mesh, input_layouts, outp
         local = dtensor._local_tensor
         if target != dtensor.sharding:
             moved = True
-            local = redistribute_local_tensor(local, dtensor.sharding, target, mesh)
             if id(dtensor) in mutated_ids:
+                local = redistribute_local_tensor(local, dtensor.sharding, target, mesh)
                 copies[id(local)] = (dtensor, target, local)
+            else:
+                local = moved_local(dtensor, target, mesh)
         else:
             passed_through[id(local)] = dtensor
         local_flat[index] = local

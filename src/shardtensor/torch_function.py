@@ -35,6 +35,7 @@ from . import dispatch as _dispatch_module
 from . import propagation
 from .dispatch import _fast_key, _returns_view
 from .dtensor import DTensor, DTensorSpec, outermost_call
+from .gradients import watch_leaves
 
 __all__ = ["torch_function", "clear_function_plans"]
 
@@ -99,7 +100,9 @@ def torch_function(cls, function, types, args=(), kwargs=None):
             return DTensor._wrap(function(*local_args, **kwargs), plan.spec)
         # Known to run from cached aten plans only, so no plain tensor gets mixed in: no need to
         # mark the call for `created_by_torch`.
+        watch_leaves(args, kwargs)
         return _run_normally(function, types, args, kwargs)
+    watch_leaves(args, kwargs)
     return _call(function, args, kwargs, key)
 
 

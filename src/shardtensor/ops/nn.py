@@ -119,7 +119,12 @@ def layer_norm(call: OpCall) -> list[Row]:
 
 
 def layer_norm_backward(call: OpCall) -> list[Row]:
-    """(grad_out, input, normalized_shape, mean, rstd, weight, bias, mask): weight/bias grads sum over the batch."""
+    """(grad_out, input, normalized_shape, mean, rstd, weight, bias, mask): weight/bias grads sum over the batch.
+
+    Every gradient is linear in grad_out for given input, statistics and weight, so a Partial
+    grad_out (the input gradient of a row-parallel linear) gives Partial gradients without a
+    collective: the Megatron block's single backward reduction can come later, on fewer bytes.
+    """
     batch_dims = call.inputs[1].ndim - len(call.args[2])
     parameters = (R,) * (len(call.inputs) - 4)
     output_mask = call.args[7]
@@ -127,6 +132,8 @@ def layer_norm_backward(call: OpCall) -> list[Row]:
     for d in range(batch_dims):
         outputs = _masked_outputs((Shard(d), P, P), output_mask)
         rows.append(Row(outputs, (Shard(d),) * 4 + parameters))
+    for reduce_op in ("sum", "avg"):
+        rows.append(Row(_masked_outputs((Partial(reduce_op),) * 3, output_mask), (Partial(reduce_op),) + (R,) * 3 + parameters))
     return rows
 
 
