@@ -13,8 +13,9 @@ tensors and returns the single-device result, logged once per op and counted in
 Two switches, each a context manager and an environment variable read once at import
 (`read_environment()` re-reads them):
 - `strict_mode()` / `SHARDTENSOR_STRICT=1`: the fallback raises instead;
-- `explicit_communication()` / `SHARDTENSOR_EXPLICIT_COMM=1`: any redistribution an op would do
-  implicitly (a rule moving an input, or the fallback gathering one) raises, naming the plan.
+- `explicit_communication()` / `SHARDTENSOR_EXPLICIT_COMM=1`: any communication an op would do
+  implicitly (a rule moving an input, a rule's local op issuing its declared collectives, or the
+  fallback gathering an input) raises, naming the plan.
 """
 
 from __future__ import annotations
@@ -91,10 +92,14 @@ def strict_mode() -> Iterator[None]:
 
 @contextlib.contextmanager
 def explicit_communication() -> Iterator[None]:
-    """Inside this block an op that would redistribute an input raises instead, showing the plan.
+    """Inside this block an op that would communicate implicitly raises instead, showing the plan.
 
-    Communication then happens only where the program asks for it (`redistribute`,
-    `full_tensor`); ops whose rules compute locally (or yield Partial) still run.
+    That is an op whose rule moves an input, or whose rule's local op issues collectives itself
+    (softmax over a sharded dim, nll_loss 'mean' over a sharded batch, batch-norm running
+    statistics, `equal` of sharded tensors: `Row.collectives`). Communication then happens only
+    where the program asks for it (`redistribute`, `full_tensor`); ops whose rules compute locally
+    (or yield Partial) still run. (The agreement on out-of-range indices of sharded index tensors is
+    a check, not part of the computation: `shardtensor.trusted_indices()` skips it.)
 
     >>> with shardtensor.explicit_communication():  # doctest: +SKIP
     ...     x_row_sharded + y_column_sharded  # RuntimeError naming aten.add.Tensor and the plan
@@ -118,14 +123,16 @@ def _describe(dtensors: list[DTensor]) -> str:
     return ", ".join(f"[{', '.join(str(p) for p in d.placements)}] shape={tuple(d.shape)}" for d in dtensors)
 
 
-def _implicit_communication_error(op, dtensors, targets, what: str) -> RuntimeError:
+def _implicit_communication_error(op, dtensors, targets, what: str, local_collectives=()) -> RuntimeError:
     lines = [
-        f"{op} would redistribute its inputs implicitly ({what}), which explicit-communication mode "
+        f"{op} would communicate implicitly ({what}), which explicit-communication mode "
         f"forbids. Inputs: {_describe(dtensors)}. The plan it would run:"
     ]
     for number, (dtensor, target) in enumerate(zip(dtensors, targets)):
         if target is not None and target != dtensor.sharding:
             lines.append(f"input {number}: " + explain(dtensor.sharding, target, dtensor.element_size()))
+    for mesh_dim, collective in local_collectives:
+        lines.append(f"inside the op (its sharding rule's local computation): {collective} on mesh dim {mesh_dim}")
     lines.append(
         "Redistribute the inputs yourself first (x.redistribute(mesh, placements)), or leave "
         "shardtensor.explicit_communication() / unset SHARDTENSOR_EXPLICIT_COMM."
@@ -299,6 +306,7 @@ class _Plan:
     __slots__ = (
         "generation", "op", "mesh", "specs", "slots", "moves", "output_specs", "call", "runs_op", "mutates",
         "local_args", "local_kwargs", "writes_kwargs", "simple_positions", "single_spec", "view_of_copy",
+        "local_collectives",
     )
 
     def __init__(self, op, mesh, args: tuple, kwargs: dict, decision: Decision, mutates: bool, template):
@@ -329,6 +337,7 @@ class _Plan:
                 slots.append((in_kwargs, source, is_dtensor, next(targets) if is_dtensor else None) + destination)
         self.slots = tuple(slots)
         self.moves = any(target is not None for *_, target, _, _ in self.slots)
+        self.local_collectives = decision.local_collectives
         self.view_of_copy = self.moves and _returns_view(op)
         self.writes_kwargs = any(to_kwargs for *_, to_kwargs, _ in self.slots)
         self.output_specs = tuple(
@@ -338,7 +347,7 @@ class _Plan:
         single = not mutates and len(self.output_specs) == 1 and self.output_specs[0] is not None
         self.single_spec = self.output_specs[0] if single else None
         # The common case, run by a short loop: positional DTensors that stay where they are.
-        simple = single and template is None and not self.moves and not self.writes_kwargs
+        simple = single and template is None and not self.moves and not self.writes_kwargs and not self.local_collectives
         self.simple_positions = tuple(source for _, source, *_ in self.slots) if simple else None
 
     def run(self, args: tuple, kwargs: dict):
@@ -353,11 +362,13 @@ class _Plan:
             return self._wrap_result(result, [])
         if self.mutates:
             _refuse_writes_into_views_of_copies(self.op, _mutated(self.op, args, kwargs))
-        if self.moves and _is_explicit():
+        if (self.moves or self.local_collectives) and _is_explicit():
             dtensors = [(kwargs if in_kwargs else args)[where] for in_kwargs, where, is_dtensor, *_ in self.slots
                         if is_dtensor]
             targets = [target for _, _, is_dtensor, target, _, _ in self.slots if is_dtensor]
-            raise _implicit_communication_error(self.op, dtensors, targets, "its sharding rule needs other layouts")
+            raise _implicit_communication_error(
+                self.op, dtensors, targets, "its sharding rule needs other layouts or communicates", self.local_collectives
+            )
         if self.local_args is None:
             local_args, local_kwargs = list(args), kwargs
         else:
@@ -489,8 +500,11 @@ def _dispatch_slowly(op, args: tuple, kwargs: dict, key: tuple | None):
             plan = _Plan(op, mesh, args, kwargs, decision, bool(_mutated_arguments[op]), template)
             _plans[key] = plan
             return plan.run(args, kwargs)
-    if _is_explicit() and decision.moves_inputs(layouts):
-        raise _implicit_communication_error(op, dtensors, decision.input_layouts, "its sharding rule needs other layouts")
+    if _is_explicit() and (decision.moves_inputs(layouts) or decision.local_collectives):
+        raise _implicit_communication_error(
+            op, dtensors, decision.input_layouts, "its sharding rule needs other layouts or communicates",
+            decision.local_collectives,
+        )
     if decision.local_arguments is not None:
         flat, tree = _local_flat(flat, decision.local_arguments)
         positions = [index for index, value in enumerate(flat) if isinstance(value, DTensor)]

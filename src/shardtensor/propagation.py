@@ -5,7 +5,7 @@ A rule describes an op along a single mesh dim as rows `[outputs..., inputs...]`
 moved, then number of collectives, then the rule's own order). A row's cost is for the step, not
 only the op (`row_cost`): moving the inputs, the collectives the rule's local op issues itself
 (`Row.collectives`), and what the output layout forces later when no input asked for it (a Shard
-of a mesh dim no input is sharded on must be gathered again, a Partial no input had must be
+on a mesh dim where no input stays sharded must be gathered again, a Partial no input had must be
 reduced). When the choice moves a nested-sharded input, the redistribute planner prices the best
 few combinations exactly. It builds the full input and output layouts. Decisions are cached by
 (op, input layouts, dtypes, non-tensor arguments): the hot path is one dict lookup.
@@ -331,12 +331,15 @@ def _collective_cost(collective: LocalCollective, parts: int) -> float:
     return float(collective.bytes * (parts - 1) / parts)
 
 
-def _asked_for(layouts: Sequence[Layout], mesh_dim: int) -> tuple[bool, bool]:
-    """(some input is sharded on `mesh_dim`, some input is sharded or Partial there): the output
-    layouts along `mesh_dim` that the program's data already has."""
-    sharded = any(isinstance(layout.placements[mesh_dim], Shard) for layout in layouts)
-    partial = any(isinstance(layout.placements[mesh_dim], Partial) for layout in layouts)
-    return sharded, sharded or partial
+def _asked_for(row: Row, layouts: Sequence[Layout], mesh_dim: int) -> tuple[bool, bool]:
+    """(a Shard output follows the data, a Partial output does) along `mesh_dim`: some input that
+    the row leaves where it is is sharded there (for a Partial output: sharded or Partial). An
+    output layout that only moved inputs produce was asked for by nobody."""
+    staying = [
+        layout.placements[mesh_dim] for layout, target in zip(layouts, row.inputs) if layout.placements[mesh_dim] == target
+    ]
+    sharded = any(isinstance(placement, Shard) for placement in staying)
+    return sharded, sharded or any(isinstance(placement, Partial) for placement in staying)
 
 
 def _forced_later(
@@ -344,11 +347,11 @@ def _forced_later(
 ) -> tuple[float, int]:
     """What an output layout nobody asked for costs later, estimated as undoing it once.
 
-    A Shard output on a mesh dim where no input is sharded (a Partial reduce-scattered over the
-    batch, a Replicate input sliced) leaves the rest of the step to run sharded on a dim the program
-    never chose: its consumers gather it (an all_gather) or their gradients arrive sharded. A
-    Partial output where no input is sharded or Partial must be reduced (an all_reduce). Outputs
-    the inputs' layouts already imply cost nothing here.
+    A Shard output on a mesh dim where no input stays sharded (a Partial reduce-scattered over the
+    batch, a Replicate input sliced, the only sharded input moved to another dim) leaves the rest of
+    the step to run sharded on a dim the program never chose: its consumers gather it (an
+    all_gather) or their gradients arrive sharded. A Partial output where no input stays sharded
+    or Partial must be reduced (an all_reduce). Outputs that follow the data cost nothing here.
     """
     sharded_asked, partial_asked = asked
     bytes_moved, collectives = 0.0, 0
@@ -380,7 +383,7 @@ def row_cost(
         for collective in row.collectives:
             bytes_moved += _collective_cost(collective, parts)
             collectives += 1
-        later, count = _forced_later(row, output_metas, mesh_dim, parts, _asked_for(layouts, mesh_dim))
+        later, count = _forced_later(row, output_metas, mesh_dim, parts, _asked_for(row, layouts, mesh_dim))
         bytes_moved += later
         collectives += count
     return round(bytes_moved), collectives  # rounded: equal paths priced in two ways tie exactly

@@ -10,10 +10,13 @@ on their shards (`ShardingRule.local_op`):
   Partial(sum); its backward writes only this rank's rows;
 - nll_loss: with a sharded batch and reduction='mean' the local sum is divided by the global total
   weight (exact for any batch size); with a sharded class dim the picked values are masked.
+The rows that communicate inside their local op declare it (`Row.collectives`): the cost of the row
+counts it, and `explicit_communication()` refuses it.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -22,7 +25,7 @@ from torch.utils._pytree import tree_map_only
 from .. import comm
 from ..layout import Layout
 from ..placement import Partial, Replicate, Shard
-from ..propagation import OpCall, Row, ShardingRule, TensorMeta
+from ..propagation import LocalCollective, OpCall, Row, ShardingRule, TensorMeta
 from .index_checks import IndexArgument, with_index_checks
 from .registry import register_rule
 
@@ -76,7 +79,11 @@ class Softmax(ShardingRule):
         rows = [Row((R,), (R,) * inputs)]
         rows += [Row((Shard(d),), (Shard(d),) * inputs) for d in range(ndim) if d != dim]
         if ndim:
-            rows.append(Row((Shard(dim),), (Shard(dim),) * inputs))
+            meta = call.inputs[0]
+            reduced_bytes = math.prod(meta.shape) // max(meta.shape[dim], 1) * meta.dtype.itemsize
+            # Forward: the row maxima and the sums of exponentials; backward: one sum.
+            reductions = (LocalCollective("all_reduce", reduced_bytes),) * (1 if self.backward else 2)
+            rows.append(Row((Shard(dim),), (Shard(dim),) * inputs, reductions))
         return rows
 
     def local_op(self, call, input_layouts, coordinate):
@@ -299,7 +306,9 @@ class NllLoss(ShardingRule):
         if call.inputs[0].ndim != 2:
             return rows
         batch_output = {_NONE: (Shard(0), R), _SUM: (P, P), _MEAN: (P, R)}[reduction]
-        rows.append(Row(batch_output, (Shard(0), Shard(0)) + weight))
+        # 'mean' over a sharded batch divides by the all_reduced total weight (a scalar).
+        total_weight = (LocalCollective("all_reduce", call.inputs[0].dtype.itemsize),) * (reduction == _MEAN)
+        rows.append(Row(batch_output, (Shard(0), Shard(0)) + weight, total_weight))
         return rows + [Row((P, R), (Shard(1), R) + weight)]
 
     def local_op(self, call, input_layouts, coordinate):
