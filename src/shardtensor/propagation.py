@@ -4,11 +4,12 @@ A rule describes an op along a single mesh dim as rows `[outputs..., inputs...]`
 (`Row`). For an N-D mesh the engine picks one row per mesh dim, choosing the cheapest row (bytes
 moved, then number of collectives, then the rule's own order). A row's cost is for the step, not
 only the op (`row_cost`): moving the inputs, the collectives the rule's local op issues itself
-(`Row.collectives`), and what the output layout forces later when no input asked for it (a Shard
-on a mesh dim where no input stays sharded must be gathered again, a Partial no input had must be
-reduced). When the choice moves a nested-sharded input, the redistribute planner prices the best
-few combinations exactly. It builds the full input and output layouts. Decisions are cached by
-(op, input layouts, dtypes, non-tensor arguments): the hot path is one dict lookup.
+(`Row.collectives`), and what an output layout nobody asked for forces later (a Shard on a mesh
+dim where no input stays sharded must be gathered again, a Partial that no input's data implies
+must be reduced); on a tie, the row that communicates later. When the choice moves a
+nested-sharded input, the redistribute planner prices the best few combinations exactly. It
+builds the full input and output layouts. Decisions are cached by (op, input layouts, dtypes,
+non-tensor arguments): the hot path is one dict lookup.
 """
 
 from __future__ import annotations
@@ -331,38 +332,47 @@ def _collective_cost(collective: LocalCollective, parts: int) -> float:
     return float(collective.bytes * (parts - 1) / parts)
 
 
-def _asked_for(row: Row, layouts: Sequence[Layout], mesh_dim: int) -> tuple[bool, bool]:
-    """(a Shard output follows the data, a Partial output does) along `mesh_dim`: some input that
-    the row leaves where it is is sharded there (for a Partial output: sharded or Partial). An
-    output layout that only moved inputs produce was asked for by nobody."""
+def _follows_the_data(row: Row, layouts: Sequence[Layout], mesh_dim: int) -> tuple[bool, bool]:
+    """(a Shard output follows the data, a Partial output does) along `mesh_dim`.
+
+    A Shard output follows the data when some input that the row leaves where it is is sharded
+    there. A Partial output does when some input stays sharded or Partial and no input must be
+    communicated to get there: a sum over a sharded dim, a matmul of matching shards, a Partial
+    scaled or cast. Keeping a Partial by gathering another input (a Megatron backward's Partial
+    gradient times a gathered weight) only postpones the reduction, and pays the gather on top.
+    """
     staying = [
         layout.placements[mesh_dim] for layout, target in zip(layouts, row.inputs) if layout.placements[mesh_dim] == target
     ]
     sharded = any(isinstance(placement, Shard) for placement in staying)
-    return sharded, sharded or any(isinstance(placement, Partial) for placement in staying)
+    moves_data = any(
+        transition_cost(layout, mesh_dim, target, 1)[1] for layout, target in zip(layouts, row.inputs)
+    )
+    partial = not moves_data and (sharded or any(isinstance(placement, Partial) for placement in staying))
+    return sharded, partial
 
 
 def _forced_later(
-    row: Row, output_metas: Sequence[TensorMeta | None], mesh_dim: int, parts: int, asked: tuple[bool, bool]
+    row: Row, output_metas: Sequence[TensorMeta | None], mesh_dim: int, parts: int, follows: tuple[bool, bool]
 ) -> tuple[float, int]:
     """What an output layout nobody asked for costs later, estimated as undoing it once.
 
     A Shard output on a mesh dim where no input stays sharded (a Partial reduce-scattered over the
     batch, a Replicate input sliced, the only sharded input moved to another dim) leaves the rest of
     the step to run sharded on a dim the program never chose: its consumers gather it (an
-    all_gather) or their gradients arrive sharded. A Partial output where no input stays sharded
-    or Partial must be reduced (an all_reduce). Outputs that follow the data cost nothing here.
+    all_gather) or their gradients arrive sharded. A Partial output that does not follow the data
+    must be reduced (an all_reduce). Outputs that follow the data cost nothing here.
     """
-    sharded_asked, partial_asked = asked
+    shard_follows, partial_follows = follows
     bytes_moved, collectives = 0.0, 0
     tensor_metas = [meta for meta in output_metas if meta is not None]
     for placement, meta in zip(row.outputs, tensor_metas):
         full_bytes = math.prod(meta.shape) * meta.dtype.itemsize
-        if isinstance(placement, Shard) and not sharded_asked:
-            bytes_moved += full_bytes * (parts - 1) / parts
-            collectives += 1
-        elif isinstance(placement, Partial) and not partial_asked:
+        if isinstance(placement, Partial) and not partial_follows:
             bytes_moved += 2 * full_bytes * (parts - 1) / parts
+            collectives += 1
+        elif isinstance(placement, Shard) and not shard_follows:
+            bytes_moved += full_bytes * (parts - 1) / parts
             collectives += 1
     return bytes_moved, collectives
 
@@ -370,9 +380,11 @@ def _forced_later(
 def row_cost(
     row: Row, layouts: Sequence[Layout], metas: Sequence[TensorMeta], output_metas: Sequence[TensorMeta | None],
     mesh_dim: int,
-) -> tuple[int, int]:
-    """(bytes a rank moves, collectives) for the step when the op computes `row` on `mesh_dim`:
-    moving the inputs there, the local op's own collectives, and what the output forces later."""
+) -> tuple[int, int, int]:
+    """(bytes a rank moves, collectives, bytes moved now) for the step when the op computes `row`
+    on `mesh_dim`: moving the inputs there and the local op's own collectives (now), and what the
+    output forces later. Rows that cost the same overall prefer to communicate later (a Partial
+    scaled by a number stays Partial), so that explicit-communication programs keep running."""
     parts = layouts[0].mesh_shape[mesh_dim] if layouts else 1
     bytes_moved, collectives = 0.0, 0
     for layout, meta, target in zip(layouts, metas, row.inputs):
@@ -383,10 +395,12 @@ def row_cost(
         for collective in row.collectives:
             bytes_moved += _collective_cost(collective, parts)
             collectives += 1
-        later, count = _forced_later(row, output_metas, mesh_dim, parts, _asked_for(row, layouts, mesh_dim))
+    now = bytes_moved
+    if parts > 1:
+        later, count = _forced_later(row, output_metas, mesh_dim, parts, _follows_the_data(row, layouts, mesh_dim))
         bytes_moved += later
         collectives += count
-    return round(bytes_moved), collectives  # rounded: equal paths priced in two ways tie exactly
+    return round(bytes_moved), collectives, round(now)  # rounded: equal paths priced in two ways tie exactly
 
 
 def _ranked_rows(
@@ -398,8 +412,8 @@ def _ranked_rows(
         (*row_cost(row, layouts, metas, output_metas, mesh_dim), rank_in_rule, row)
         for rank_in_rule, row in enumerate(rows)
     ]
-    keyed.sort(key=lambda entry: entry[:3])
-    return [entry[3] for entry in keyed]
+    keyed.sort(key=lambda entry: entry[:4])
+    return [entry[4] for entry in keyed]
 
 
 def _planned_cost(rows: Sequence[Row], layouts: Sequence[Layout], metas: Sequence[TensorMeta]) -> float:
