@@ -35,7 +35,7 @@ from . import dtensor as _dtensor_module
 from . import ops  # noqa: F401  (registers every op family)
 from . import propagation
 from .dtensor import DTensor, DTensorSpec, created_by_torch, interned_spec, partial_from_replicate, without_partial
-from .input_moves import moved_local
+from .input_moves import KeptMoves, moved_local, with_kept_moves
 from .layout import Layout
 from .ops.registry import RULES
 from .placement import Replicate, Shard
@@ -415,6 +415,8 @@ recording: list[list] = []
 
 def dispatch(op, args: tuple, kwargs: dict):
     """Run `op` on DTensor arguments and return DTensor results (the single-device value)."""
+    if KeptMoves.count:  # a Partial input reduced before is seen where it was moved (`input_moves`)
+        args, kwargs = with_kept_moves(op, args, kwargs)
     key = _fast_key(op, args, kwargs)
     if key is not None:
         plan = _plans.get(key)

@@ -5,8 +5,8 @@ A rule describes an op along a single mesh dim as rows `[outputs..., inputs...]`
 moved, then number of collectives, then the rule's own order). A row's cost is for the step, not
 only the op (`row_cost`): moving the inputs, the collectives the rule's local op issues itself
 (`Row.collectives`), and what an output layout nobody asked for forces later (a Shard on a mesh
-dim where no input stays sharded must be gathered again, a Partial that no input's data implies
-must be reduced); on a tie, the row that communicates later. When the choice moves a
+dim where no input stays sharded must be gathered again, a Partial that the data does not imply
+must be reduced: `_follows_the_data`); on a tie, the row that communicates later. When the choice moves a
 nested-sharded input, the redistribute planner prices the best few combinations exactly. It
 builds the full input and output layouts. Decisions are cached by (op, input layouts, dtypes,
 non-tensor arguments): the hot path is one dict lookup.
@@ -332,42 +332,52 @@ def _collective_cost(collective: LocalCollective, parts: int) -> float:
     return float(collective.bytes * (parts - 1) / parts)
 
 
-def _follows_the_data(row: Row, layouts: Sequence[Layout], mesh_dim: int) -> tuple[bool, bool]:
-    """(a Shard output follows the data, a Partial output does) along `mesh_dim`.
+def _numel(meta: TensorMeta) -> int:
+    return math.prod(meta.shape)
+
+
+def _follows_the_data(
+    row: Row, layouts: Sequence[Layout], metas: Sequence[TensorMeta], output_metas: Sequence[TensorMeta], mesh_dim: int
+) -> tuple[bool, bool]:
+    """(a Shard output follows the data, the Partial outputs do) along `mesh_dim`.
 
     A Shard output follows the data when some input that the row leaves where it is is sharded
-    there. A Partial output does when some input stays sharded or Partial and no input must be
-    communicated to get there: a sum over a sharded dim, a matmul of matching shards, a Partial
-    scaled or cast. Keeping a Partial by gathering another input (a Megatron backward's Partial
-    gradient times a gathered weight) only postpones the reduction, and pays the gather on top.
+    there. Partial outputs do when no input must be communicated to get there and either some
+    input stays sharded (a sum over a sharded dim, a matmul of matching shards) or the Partial
+    outputs hold no more elements than the Partial inputs they come from (a Partial scaled, cast or
+    summed). Keeping a Partial by gathering another input only postpones the reduction and pays the
+    gather on top; a Partial that fans out into more Partial elements (a LayerNorm backward giving
+    input and weight gradients) makes the later reductions larger than reducing now.
     """
     staying = [
-        layout.placements[mesh_dim] for layout, target in zip(layouts, row.inputs) if layout.placements[mesh_dim] == target
+        (layout.placements[mesh_dim], meta)
+        for layout, meta, target in zip(layouts, metas, row.inputs) if layout.placements[mesh_dim] == target
     ]
-    sharded = any(isinstance(placement, Shard) for placement in staying)
-    moves_data = any(
-        transition_cost(layout, mesh_dim, target, 1)[1] for layout, target in zip(layouts, row.inputs)
+    sharded = any(isinstance(placement, Shard) for placement, _ in staying)
+    moves_data = any(transition_cost(layout, mesh_dim, target, 1)[1] for layout, target in zip(layouts, row.inputs))
+    partial_in = sum(_numel(meta) for placement, meta in staying if isinstance(placement, Partial))
+    partial_out = sum(
+        _numel(meta) for placement, meta in zip(row.outputs, output_metas) if isinstance(placement, Partial)
     )
-    partial = not moves_data and (sharded or any(isinstance(placement, Partial) for placement in staying))
+    partial = not moves_data and (sharded or partial_out <= partial_in)
     return sharded, partial
 
 
 def _forced_later(
-    row: Row, output_metas: Sequence[TensorMeta | None], mesh_dim: int, parts: int, follows: tuple[bool, bool]
+    row: Row, output_metas: Sequence[TensorMeta], mesh_dim: int, parts: int, follows: tuple[bool, bool]
 ) -> tuple[float, int]:
     """What an output layout nobody asked for costs later, estimated as undoing it once.
 
     A Shard output on a mesh dim where no input stays sharded (a Partial reduce-scattered over the
     batch, a Replicate input sliced, the only sharded input moved to another dim) leaves the rest of
     the step to run sharded on a dim the program never chose: its consumers gather it (an
-    all_gather) or their gradients arrive sharded. A Partial output that does not follow the data
-    must be reduced (an all_reduce). Outputs that follow the data cost nothing here.
+    all_gather) or their gradients arrive sharded. Partial outputs that do not follow the data
+    must be reduced (an all_reduce each). Outputs that follow the data cost nothing here.
     """
     shard_follows, partial_follows = follows
     bytes_moved, collectives = 0.0, 0
-    tensor_metas = [meta for meta in output_metas if meta is not None]
-    for placement, meta in zip(row.outputs, tensor_metas):
-        full_bytes = math.prod(meta.shape) * meta.dtype.itemsize
+    for placement, meta in zip(row.outputs, output_metas):
+        full_bytes = _numel(meta) * meta.dtype.itemsize
         if isinstance(placement, Partial) and not partial_follows:
             bytes_moved += 2 * full_bytes * (parts - 1) / parts
             collectives += 1
@@ -397,7 +407,9 @@ def row_cost(
             collectives += 1
     now = bytes_moved
     if parts > 1:
-        later, count = _forced_later(row, output_metas, mesh_dim, parts, _follows_the_data(row, layouts, mesh_dim))
+        tensor_outputs = [meta for meta in output_metas if meta is not None]  # rows name tensor outputs only
+        follows = _follows_the_data(row, layouts, metas, tensor_outputs, mesh_dim)
+        later, count = _forced_later(row, tensor_outputs, mesh_dim, parts, follows)
         bytes_moved += later
         collectives += count
     return round(bytes_moved), collectives, round(now)  # rounded: equal paths priced in two ways tie exactly
