@@ -4,9 +4,9 @@ Autograd saves the inputs of an op for its backward, so a Partial input that the
 reduce (`(y - target) ** 2` with `y` Partial, a LayerNorm after a row-parallel linear) would be
 reduced again when the backward formula reads it: one more collective per step than the
 hand-written program. A DTensor holding Partial values therefore keeps the result of its last
-implicit move (`moved_local`: one entry, with the shard it was computed from and both version
-counters, so an in-place write into either invalidates it; inputs an op writes to are never
-kept), and while it is valid an op sees that DTensor in the moved layout (`with_kept_moves`): the
+implicit move (`moved_local`: one entry, with the shard it was computed from and the version
+counters of the DTensor, its shard and the result, so an in-place write invalidates it; inputs an
+op writes to are never kept), and while it is valid an op sees that DTensor in the moved layout (`with_kept_moves`): the
 same global value, already where the first op needed it, so the rule chooses knowing the move is
 free. Moves from layouts without a Partial are not kept: recomputing them (an all_gather of a
 saved shard) is the memory saving the program chose by sharding.
@@ -30,12 +30,19 @@ __all__ = ["KeptMoves", "moved_local", "with_kept_moves"]
 class _Kept:
     target: Layout
     source: torch.Tensor
-    versions: tuple[int, int]
+    versions: tuple[int, int, int]
     result: torch.Tensor
     moved: DTensor | None = None  # the DTensor standing for it, made on first reuse
 
-    def valid_for(self, local: torch.Tensor) -> bool:
-        return self.source is local and self.versions == (local._version, self.result._version)
+    def valid_for(self, dtensor: DTensor, local: torch.Tensor) -> bool:
+        return self.source is local and self.versions == _versions(dtensor, local, self.result)
+
+
+def _versions(dtensor: DTensor, local: torch.Tensor, result: torch.Tensor) -> tuple[int, int, int]:
+    """Version counters that an in-place write bumps: the DTensor's own (an in-place op on it; its
+    shard is written below autograd, which does not count), its shard's (a write through
+    `to_local()`) and the kept result's."""
+    return dtensor._version, local._version, result._version
 
 
 class KeptMoves:
@@ -56,13 +63,13 @@ def moved_local(dtensor: DTensor, target: Layout, mesh) -> torch.Tensor:
     if not source.partial_mesh_dims():
         return redistribute_local_tensor(local, source, target, mesh)
     kept = dtensor.__dict__.get("_moved")
-    if kept is not None and kept.target == target and kept.valid_for(local):
+    if kept is not None and kept.target == target and kept.valid_for(dtensor, local):
         return kept.result
     result = redistribute_local_tensor(local, source, target, mesh)
     if kept is None:
         KeptMoves.count += 1
         weakref.finalize(dtensor, _forget)
-    dtensor._moved = _Kept(target, local, (local._version, result._version), result)
+    dtensor._moved = _Kept(target, local, _versions(dtensor, local, result), result)
     return result
 
 
@@ -88,7 +95,7 @@ def _kept_or_self(value):
     if type(value) is not DTensor:
         return value
     kept = value.__dict__.get("_moved")
-    if kept is None or not kept.valid_for(value._local_tensor):
+    if kept is None or not kept.valid_for(value, value._local_tensor):
         return value
     if kept.moved is None:
         spec = value._spec
