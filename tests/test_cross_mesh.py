@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from spmd import spmd
 
 from shardtensor import DeviceMesh, DTensor, Partial, Replicate, Shard, comm
-from shardtensor.dtensor import DTensorSpec, contiguous_stride
+from shardtensor.spec import DTensorSpec, contiguous_stride
 from shardtensor.layout import Layout
 from shardtensor.redistribute import hand_off
 

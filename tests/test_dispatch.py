@@ -7,7 +7,7 @@ import torch
 from spmd import spmd
 
 import shardtensor
-from shardtensor import Partial, Replicate, Shard, comm, dispatch, distribute_tensor
+from shardtensor import DTensor, Partial, Replicate, Shard, comm, distribute_tensor, modes, plan_cache
 from shardtensor.dispatch import fallback_counts
 from shardtensor.ops.registry import RULES, register_rule, same_layout
 
@@ -103,12 +103,12 @@ def test_strict_mode_raises_naming_the_op(mesh):
             torch.ops.dispatch_test.running_total(x)
     os.environ["SHARDTENSOR_STRICT"] = "1"
     try:
-        dispatch.read_environment()  # the environment is read once, at import
+        modes.read_environment()  # the environment is read once, at import
         with pytest.raises(NotImplementedError, match="strict"):
             torch.ops.dispatch_test.running_total(x)
     finally:
         del os.environ["SHARDTENSOR_STRICT"]
-        dispatch.read_environment()
+        modes.read_environment()
     assert torch.equal(torch.ops.dispatch_test.running_total(x).full_tensor(), torch.cumsum(torch.ones(4, 4), 0))
 
 
@@ -116,7 +116,7 @@ def test_strict_mode_raises_naming_the_op(mesh):
 def test_cached_calls_reuse_one_plan_and_share_output_specs(mesh):
     x = distribute_tensor(torch.arange(8.0).reshape(4, 2), mesh, _sharded(mesh))
     first = x * 2
-    dispatch.clear_plans()
+    plan_cache.clear_plans()
     first, second = x * 2, x * 2
     assert first._spec is second._spec  # the plan built the output spec once
     assert torch.equal(second.full_tensor(), torch.arange(8.0).reshape(4, 2) * 2)
@@ -278,18 +278,18 @@ def test_plain_tensors_the_caller_passes_are_still_refused(mesh):
 
 
 def test_only_the_outermost_call_decides_what_torch_created():
-    from shardtensor.dtensor import created_by_torch, outermost_call
+    from shardtensor.plain_tensors import created_by_torch, outermost_call
 
     plain, scalar = torch.ones(3), torch.tensor(1.0)
     assert not created_by_torch(plain)
-    with outermost_call((scalar, [1, 2]), {}):
+    with outermost_call(DTensor, (scalar, [1, 2]), {}):
         assert created_by_torch(plain)
-        with outermost_call((plain,), {}):  # a call torch makes inside: its arguments are torch's
+        with outermost_call(DTensor, (plain,), {}):  # a call torch makes inside: its arguments are torch's
             assert created_by_torch(plain)
         assert created_by_torch(plain)
-    with outermost_call((scalar,), {"other": [plain]}):  # the caller passed one (nested in a list)
+    with outermost_call(DTensor, (scalar,), {"other": [plain]}):  # the caller passed one (nested in a list)
         assert not created_by_torch(plain)
-        with outermost_call((), {}):
+        with outermost_call(DTensor, (), {}):
             assert not created_by_torch(plain)
     assert not created_by_torch(plain)
 

@@ -7,7 +7,7 @@ import torch
 from spmd import spmd
 
 import shardtensor
-from shardtensor import Partial, Replicate, Shard, comm, dispatch, distribute_tensor
+from shardtensor import Partial, Replicate, Shard, comm, distribute_tensor, modes
 
 
 @torch.library.custom_op("explicit_comm_test::running_total", mutates_args=())
@@ -40,13 +40,13 @@ def test_environment_variable_turns_it_on(mesh):
     partial = shardtensor.DTensor.from_local(torch.ones(3), mesh, [Partial()])
     os.environ["SHARDTENSOR_EXPLICIT_COMM"] = "1"
     try:
-        dispatch.read_environment()
+        modes.read_environment()
         with pytest.raises(RuntimeError, match="all_reduce|reduce_scatter"):
             partial + 1  # P(sum) + scalar must reduce first
         assert torch.equal((partial * 3).full_tensor(), torch.full((3,), 6.0))  # stays Partial: no move
     finally:
         del os.environ["SHARDTENSOR_EXPLICIT_COMM"]
-        dispatch.read_environment()
+        modes.read_environment()
     assert torch.equal((partial + 1).full_tensor(), torch.full((3,), 3.0))
     replicated = distribute_tensor(torch.ones(3), mesh, [Replicate()])
     with shardtensor.explicit_communication():

@@ -1,4 +1,4 @@
-"""The eager hot path: cached plans (`dispatch._Plan`) must be reused, and never for other inputs.
+"""The eager hot path: cached plans (`plan_cache.Plan`) must be reused, and never for other inputs.
 
 Each test alternates calls of one op whose decisions differ (shapes, layouts, scalar arguments,
 meshes) and checks every result against the single-device value, so a plan or a decision reused
@@ -7,6 +7,7 @@ for the wrong inputs shows up as a wrong number.
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import pytest
@@ -14,7 +15,7 @@ import torch
 from spmd import spmd
 
 import shardtensor
-from shardtensor import Replicate, Shard, comm, dispatch, distribute_tensor
+from shardtensor import DTensor, Replicate, Shard, comm, dispatch, distribute_tensor, plan_cache
 from shardtensor.mesh import DeviceMesh
 from shardtensor.ops.registry import RULES, register_rule
 from shardtensor.propagation import Row
@@ -113,9 +114,10 @@ def test_scalar_arguments_of_equal_value_but_other_type_get_their_own_plan(mesh)
 
 def test_fast_keys_tell_list_item_types_apart():
     op = torch.ops.aten.view.default
-    assert dispatch._fast_key(op, ([1, 2],), {}) != dispatch._fast_key(op, ([1.0, 2.0],), {})
-    assert dispatch._fast_key(op, ([1, 2],), {}) != dispatch._fast_key(op, ((1, 2),), {})
-    assert dispatch._fast_key(op, ([[1], [2]],), {}) is None  # nested: the slow path decides
+    key = functools.partial(plan_cache.fast_key, DTensor, op)
+    assert key(([1, 2],), {}) != key(([1.0, 2.0],), {})
+    assert key(([1, 2],), {}) != key(((1, 2),), {})
+    assert key(([[1], [2]],), {}) is None  # nested: the slow path decides
 
 
 @spmd(meshes=[(2,), (4,)])
@@ -194,13 +196,13 @@ FUNCTION_CALLS = {
 def _counting_dispatch(monkeypatch) -> list:
     """Counts the aten ops that reach `DTensor.__torch_dispatch__` (the fast path skips it)."""
     calls = []
-    original = dispatch.dispatch
+    original = DTensor.__torch_dispatch__
 
-    def counting(op, args, kwargs):
+    def counting(cls, op, types, args=(), kwargs=None):
         calls.append(op)
-        return original(op, args, kwargs)
+        return original(op, types, args, kwargs)
 
-    monkeypatch.setattr(dispatch, "dispatch", counting)
+    monkeypatch.setattr(DTensor, "__torch_dispatch__", classmethod(counting))
     return calls
 
 
@@ -291,16 +293,16 @@ def _same_metadata(dtensor, plain) -> None:
 
 
 def _compare_metadata(dtensor, plain) -> None:
-    from shardtensor import torch_function
+    from shardtensor import tensor_methods
 
-    for name in torch_function._METADATA_ATTRIBUTES:
+    for name in tensor_methods.METADATA_ATTRIBUTES:
         value = getattr(dtensor, name)
         reference = _through_torch_function(dtensor, name)
         assert value is reference or value == reference, name
         if name in ("shape", "dtype", "layout", "ndim", "requires_grad", "is_leaf", "itemsize", "is_cpu"):
             assert value == getattr(plain, name), name
     assert (dtensor.grad is None) == (plain.grad is None) and (dtensor.grad_fn is None) == (plain.grad_fn is None)
-    for name in torch_function._METADATA_METHODS:
+    for name in tensor_methods.METADATA_METHODS:
         assert getattr(dtensor, name)() == _through_torch_function(dtensor, name), name
     if plain.ndim:
         assert dtensor.size(-1) == plain.size(-1) and dtensor.stride(0) == _through_torch_function(dtensor, "stride", 0)

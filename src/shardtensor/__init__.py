@@ -6,10 +6,9 @@
 """
 
 from .api import distribute_module, distribute_tensor, empty, full, ones, rand, randn, zeros
-from .dispatch import explicit_communication, strict_mode
 from .dtensor import DTensor
 from .mesh import DeviceMesh, init_device_mesh
-from .ops.index_checks import trusted_indices
+from .modes import explicit_communication, strict_mode, trusted_indices
 from .placement import Partial, Placement, Replicate, Shard
 from .random import manual_seed
 

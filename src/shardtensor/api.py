@@ -14,11 +14,12 @@ from collections.abc import Callable, Sequence
 import torch
 
 from . import comm
-from .dtensor import DTensor, DTensorSpec, contiguous_stride, partial_from_replicate
+from .dtensor import DTensor
 from .layout import Layout
 from .mesh import DeviceMesh, current_mesh
 from .placement import Placement, Replicate, Shard
 from .random import next_random_call, random_shard
+from .spec import DTensorSpec, contiguous_stride
 
 __all__ = ["distribute_tensor", "distribute_module", "zeros", "ones", "empty", "full", "rand", "randn"]
 
@@ -135,7 +136,7 @@ def distribute_tensor(
         local = _send_from_source(data, layout, mesh, coordinate, src_data_rank)
     if local.untyped_storage().data_ptr() == data.untyped_storage().data_ptr():
         local = local.clone()  # never share storage with the caller's tensor
-    local = partial_from_replicate(local, layout, mesh)
+    local = layout.operand_of(local, mesh.get_coordinate())
     spec = DTensorSpec(mesh, layout, tuple(tensor.stride()), tensor.dtype)
     return DTensor(local, spec, requires_grad=tensor.requires_grad)
 
@@ -214,7 +215,7 @@ def _factory(make_local: Callable, size, requires_grad, dtype, layout, device_me
         local = torch.empty((0,) * max(len(shape), 1), dtype=dtype, device=device)
     else:
         local = make_local(shard_layout, tuple(coordinate), dtype, device)
-    local = partial_from_replicate(local, shard_layout, mesh)
+    local = shard_layout.operand_of(local, coordinate)
     spec = DTensorSpec(mesh, shard_layout, contiguous_stride(shape), dtype)
     return DTensor(local, spec, requires_grad=requires_grad)
 

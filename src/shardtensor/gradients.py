@@ -29,9 +29,9 @@ import collections
 import torch
 
 from . import comm
-from .dtensor import DTensor, DTensorSpec, contiguous_stride
 from .placement import Partial, Replicate
 from .redistribute import redistribute_local_tensor
+from .spec import DTensorSpec, contiguous_stride
 
 __all__ = ["watch_leaves"]
 
@@ -41,36 +41,36 @@ _grad_enabled = torch.is_grad_enabled
 class _Pending:
     """Leaves whose gradient arrived in another layout during the running backward pass."""
 
-    leaves: list[DTensor] = []
+    leaves: list = []
     callback_queued = False
 
 
-def watch_leaves(args: tuple, kwargs: dict) -> None:
+def watch_leaves(dtensor_class: type, args: tuple, kwargs: dict) -> None:
     """Hook every leaf DTensor among a torch function's arguments that requires grad (once per leaf)."""
     if not _grad_enabled():
         return
     for value in args:
-        if type(value) is DTensor:
+        if type(value) is dtensor_class:
             _watch(value)
         elif type(value) in (list, tuple):
             for item in value:
-                if type(item) is DTensor:
+                if type(item) is dtensor_class:
                     _watch(item)
     for value in kwargs.values():
-        if type(value) is DTensor:
+        if type(value) is dtensor_class:
             _watch(value)
 
 
-def _watch(dtensor: DTensor) -> None:
+def _watch(dtensor) -> None:
     if dtensor.requires_grad and dtensor.is_leaf and not dtensor.__dict__.get("_gradient_watched"):
         dtensor._gradient_watched = True
         with torch._C.DisableTorchFunctionSubclass():  # registering is itself a torch function
             dtensor.register_post_accumulate_grad_hook(_on_accumulated)
 
 
-def _on_accumulated(leaf: DTensor) -> None:
+def _on_accumulated(leaf) -> None:
     grad = leaf.grad
-    if not isinstance(grad, DTensor) or grad.device_mesh != leaf.device_mesh or grad.sharding == leaf.sharding:
+    if not isinstance(grad, type(leaf)) or grad.device_mesh != leaf.device_mesh or grad.sharding == leaf.sharding:
         return
     _Pending.leaves.append(leaf)
     if not _Pending.callback_queued:
@@ -81,10 +81,10 @@ def _on_accumulated(leaf: DTensor) -> None:
 def _relay_pending() -> None:
     """At the end of backward: every set-aside gradient moved to its leaf's layout."""
     leaves, _Pending.leaves, _Pending.callback_queued = _Pending.leaves, [], False
-    groups: dict[tuple, list[DTensor]] = collections.defaultdict(list)
+    groups: dict[tuple, list] = collections.defaultdict(list)
     for leaf in leaves:
         grad = leaf.grad
-        if not isinstance(grad, DTensor) or grad.sharding == leaf.sharding:
+        if not isinstance(grad, type(leaf)) or grad.sharding == leaf.sharding:
             continue  # replaced meanwhile (the user's hook), or already there
         reduction = _reduction_only(grad, leaf)
         if reduction is None:
@@ -96,7 +96,7 @@ def _relay_pending() -> None:
         _reduce_together(members, mesh_dims, reduce_op)
 
 
-def _reduction_only(grad: DTensor, leaf: DTensor) -> tuple[tuple[int, ...], str] | None:
+def _reduction_only(grad, leaf) -> tuple[tuple[int, ...], str] | None:
     """(Partial mesh dims, reduce op) when the gradient is the leaf's layout but Partial there
     (one reduce op on all of them), else None."""
     mesh_dims, reduce_ops = [], set()
@@ -112,7 +112,7 @@ def _reduction_only(grad: DTensor, leaf: DTensor) -> tuple[tuple[int, ...], str]
     return tuple(mesh_dims), reduce_ops.pop()
 
 
-def _reduce_together(leaves: list[DTensor], mesh_dims: tuple[int, ...], reduce_op: str) -> None:
+def _reduce_together(leaves: list, mesh_dims: tuple[int, ...], reduce_op: str) -> None:
     """One all_reduce of every gradient's shard, flattened into one buffer."""
     mesh = leaves[0].device_mesh
     locals_ = [leaf.grad._local_tensor for leaf in leaves]
@@ -125,7 +125,7 @@ def _reduce_together(leaves: list[DTensor], mesh_dims: tuple[int, ...], reduce_o
         offset += count
 
 
-def _set_grad(leaf: DTensor, local: torch.Tensor) -> None:
+def _set_grad(leaf, local: torch.Tensor) -> None:
     """`leaf.grad` becomes `local` in the leaf's layout (contiguous, like a fresh gradient)."""
     spec = DTensorSpec(leaf.device_mesh, leaf.sharding, contiguous_stride(leaf.shape), leaf.grad.dtype)
-    leaf.grad = DTensor(local.contiguous(), spec)
+    leaf.grad = type(leaf)(local.contiguous(), spec)

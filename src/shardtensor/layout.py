@@ -13,7 +13,9 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from .placement import Partial, Placement, Shard, normalize_placements
+import torch
+
+from .placement import Partial, Placement, Replicate, Shard, normalize_placements
 
 __all__ = ["Layout", "chunk_sizes", "ShardSizes"]
 
@@ -263,6 +265,24 @@ class Layout:
             for old, new, old_order, new_order in zip(self.pieces, target.pieces, self.shard_order, target.shard_order)
         )
         return Layout(self.mesh_shape, target.placements, self.shape, target.shard_order, pieces)
+
+    def without_partial(self) -> Layout:
+        """The same layout with every Partial made Replicate: where the reduced value lives, and
+        the layout of a Partial tensor's gradient."""
+        if not self.partial_mesh_dims():
+            return self
+        placements = tuple(Replicate() if isinstance(p, Partial) else p for p in self.placements)
+        return Layout(self.mesh_shape, placements, self.shape, self.shard_order, self.pieces)
+
+    def operand_of(self, value: torch.Tensor, coordinate: Sequence[int] | None) -> torch.Tensor:
+        """The local tensor at `coordinate` of this layout, from `value`, that coordinate's shard of
+        `without_partial()`: on each Partial mesh dim see `Partial.operand_of`. A rank outside the
+        mesh (`coordinate` None) holds no elements and keeps `value`."""
+        if coordinate is None:
+            return value
+        for mesh_dim in self.partial_mesh_dims():
+            value = self.placements[mesh_dim].operand_of(value, first=coordinate[mesh_dim] == 0)
+        return value
 
     def transition(
         self, mesh_dim: int, placement: Placement, *, pieces: Sequence[int] | None = None

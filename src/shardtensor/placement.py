@@ -4,12 +4,19 @@
 rank, and `Partial(reduce_op)` holds a summand (or max/min/... operand) whose reduction over the
 mesh dim is the value. Placements are small immutable values, so layouts built from them can be
 hashed and cached.
+
+`Partial` also carries the algebra of its reduce op, in one place for the executor, the rules and
+the tensor class: its identity value (what an empty shard contributes), and the operand a rank
+holds when a value every rank has becomes a Partial.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import torch
 
 __all__ = ["Placement", "Shard", "Replicate", "Partial", "REDUCE_OPS", "normalize_placements"]
 
@@ -82,6 +89,31 @@ class Partial(Placement):
 
     def is_partial(self, reduce_op: str | None = None) -> bool:
         return reduce_op is None or reduce_op == self.reduce_op
+
+    def identity(self, dtype: torch.dtype) -> bool | int | float:
+        """The value that leaves any operand unchanged under the reduce op, in `dtype`: 0 for sum,
+        1 for product, the lowest value of the dtype for max and the highest for min. What an
+        empty shard contributes to a reduction; `avg` has none (it counts its operands)."""
+        if self.reduce_op in ("sum", "product"):
+            return int(self.reduce_op == "product")
+        if self.reduce_op == "avg":
+            raise ValueError("Partial(avg) has no identity value: an average counts its operands")
+        highest = self.reduce_op == "min"
+        if dtype == torch.bool:
+            return highest
+        if dtype.is_floating_point:
+            return math.inf if highest else -math.inf
+        info = torch.iinfo(dtype)
+        return info.max if highest else info.min
+
+    def operand_of(self, value: torch.Tensor, first: bool) -> torch.Tensor:
+        """This rank's operand when every rank along the mesh dim holds the whole `value` and it
+        becomes this Partial (`first`: the rank at coordinate 0 of the mesh dim). Reducing the
+        operands gives `value` back exactly: the first rank keeps it, the others hold the identity
+        for sum and product; avg, max and min of identical copies are the value itself."""
+        if first or self.reduce_op in ("avg", "max", "min"):
+            return value
+        return torch.full_like(value, self.identity(value.dtype))
 
     def __str__(self) -> str:
         return f"P({self.reduce_op})"

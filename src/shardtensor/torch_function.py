@@ -1,9 +1,9 @@
 """Public torch functions on DTensors: the `__torch_function__` layer, above `dispatch`.
 
-`DTensor.__torch_function__` calls `torch_function` for every public torch function, method and
-operator that gets a DTensor argument, except the metadata reads (`.shape`, `.requires_grad`,
-`.size()`...) and views (`.t()`, `.view()`, `x[1:]`...) that this module defines on `DTensor`
-itself (see the end of the module: they run torch's own code, minus a `__torch_function__` round trip).
+`DTensor.__torch_function__` is `torch_function`, called for every public torch function, method
+and operator that gets a DTensor argument, except the metadata reads (`.shape`, `.requires_grad`,
+`.size()`...) and views (`.t()`, `.view()`, `x[1:]`...) that `tensor_methods.FastTensorMethods`
+defines on the class (they run torch's own code, minus a `__torch_function__` round trip).
 It does three things before the call reaches the aten level:
 
 - **Fast path.** A call that records no autograd history (grad mode off, or no DTensor argument
@@ -13,7 +13,7 @@ It does three things before the call reaches the aten level:
   the local tensors and its result is wrapped with the plan's output spec. That skips the C++
   dispatcher round trip into Python, the aten-level argument normalisation and the plan key of
   `dispatch`. A function is learnt on a call that runs through `dispatch` on cached plans only
-  (`dispatch.recording`), and checked once by running it on the local tensors: it must run the
+  (`plan_cache.recording`), and checked once by running it on the local tensors: it must run the
   same single aten op and give a local result of the same shape, stride and dtype.
 - **Data arguments.** Functions that read a tensor argument's values in C++ before any aten op
   sees it (`tensor_split`'s `indices_or_sections`) get the Python values a DTensor there stands
@@ -21,7 +21,9 @@ It does three things before the call reaches the aten level:
 - **Tensors torch creates.** While the outermost public call runs, plain tensors that torch
   creates inside it from global metadata (the causal mask of `scaled_dot_product_attention`'s
   math path, `combinations`' mask, `matrix_rank`'s tolerance) are read as Replicate
-  (`dtensor.created_by_torch`): see that function for the exact rule.
+  (`plain_tensors.created_by_torch`): see that function for the exact rule.
+
+Like `dispatch`, this layer is below the DTensor class, which passes itself as `cls`.
 """
 
 from __future__ import annotations
@@ -31,13 +33,14 @@ import types
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import dispatch as _dispatch_module
 from . import propagation
-from .dispatch import _fast_key, _returns_view
-from .dtensor import DTensor, DTensorSpec, outermost_call
 from .gradients import watch_leaves
+from .plain_tensors import outermost_call
+from .plan_cache import MAX_PLANS, fast_key, function_plans, recording
+from .spec import DTensorSpec
+from .write_back import returns_view
 
-__all__ = ["torch_function", "clear_function_plans"]
+__all__ = ["torch_function", "fast_path_enabled"]
 
 _disabled = torch._C.DisableTorchFunctionSubclass
 _run_normally = torch._C._disabled_torch_function_impl  # the call with `__torch_function__` off, in C++
@@ -55,23 +58,15 @@ class _FunctionPlan:
 
     __slots__ = ("function", "positions", "spec", "input_specs", "generation")
 
-    def __init__(self, function, args: tuple, kwargs: dict, positions: tuple[int, ...], spec: DTensorSpec | None):
+    def __init__(self, cls, function, args: tuple, kwargs: dict, positions: tuple[int, ...], spec: DTensorSpec | None):
         self.function, self.positions, self.spec = function, positions, spec
         # The key holds the ids of these specs: keeping them alive keeps the ids from being reused.
-        self.input_specs = tuple(value._spec for value in (*args, *kwargs.values()) if isinstance(value, DTensor))
+        self.input_specs = tuple(value._spec for value in (*args, *kwargs.values()) if isinstance(value, cls))
         self.generation = propagation.generation
 
 
-# fast key (holding the function's id) -> _FunctionPlan
-_function_plans: dict[tuple, _FunctionPlan] = {}
-_MAX_FUNCTION_PLANS = 8192
-
 # False: every call takes the normal path (tests compare the two; `bench/bench_ops.py` times both).
 fast_path_enabled = True
-
-
-def clear_function_plans() -> None:
-    _function_plans.clear()
 
 
 def torch_function(cls, function, types, args=(), kwargs=None):
@@ -81,11 +76,11 @@ def torch_function(cls, function, types, args=(), kwargs=None):
             return function(*args)
     if kwargs is None:
         kwargs = _NO_KEYWORDS
-    if not kwargs and len(args) == 1 and type(args[0]) is DTensor:  # `x.relu()`, `x.t()`: no loop
+    if not kwargs and len(args) == 1 and type(args[0]) is cls:  # `x.relu()`, `x.t()`: no loop
         key = (id(function), id(args[0]._spec))
     else:
-        key = _fast_key(function, args, kwargs)
-    plan = _function_plans.get(key) if key is not None else None
+        key = fast_key(cls, function, args, kwargs)
+    plan = function_plans.get(key) if key is not None else None
     if plan is not None and plan.function is function and plan.generation == propagation.generation:
         if (
             plan.spec is not None
@@ -97,36 +92,36 @@ def torch_function(cls, function, types, args=(), kwargs=None):
             local_args = list(args)
             for position in plan.positions:
                 local_args[position] = args[position]._local_tensor
-            return DTensor._wrap(function(*local_args, **kwargs), plan.spec)
+            return cls._wrap(function(*local_args, **kwargs), plan.spec)
         # Known to run from cached aten plans only, so no plain tensor gets mixed in: no need to
         # mark the call for `created_by_torch`.
-        watch_leaves(args, kwargs)
+        watch_leaves(cls, args, kwargs)
         return _run_normally(function, types, args, kwargs)
-    watch_leaves(args, kwargs)
-    return _call(function, args, kwargs, key)
+    watch_leaves(cls, args, kwargs)
+    return _call(cls, function, args, kwargs, key)
 
 
-def _call(function, args: tuple, kwargs: dict, key: tuple | None):
+def _call(cls, function, args: tuple, kwargs: dict, key: tuple | None):
     """The normal path: data arguments read, the call marked as outermost, learnt if it qualifies."""
     reader = _DATA_ARGUMENTS.get(function)
     if reader is not None:
-        args, kwargs = _read_data_arguments(reader, args, kwargs)
+        args, kwargs = _read_data_arguments(cls, reader, args, kwargs)
         key = None  # never learnt: every call must read its data arguments first
-    with outermost_call(args, kwargs):
+    with outermost_call(cls, args, kwargs):
         if key is None or _dispatch_modes() or _autocast():
             with _disabled():
                 return function(*args, **kwargs)
         recorded: list = []
-        _dispatch_module.recording.append(recorded)
+        recording.append(recorded)
         try:
             with _disabled():
                 result = function(*args, **kwargs)
         finally:
-            _dispatch_module.recording.pop()
+            recording.pop()
     if None not in recorded:  # every aten op ran from a cached plan: the verdict is final
-        if len(_function_plans) >= _MAX_FUNCTION_PLANS:
-            _function_plans.clear()
-        _function_plans[key] = _learn(function, args, kwargs, recorded, result)
+        if len(function_plans) >= MAX_PLANS:
+            function_plans.clear()
+        function_plans[key] = _learn(cls, function, args, kwargs, recorded, result)
     return result
 
 
@@ -142,12 +137,12 @@ class _AtenOps(TorchDispatchMode):
         return op(*args, **(kwargs or {}))
 
 
-def _learn(function, args: tuple, kwargs: dict, recorded: list, result) -> _FunctionPlan:
+def _learn(cls, function, args: tuple, kwargs: dict, recorded: list, result) -> _FunctionPlan:
     """A plan serving the call here if it ran one aten op that computes locally, else one that
     only says the call needs no marking."""
-    positions = tuple(index for index, value in enumerate(args) if type(value) is DTensor)
-    if len(recorded) != 1 or type(result) is not DTensor:
-        return _FunctionPlan(function, args, kwargs, positions, None)
+    positions = tuple(index for index, value in enumerate(args) if type(value) is cls)
+    if len(recorded) != 1 or type(result) is not cls:
+        return _FunctionPlan(cls, function, args, kwargs, positions, None)
     plan = recorded[0]
     op = plan.op
     if (
@@ -155,12 +150,12 @@ def _learn(function, args: tuple, kwargs: dict, recorded: list, result) -> _Func
         or plan.simple_positions is None
         or not plan.runs_op
         or result._spec is not plan.single_spec
-        or _returns_view(op)
+        or returns_view(op)
         or torch.Tag.nondeterministic_seeded in op.tags
         or any(isinstance(value, torch.Tensor) for value in kwargs.values())
         or sum(isinstance(value, torch.Tensor) for value in args) != len(positions)
     ):
-        return _FunctionPlan(function, args, kwargs, positions, None)
+        return _FunctionPlan(cls, function, args, kwargs, positions, None)
     local_args = list(args)
     for position in positions:
         local_args[position] = args[position]._local_tensor
@@ -174,8 +169,8 @@ def _learn(function, args: tuple, kwargs: dict, recorded: list, result) -> _Func
         or local.stride() != expected.stride()
         or local.dtype != expected.dtype
     ):
-        return _FunctionPlan(function, args, kwargs, positions, None)
-    return _FunctionPlan(function, args, kwargs, positions, plan.single_spec)
+        return _FunctionPlan(cls, function, args, kwargs, positions, None)
+    return _FunctionPlan(cls, function, args, kwargs, positions, plan.single_spec)
 
 
 # ---- arguments read as data ----------------------------------------------------------------------
@@ -187,136 +182,20 @@ _DATA_ARGUMENTS = {
 }
 
 
-def _as_values(value):
+def _as_values(cls, value):
     """A DTensor argument read as data: the Python value(s) it holds, the same on every rank."""
-    if not isinstance(value, DTensor):
+    if not isinstance(value, cls):
         return value
     full = value.full_tensor()
     with _disabled():
         return full.tolist()
 
 
-def _read_data_arguments(reader, args: tuple, kwargs: dict):
+def _read_data_arguments(cls, reader, args: tuple, kwargs: dict):
     position, names = reader
-    if len(args) > position and isinstance(args[position], DTensor):
-        args = (*args[:position], _as_values(args[position]), *args[position + 1:])
+    if len(args) > position and isinstance(args[position], cls):
+        args = (*args[:position], _as_values(cls, args[position]), *args[position + 1:])
     for name in names:
-        if isinstance(kwargs.get(name), DTensor):
-            kwargs = {**kwargs, name: _as_values(kwargs[name])}
+        if isinstance(kwargs.get(name), cls):
+            kwargs = {**kwargs, name: _as_values(cls, kwargs[name])}
     return args, kwargs
-
-
-DTensor.__torch_function__ = classmethod(torch_function)  # called directly from now on
-
-
-# ---- metadata reads and views, without `__torch_function__` --------------------------------------
-#
-# Defined on `DTensor` itself, these come before torch's C getters and methods, so reading `.shape`
-# or calling `.size()` or `.t()` costs a Python call instead of a `__torch_function__` round trip
-# (about 0.3 us instead of 1.1 us for a read). Each runs torch's own getter or method with
-# subclass `__torch_function__` off (what `torch_function` does for them anyway), so the result
-# is exactly torch's, and torch function modes still see the call. Views cannot be served like
-# functional ops: only the dispatcher's ADInplaceOrView kernel makes the result an autograd view
-# of its input (shared version counter, `_base`), and torch has no Python API for that. These
-# views create no plain tensor of their own, so they need no `outermost_call` mark either.
-
-_TENSOR_BASE = torch._C.TensorBase
-_METADATA_ATTRIBUTES = (
-    "shape", "dtype", "device", "layout", "ndim", "requires_grad", "is_leaf", "grad", "grad_fn",
-    "is_cpu", "is_cuda", "is_meta", "is_sparse", "is_quantized", "is_nested", "itemsize", "nbytes",
-    "_version", "_base", "output_nr",
-)
-_METADATA_METHODS = (
-    "dim", "ndimension", "size", "stride", "numel", "nelement", "is_contiguous", "element_size",
-    "is_floating_point", "is_complex", "storage_offset",
-)
-_VIEW_METHODS = ("t", "transpose", "permute", "view", "reshape", "unsqueeze", "squeeze", "expand", "flatten")
-# `x[index]` skips `__torch_function__` when the index holds only these (views, no tensor built);
-# other indices (lists, tensors, bools) take the normal path, which marks tensors torch builds.
-_VIEW_INDEX_TYPES = frozenset((int, slice, type(None), type(Ellipsis)))
-
-
-def _attribute(name: str) -> property:
-    descriptor = vars(_TENSOR_BASE)[name]
-    get, set_, delete = descriptor.__get__, descriptor.__set__, descriptor.__delete__
-    return property(
-        lambda self: _run_normally(get, (), (self,), _NO_KEYWORDS),
-        lambda self, value: _run_normally(set_, (), (self, value), _NO_KEYWORDS),
-        lambda self: _run_normally(delete, (), (self,), _NO_KEYWORDS),
-        doc=descriptor.__doc__,
-    )
-
-
-def _method(name: str):
-    base = getattr(_TENSOR_BASE, name)
-
-    def method(self, *args, **kwargs):
-        return _run_normally(base, (), (self, *args), kwargs)
-
-    method.__name__ = method.__qualname__ = name
-    method.__doc__ = base.__doc__
-    return method
-
-
-# Common functional methods and operators: when every tensor argument is a DTensor and no torch
-# function mode is on, they call `torch_function` directly with what torch's `__torch_function__`
-# protocol would pass (an operator passes its method: `x + y` passes `Tensor.add`, and a TypeError
-# becomes NotImplemented), without the protocol's C++ round trip (about 0.5-1 us).
-_OPERATOR_METHODS = {"__add__": "add", "__sub__": "sub", "__mul__": "mul", "__truediv__": "div", "__matmul__": "matmul"}
-_FUNCTIONAL_METHODS = (
-    "add", "sub", "mul", "div", "matmul", "mm", "relu", "exp", "tanh", "sigmoid", "neg", "abs", "sum", "mean",
-)
-_DTENSOR_TYPES = (DTensor,)
-_torch_function_enabled = torch._C._is_torch_function_enabled  # False inside DisableTorchFunctionSubclass
-_function_mode_enabled = torch._C._is_torch_function_mode_enabled
-
-
-def _only_dtensors(values) -> bool:
-    for value in values:
-        if isinstance(value, torch.Tensor) and type(value) is not DTensor:
-            return False
-    return True
-
-
-def _functional_method(name: str, function_name: str):
-    base, function = getattr(torch.Tensor, name), getattr(torch.Tensor, function_name)
-    operator = name != function_name
-
-    def method(self, *args, **kwargs):
-        if (
-            type(self) is DTensor
-            and _torch_function_enabled()
-            and not _function_mode_enabled()
-            and _only_dtensors(args)
-            and (not kwargs or _only_dtensors(kwargs.values()))
-        ):
-            if not operator:
-                return torch_function(DTensor, function, _DTENSOR_TYPES, (self, *args), kwargs)
-            try:
-                return torch_function(DTensor, function, _DTENSOR_TYPES, (self, *args), kwargs)
-            except TypeError:
-                return NotImplemented
-        return base(self, *args, **kwargs)
-
-    method.__name__ = method.__qualname__ = name
-    method.__doc__ = base.__doc__
-    return method
-
-
-_base_getitem = _TENSOR_BASE.__getitem__
-
-
-def _getitem(self, index):
-    kind = type(index)
-    if kind in _VIEW_INDEX_TYPES or (kind is tuple and _VIEW_INDEX_TYPES.issuperset(map(type, index))):
-        return _run_normally(_base_getitem, (), (self, index), _NO_KEYWORDS)
-    return _base_getitem(self, index)
-
-
-for _name in _METADATA_ATTRIBUTES:
-    setattr(DTensor, _name, _attribute(_name))
-for _name in (*_METADATA_METHODS, *_VIEW_METHODS):
-    setattr(DTensor, _name, _method(_name))
-for _name, _function_name in (*_OPERATOR_METHODS.items(), *zip(_FUNCTIONAL_METHODS, _FUNCTIONAL_METHODS)):
-    setattr(DTensor, _name, _functional_method(_name, _function_name))
-DTensor.__getitem__ = _getitem

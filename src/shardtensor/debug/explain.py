@@ -19,7 +19,6 @@ from ..dtensor import DTensor
 from ..layout import Layout
 from ..placement import Placement
 from ..redistribute import CostModel, HandOff, Plan, hand_off, plan
-from ..redistribute.cross_mesh import without_partial
 from ..redistribute.planner import DEFAULT_COST_MODEL
 
 __all__ = ["explain_redistribute"]
@@ -66,7 +65,7 @@ def explain_redistribute(
         result = plan(source, source.with_placements(tuple(placements)), itemsize, cost_model)
         print(result, file=output)
         return result
-    reduced = without_partial(source)
+    reduced = source.without_partial()
     reduction = plan(source, reduced, itemsize, cost_model) if reduced != source else None
     target = Layout.create(device_mesh.shape, tuple(placements), source.shape)
     moves = hand_off(reduced, _ranks(source_mesh), target, _ranks(device_mesh))

@@ -1,30 +1,11 @@
-"""`implicit_replication()`: read every plain tensor mixed with DTensors as Replicate (unchecked)."""
+"""`implicit_replication()`: read every plain tensor mixed with DTensors as Replicate (unchecked).
+
+The block itself is the engine's (`shardtensor.plain_tensors`, where dispatch reads it); it is
+offered here, as in `torch.distributed.tensor.experimental`, because it trades a check for speed.
+"""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
-from .. import dtensor
+from ..plain_tensors import implicit_replication
 
 __all__ = ["implicit_replication"]
-
-
-@contextlib.contextmanager
-def implicit_replication() -> Iterator[None]:
-    """Inside this block (on this thread) an op that mixes a plain tensor with DTensors reads the
-    plain tensor as Replicate instead of raising.
-
-    Unchecked: nothing verifies that the tensor is the same on every rank; if it is not, results
-    are silently wrong. Plain tensors that torch creates inside a public function from global
-    metadata need no such block (see `shardtensor.dtensor.created_by_torch`).
-
-    >>> with implicit_replication():  # doctest: +SKIP
-    ...     x + torch.arange(4.0)  # the same arange on every rank
-    """
-    state = dtensor._call_state
-    state.implicit_replication_depth += 1
-    try:
-        yield
-    finally:
-        state.implicit_replication_depth -= 1

@@ -9,47 +9,24 @@ exactly those mesh dims. Every rank then sees the same worst values and raises t
 runs the kernel on indices that are known to be in range. Ranges come from global sizes, so they
 are the same on every rank.
 
-`trusted_indices()` / `SHARDTENSOR_TRUST_INDICES=1` turns the checks off where the program knows
+`modes.trusted_indices()` / `SHARDTENSOR_TRUST_INDICES=1` turns the checks off where the program knows
 its indices are in range and cannot afford one collective per indexing op.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from .. import comm
 from ..layout import Layout
+from ..modes import indices_trusted
 from ..placement import Replicate
 from ..propagation import OpCall, TensorMeta
 
-__all__ = ["IndexArgument", "with_index_checks", "trusted_indices"]
-
-
-class _Trust:
-    depth = 0  # nesting of `trusted_indices()` blocks
-    environment = os.environ.get("SHARDTENSOR_TRUST_INDICES", "0") not in ("", "0")
-
-
-@contextlib.contextmanager
-def trusted_indices() -> Iterator[None]:
-    """Inside this block index arguments are not checked: no agreement collective per indexing op.
-
-    A bad sharded index then raises on the rank that holds it only, and the other ranks wait in
-    their next collective until the process-group timeout. Enter the block on every rank alike.
-
-    >>> with shardtensor.trusted_indices():  # doctest: +SKIP
-    ...     embedding(batch_sharded_token_ids)  # no all_reduce of the index range
-    """
-    _Trust.depth += 1
-    try:
-        yield
-    finally:
-        _Trust.depth -= 1
+__all__ = ["IndexArgument", "with_index_checks"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,7 +183,7 @@ def with_index_checks(
     run = op._op if local_op is None else None
 
     def checked(mesh, *args, **kwargs):
-        if mesh is None or _Trust.depth or _Trust.environment:  # meta tensors (no data), or trusted
+        if mesh is None or indices_trusted():  # meta tensors (no data), or trusted
             return compute(mesh, *args, **kwargs)
         if not mesh_dims:
             _check_locally(op, checks, args, kwargs)

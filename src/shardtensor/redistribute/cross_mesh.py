@@ -17,7 +17,6 @@ receive their target shard.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -26,7 +25,6 @@ import torch
 
 from .. import comm
 from ..layout import Layout
-from ..placement import Partial, Replicate
 from .executor import _narrow, _region, exchange_into, execute
 from .planner import _boxes, plan
 
@@ -75,12 +73,6 @@ class HandOff:
         )
 
 
-def without_partial(layout: Layout) -> Layout:
-    """The layout after reducing every Partial mesh dim to Replicate."""
-    placements = tuple(Replicate() if isinstance(p, Partial) else p for p in layout.placements)
-    return dataclasses.replace(layout, placements=placements)
-
-
 @functools.lru_cache(maxsize=1024)
 def hand_off(source: Layout, source_ranks: tuple[int, ...], target: Layout, target_ranks: tuple[int, ...]) -> HandOff:
     """The transfers from `source` (no Partial) on `source_ranks` to `target` on `target_ranks` (cached)."""
@@ -121,7 +113,7 @@ def redistribute_across_meshes(local: torch.Tensor, source: Layout, source_mesh,
     Every rank of the world calls it. With `async_op=True` returns a handle whose `wait()` gives the tensor.
     """
     me = torch.distributed.get_rank()
-    reduced = without_partial(source)
+    reduced = source.without_partial()
     if reduced != source and source_mesh.get_coordinate() is not None:
         local = execute(local, plan(source, reduced, local.element_size()), source_mesh)
     moves = hand_off(reduced, _ranks(source_mesh), target, _ranks(target_mesh))

@@ -120,18 +120,6 @@ def _slice(local: torch.Tensor, step: Step, coordinate: tuple[int, ...]) -> torc
     return local.contiguous()
 
 
-def _make_partial(local: torch.Tensor, step: Step, coordinate: tuple[int, ...]) -> torch.Tensor:
-    """Replicate -> Partial: the first coordinate keeps the value, the others hold the identity."""
-    if coordinate[step.mesh_dim] == 0:
-        return local
-    reduce_op = step.target_placement.reduce_op
-    if reduce_op == "sum":
-        return torch.zeros_like(local)
-    if reduce_op == "product":
-        return torch.ones_like(local)
-    return local  # avg, max and min of identical copies are the value itself
-
-
 def _region(first_offset, first_shape, second_offset, second_shape):
     """(offset, shape) of the intersection of two boxes, or None when it is empty."""
     offset = tuple(max(a, b) for a, b in zip(first_offset, second_offset))
@@ -255,7 +243,7 @@ def _run_step(local: torch.Tensor, step: Step, mesh, coordinate: tuple[int, ...]
     if collective == SLICE:
         return _slice(local, step, coordinate)
     if collective == MAKE_PARTIAL:
-        return _make_partial(local, step, coordinate)
+        return target.operand_of(local, first=coordinate[mesh_dim] == 0)
     if collective == ALL_GATHER:
         sizes = step.before.sizes_along(mesh_dim, source.dim, coordinate)
         return comm.all_gather(local, mesh, mesh_dim, dim=source.dim, sizes=sizes, async_op=async_op)

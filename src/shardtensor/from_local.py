@@ -1,0 +1,118 @@
+"""`from_local`'s layout: the global shape and exact shard sizes from every rank's local tensor.
+
+Given a global `shape`, the shards follow `torch.chunk` (or explicit `shard_sizes`) and this rank's
+shape is checked. Without one, a Shard placement makes every rank share its local shape once
+(`all_gather_object`), so uneven shards are exact; `shard_sizes="chunk"` assumes equal local shapes
+as PyTorch does, and `shard_sizes={mesh_dim: sizes}` gives them. Every rank sees the same gathered
+data, so a mismatch raises the same error on every rank.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+
+from . import comm
+from .layout import Layout
+from .placement import Shard
+
+__all__ = ["from_local_layout"]
+
+
+def _coordinates(mesh_shape: Sequence[int]) -> list[tuple[int, ...]]:
+    return list(itertools.product(*(range(size) for size in mesh_shape)))
+
+
+def from_local_layout(local, mesh, placements, shape, shard_sizes, run_check: bool) -> Layout:
+    """The layout of the DTensor made from this rank's `local` tensor (see `DTensor.from_local`)."""
+    mesh_shape = tuple(mesh.shape)
+    if len(placements) != len(mesh_shape):
+        # Layout.create raises the full message; do it before any collective so that every rank fails alike.
+        Layout.create(mesh_shape, placements, local.shape)
+    if mesh.get_coordinate() is None:
+        return _outside_layout(local, mesh_shape, placements, shape, shard_sizes)
+    coordinate = tuple(mesh.get_coordinate())
+    gathered = None
+    if run_check or (shape is None and shard_sizes in (None, "infer") and any(isinstance(p, Shard) for p in placements)):
+        mine = (tuple(local.shape), local.dtype, placements)
+        gathered = dict(zip(_coordinates(mesh_shape), comm.all_gather_object(mine, mesh, None)))
+    if gathered is not None:
+        _check_gathered(gathered, mesh_shape, placements)
+    if shape is not None:
+        mapping = None if shard_sizes in (None, "infer", "chunk") else shard_sizes
+        layout = Layout.create(mesh_shape, placements, shape, shard_sizes=mapping)
+        checked = gathered if gathered is not None else {coordinate: tuple(local.shape)}
+        for where, entry in checked.items():
+            local_shape = entry[0] if gathered is not None else entry
+            if tuple(local_shape) != layout.local_shape(where):
+                raise ValueError(
+                    f"from_local: the local tensor at mesh coordinate {where} has shape {tuple(local_shape)}, "
+                    f"but shape={tuple(shape)} with placements {placements!r} gives that coordinate "
+                    f"{layout.local_shape(where)}; pass the global shape that the shards add up to, or "
+                    f"omit shape to infer it from the local shapes"
+                )
+        return layout
+    if shard_sizes == "chunk" or not any(isinstance(p, Shard) for p in placements):
+        return _chunk_layout(local, mesh_shape, placements)
+    if shard_sizes in (None, "infer"):
+        return Layout.from_local_shapes(mesh_shape, placements, {where: entry[0] for where, entry in gathered.items()})
+    return _explicit_layout(local, mesh_shape, placements, shard_sizes, coordinate)
+
+
+def _outside_layout(local, mesh_shape, placements, shape, shard_sizes) -> Layout:
+    """The layout on a rank outside the mesh, which cannot ask the mesh's ranks for their shapes."""
+    mapping = None if shard_sizes in (None, "infer", "chunk") else shard_sizes
+    if shape is not None:
+        return Layout.create(mesh_shape, placements, shape, shard_sizes=mapping)
+    if mapping is not None:
+        return _explicit_layout(local, mesh_shape, placements, mapping, None)
+    return _chunk_layout(local, mesh_shape, placements)
+
+
+def _check_gathered(gathered, mesh_shape, placements) -> None:
+    """Compare what every rank sent; all ranks see the same data, so all raise the same error."""
+    first_coordinate, (first_shape, first_dtype, first_placements) = next(iter(gathered.items()))
+    for where, (local_shape, dtype, their_placements) in gathered.items():
+        if dtype != first_dtype or their_placements != first_placements or len(local_shape) != len(first_shape):
+            raise ValueError(
+                f"from_local(run_check): ranks disagree: mesh coordinate {first_coordinate} has a local tensor "
+                f"of shape {first_shape}, dtype {first_dtype}, placements {first_placements!r}, and mesh "
+                f"coordinate {where} has shape {local_shape}, dtype {dtype}, placements {their_placements!r}; "
+                f"every rank must pass the same dtype, number of dims and placements"
+            )
+    Layout.from_local_shapes(
+        mesh_shape,
+        placements,
+        {where: entry[0] for where, entry in gathered.items()},
+    )
+
+
+def _chunk_layout(local, mesh_shape, placements) -> Layout:
+    """PyTorch's assumption: every shard has this rank's local shape."""
+    shape = list(local.shape)
+    for mesh_dim, placement in enumerate(placements):
+        if isinstance(placement, Shard):
+            if not -local.ndim <= placement.dim < local.ndim:
+                Layout.create(mesh_shape, placements, local.shape)  # raises the out-of-range message
+            shape[placement.dim % local.ndim] *= mesh_shape[mesh_dim]
+    return Layout.create(mesh_shape, placements, shape)
+
+
+def _explicit_layout(local, mesh_shape, placements, shard_sizes, coordinate) -> Layout:
+    if isinstance(shard_sizes, str) or not isinstance(shard_sizes, Mapping):
+        raise ValueError(
+            f"from_local: shard_sizes={shard_sizes!r} is not understood; use 'infer' (default), 'chunk', "
+            f"or a mapping {{mesh_dim: sizes}}"
+        )
+    shape = list(_chunk_layout(local, mesh_shape, placements).shape)
+    for mesh_dim, sizes in shard_sizes.items():
+        placement = placements[mesh_dim] if isinstance(mesh_dim, int) and 0 <= mesh_dim < len(placements) else None
+        if isinstance(placement, Shard):
+            shape[placement.dim % local.ndim] = sum(sizes)
+    layout = Layout.create(mesh_shape, placements, shape, shard_sizes=shard_sizes)
+    if coordinate is not None and layout.local_shape(coordinate) != tuple(local.shape):
+        raise ValueError(
+            f"from_local: shard_sizes={dict(shard_sizes)!r} gives mesh coordinate {coordinate} a shard of shape "
+            f"{layout.local_shape(coordinate)}, but its local tensor has shape {tuple(local.shape)}"
+        )
+    return layout
