@@ -99,5 +99,6 @@ def _kept_or_self(dtensor_class: type, value):
         return value
     if kept.moved is None:
         spec = value._spec
-        kept.moved = dtensor_class._wrap(kept.result, interned_spec(DTensorSpec(spec.mesh, kept.target, spec.stride, spec.dtype)))
+        moved_spec = interned_spec(DTensorSpec(spec.mesh, kept.target, spec.stride, spec.dtype))
+        kept.moved = dtensor_class._wrap(kept.result, moved_spec)
     return kept.moved

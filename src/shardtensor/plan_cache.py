@@ -162,7 +162,8 @@ class Plan:
         single = not mutates and len(self.output_specs) == 1 and self.output_specs[0] is not None
         self.single_spec = self.output_specs[0] if single else None
         # The common case, run by a short loop: positional DTensors that stay where they are.
-        simple = single and template is None and not self.moves and not self.writes_kwargs and not self.local_collectives
+        simple = (single and template is None and not self.moves and not self.writes_kwargs
+                  and not self.local_collectives)
         self.simple_positions = tuple(source for _, source, *_ in self.slots) if simple else None
 
     def run(self, args: tuple, kwargs: dict):
@@ -182,7 +183,8 @@ class Plan:
                         if is_dtensor]
             targets = [target for _, _, is_dtensor, target, _, _ in self.slots if is_dtensor]
             raise implicit_communication_error(
-                self.op, dtensors, targets, "its sharding rule needs other layouts or communicates", self.local_collectives
+                self.op, dtensors, targets, "its sharding rule needs other layouts or communicates",
+                self.local_collectives,
             )
         if self.local_args is None:
             local_args, local_kwargs = list(args), kwargs

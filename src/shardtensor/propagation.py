@@ -28,7 +28,8 @@ from .placement import Partial, Placement, Replicate, Shard
 from .redistribute.planner import plan as plan_redistribute
 
 __all__ = [
-    "Row", "LocalCollective", "TensorMeta", "PlainTensor", "DataDependentOutput", "ResizesWritten", "OpCall", "ShardingRule", "RowsRule",
+    "Row", "LocalCollective", "TensorMeta", "PlainTensor",
+    "DataDependentOutput", "ResizesWritten", "OpCall", "ShardingRule", "RowsRule",
     "OutVariantRule",
     "Decision", "decide",
     "transition_cost", "row_cost", "clear_cache",

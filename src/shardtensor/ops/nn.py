@@ -140,7 +140,8 @@ def layer_norm_backward(call: OpCall) -> list[Row]:
         outputs = _masked_outputs((Shard(d), P, P), output_mask)
         rows.append(Row(outputs, (Shard(d),) * 4 + parameters))
     for reduce_op in ("sum", "avg"):
-        rows.append(Row(_masked_outputs((Partial(reduce_op),) * 3, output_mask), (Partial(reduce_op),) + (R,) * 3 + parameters))
+        partial = Partial(reduce_op)
+        rows.append(Row(_masked_outputs((partial,) * 3, output_mask), (partial,) + (R,) * 3 + parameters))
     return rows
 
 

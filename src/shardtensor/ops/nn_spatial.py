@@ -201,7 +201,8 @@ class BatchNorm(ShardingRule):
             kept = dict(zip(running, combination))
             channel_inputs = tuple(kept.get(index, Shard(0)) for index in range(1, len(call.inputs)))
             # A running statistic kept whole while the channels shard: the updated channels are all_reduced.
-            shared = tuple(LocalCollective("all_reduce", statistic_bytes) for placement in combination if placement == R)
+            shared = tuple(LocalCollective("all_reduce", statistic_bytes) for kept_placement in combination
+                           if kept_placement == R)
             rows.append(Row(channel_outputs, (Shard(1),) + channel_inputs, shared))
         return rows
 
