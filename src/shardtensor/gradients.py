@@ -42,7 +42,6 @@ class _Pending:
     """Leaves whose gradient arrived in another layout during the running backward pass."""
 
     leaves: list = []
-    callback_queued = False
 
 
 def watch_leaves(dtensor_class: type, args: tuple, kwargs: dict) -> None:
@@ -73,14 +72,14 @@ def _on_accumulated(leaf) -> None:
     if not isinstance(grad, type(leaf)) or grad.device_mesh != leaf.device_mesh or grad.sharding == leaf.sharding:
         return
     _Pending.leaves.append(leaf)
-    if not _Pending.callback_queued:
-        _Pending.callback_queued = True
-        torch.autograd.Variable._execution_engine.queue_callback(_relay_pending)
+    # One callback per set-aside leaf (a backward that fails never runs its callbacks, so no flag
+    # may stay set): the first one at the end of backward re-lays them all, the others find none.
+    torch.autograd.Variable._execution_engine.queue_callback(_relay_pending)
 
 
 def _relay_pending() -> None:
     """At the end of backward: every set-aside gradient moved to its leaf's layout."""
-    leaves, _Pending.leaves, _Pending.callback_queued = _Pending.leaves, [], False
+    leaves, _Pending.leaves = _Pending.leaves, []
     groups: dict[tuple, list] = collections.defaultdict(list)
     for leaf in leaves:
         grad = leaf.grad
