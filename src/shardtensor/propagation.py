@@ -2,7 +2,7 @@
 
 A rule describes an op along a single mesh dim as rows `[outputs..., inputs...]` of placements
 (`Row`). For an N-D mesh the engine picks one row per mesh dim, choosing the cheapest row (bytes
-moved, then number of collectives, then the rule's own order). A row's cost is for the step, not
+moved, then number of collectives, then bytes moved now, then the rule's own order). A row's cost is for the step, not
 only the op (`row_cost`): moving the inputs, the collectives the rule's local op issues itself
 (`Row.collectives`), and what an output layout nobody asked for forces later (a Shard on a mesh
 dim where no input stays sharded must be gathered again, a Partial that the data does not imply
@@ -420,7 +420,8 @@ def _ranked_rows(
     rows: Sequence[Row], layouts: Sequence[Layout], metas: Sequence[TensorMeta],
     output_metas: Sequence[TensorMeta | None], mesh_dim: int,
 ) -> list[Row]:
-    """The rows by estimated cost on one mesh dim, cheapest first (ties: the rule's order)."""
+    """The rows by estimated step cost on one mesh dim, cheapest first (ties: the one communicating
+    later, then the rule's order)."""
     keyed = [
         (*row_cost(row, layouts, metas, output_metas, mesh_dim), rank_in_rule, row)
         for rank_in_rule, row in enumerate(rows)
