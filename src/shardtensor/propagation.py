@@ -337,29 +337,24 @@ def _numel(meta: TensorMeta) -> int:
     return math.prod(meta.shape)
 
 
-def _follows_the_data(
-    row: Row, layouts: Sequence[Layout], metas: Sequence[TensorMeta], output_metas: Sequence[TensorMeta], mesh_dim: int
-) -> tuple[bool, bool]:
+def _follows_the_data(row: Row, layouts: Sequence[Layout], mesh_dim: int) -> tuple[bool, bool]:
     """(a Shard output follows the data, the Partial outputs do) along `mesh_dim`.
 
     A Shard output follows the data when some input that the row leaves where it is is sharded
     there. Partial outputs do when no input must be communicated to get there and either some
-    input stays sharded (a sum over a sharded dim, a matmul of matching shards) or the Partial
-    outputs hold no more elements than the Partial inputs they come from (a Partial scaled, cast or
-    summed). Keeping a Partial by gathering another input only postpones the reduction and pays the
-    gather on top; a Partial that fans out into more Partial elements (a LayerNorm backward giving
-    input and weight gradients) makes the later reductions larger than reducing now.
+    input stays sharded (a sum over a sharded dim, a matmul of matching shards) or there are no
+    more Partial outputs than Partial inputs staying (a Partial scaled, cast, padded or summed).
+    Keeping a Partial by gathering another input only postpones the reduction and pays the gather
+    on top; a Partial that fans out into several Partial outputs (a LayerNorm backward giving input
+    and weight gradients) needs a reduction for each instead of one now.
     """
     staying = [
-        (layout.placements[mesh_dim], meta)
-        for layout, meta, target in zip(layouts, metas, row.inputs) if layout.placements[mesh_dim] == target
+        layout.placements[mesh_dim] for layout, target in zip(layouts, row.inputs) if layout.placements[mesh_dim] == target
     ]
-    sharded = any(isinstance(placement, Shard) for placement, _ in staying)
+    sharded = any(isinstance(placement, Shard) for placement in staying)
     moves_data = any(transition_cost(layout, mesh_dim, target, 1)[1] for layout, target in zip(layouts, row.inputs))
-    partial_in = sum(_numel(meta) for placement, meta in staying if isinstance(placement, Partial))
-    partial_out = sum(
-        _numel(meta) for placement, meta in zip(row.outputs, output_metas) if isinstance(placement, Partial)
-    )
+    partial_in = sum(isinstance(placement, Partial) for placement in staying)
+    partial_out = sum(isinstance(placement, Partial) for placement in row.outputs)
     partial = not moves_data and (sharded or partial_out <= partial_in)
     return sharded, partial
 
@@ -409,7 +404,7 @@ def row_cost(
     now = bytes_moved
     if parts > 1:
         tensor_outputs = [meta for meta in output_metas if meta is not None]  # rows name tensor outputs only
-        follows = _follows_the_data(row, layouts, metas, tensor_outputs, mesh_dim)
+        follows = _follows_the_data(row, layouts, mesh_dim)
         later, count = _forced_later(row, tensor_outputs, mesh_dim, parts, follows)
         bytes_moved += later
         collectives += count
