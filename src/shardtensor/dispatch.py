@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import ops  # noqa: F401  (registers every op family)
 from . import plan_cache, propagation
+from .input_moves import KeptMoves, moved_local, with_kept_moves
 from .layout import Layout
 from .list_plans import ListPlan, is_multi_tensor, list_key
 from .modes import describe, implicit_communication_error, is_explicit, is_strict
@@ -53,6 +54,8 @@ def dispatch(dtensor_class: type, op, types, args: tuple = (), kwargs: dict | No
     single-device value)."""
     if kwargs is None:
         kwargs = _NO_KEYWORDS
+    if KeptMoves.count:  # a Partial input reduced before is seen where it was moved (`input_moves`)
+        args, kwargs = with_kept_moves(dtensor_class, op, args, kwargs)
     key = fast_key(dtensor_class, op, args, kwargs)
     if key is None and is_multi_tensor(op):
         key = list_key(dtensor_class, op, args, kwargs)
@@ -221,8 +224,11 @@ def _dispatch_slowly(dtensor_class: type, op, args: tuple, kwargs: dict, key: tu
             if modes:
                 plan_cache.store(_value_free_key(dtensor_class, op, args, kwargs), plan)
             return plan.run(args, kwargs)
-    if is_explicit() and decision.moves_inputs(layouts):
-        raise implicit_communication_error(op, dtensors, decision.input_layouts, "its sharding rule needs other layouts")
+    if is_explicit() and (decision.moves_inputs(layouts) or decision.local_collectives):
+        raise implicit_communication_error(
+            op, dtensors, decision.input_layouts, "its sharding rule needs other layouts or communicates",
+            decision.local_collectives,
+        )
     if decision.local_arguments is not None:
         flat, tree = _local_flat(flat, decision.local_arguments)
         positions = [index for index, value in enumerate(flat) if isinstance(value, dtensor_class)]
@@ -304,9 +310,11 @@ def _run(dtensor_class: type, op, flat, tree, positions, dtensors, mutated_dtens
         local = dtensor._local_tensor
         if target != dtensor.sharding:
             moved = True
-            local = redistribute_local_tensor(local, dtensor.sharding, target, mesh)
             if id(dtensor) in mutated_ids:
+                local = redistribute_local_tensor(local, dtensor.sharding, target, mesh)
                 copies[id(local)] = (dtensor, target, local)
+            else:
+                local = moved_local(dtensor, target, mesh)
         else:
             passed_through[id(local)] = dtensor
         local_flat[index] = local

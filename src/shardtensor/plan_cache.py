@@ -28,9 +28,9 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import propagation
 from .modes import implicit_communication_error, is_explicit
+from .input_moves import moved_local
 from .ops.registry import RULES
 from .propagation import SIGN, Decision, PlainTensor, TensorMeta
-from .redistribute import redistribute_local_tensor
 from .spec import DTensorSpec, interned_spec
 from .write_back import mark_views_of_copies, mutated, refuse_writes_into_views_of_copies, returns_view
 
@@ -51,7 +51,6 @@ MAX_PLANS = 8192
 # one aten op such calls run with their arguments unchanged (`key_modes` of that op); () once two
 # calls disagree (other overloads, or arguments not passed through), so that no value is left out.
 function_key_modes: dict = {}
-
 
 
 class _OpCounts:
@@ -103,6 +102,7 @@ class CachedPlan:
 
     def __init__(self, op):
         self.generation, self.used, self.counts = propagation.generation, False, counts_of(op)
+
 
 _KEY_SCALAR_TYPES = frozenset(
     (int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout)
@@ -302,7 +302,7 @@ class Plan(CachedPlan):
     where each DTensor must move (None: stays), and the output specs."""
 
     __slots__ = (
-        "dtensor_class", "wrap", "op", "mesh", "specs", "slots", "moves", "output_specs", "call",
+        "dtensor_class", "wrap", "op", "mesh", "specs", "slots", "moves", "local_collectives", "output_specs", "call",
         "runs_op", "mutates", "local_args", "local_kwargs", "writes_kwargs", "simple_positions", "single_spec",
         "view_of_copy",
     )
@@ -337,6 +337,7 @@ class Plan(CachedPlan):
                 slots.append((in_kwargs, source, is_dtensor, next(targets) if is_dtensor else None) + destination)
         self.slots = tuple(slots)
         self.moves = any(target is not None for *_, target, _, _ in self.slots)
+        self.local_collectives = decision.local_collectives
         self.view_of_copy = self.moves and returns_view(op)
         self.writes_kwargs = any(to_kwargs for *_, to_kwargs, _ in self.slots)
         self.output_specs = tuple(
@@ -346,7 +347,8 @@ class Plan(CachedPlan):
         single = not mutates and len(self.output_specs) == 1 and self.output_specs[0] is not None
         self.single_spec = self.output_specs[0] if single else None
         # The common case, run by a short loop: positional DTensors that stay where they are.
-        simple = single and template is None and not self.moves and not self.writes_kwargs
+        simple = (single and template is None and not self.moves and not self.writes_kwargs
+                  and not self.local_collectives)
         self.simple_positions = tuple(source for _, source, *_ in self.slots) if simple else None
 
     def run(self, args: tuple, kwargs: dict):
@@ -361,11 +363,14 @@ class Plan(CachedPlan):
             return self._wrap_result(result, [])
         if self.mutates:
             refuse_writes_into_views_of_copies(self.op, mutated(self.dtensor_class, self.op, args, kwargs))
-        if self.moves and is_explicit():
+        if (self.moves or self.local_collectives) and is_explicit():
             dtensors = [(kwargs if in_kwargs else args)[where] for in_kwargs, where, is_dtensor, *_ in self.slots
                         if is_dtensor]
             targets = [target for _, _, is_dtensor, target, _, _ in self.slots if is_dtensor]
-            raise implicit_communication_error(self.op, dtensors, targets, "its sharding rule needs other layouts")
+            raise implicit_communication_error(
+                self.op, dtensors, targets, "its sharding rule needs other layouts or communicates",
+                self.local_collectives,
+            )
         if self.local_args is None:
             local_args, local_kwargs = list(args), kwargs
         else:
@@ -379,7 +384,7 @@ class Plan(CachedPlan):
             if is_dtensor:
                 local = value._local_tensor
                 if target is not None:
-                    local = redistribute_local_tensor(local, value._spec.layout, target, self.mesh)
+                    local = moved_local(value, target, self.mesh)  # plans move no written input
                 if self.mutates:
                     inputs.append((local, value))
             if to_kwargs:

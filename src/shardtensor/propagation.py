@@ -1,13 +1,16 @@
 """Sharding propagation: from an op's rule and its inputs' layouts to one decision, cached.
 
 A rule describes an op along a single mesh dim as rows `[outputs..., inputs...]` of placements
-(`Row`). For an N-D mesh the engine picks one row per mesh dim, choosing the row whose input
-placements are cheapest to reach from where the inputs are (bytes moved, then number of
-collectives, then the rule's own order); when that moves a nested-sharded input, the
-redistribute planner prices the best few combinations exactly. It builds the full input and
-output layouts. Decisions
-are cached by (op, input layouts, dtypes, the non-tensor arguments that decide): the hot path is one
-dict lookup. The cache is a bounded LRU (`MAX_DECISIONS`), and counts decisions made per op.
+(`Row`). For an N-D mesh the engine picks one row per mesh dim, choosing the cheapest row (bytes
+moved, then number of collectives, then bytes moved now, then the rule's own order). A row's cost is for
+the step, not only the op (`row_cost`): moving the inputs, the collectives the rule's local op issues
+itself (`Row.collectives`), and what an output layout nobody asked for forces later (a Shard on a mesh
+dim where no input stays sharded must be gathered again, a Partial that the data does not imply must be
+reduced: `_follows_the_data`); on a tie, the row that communicates later. When the choice moves a
+nested-sharded input, the redistribute planner prices the best few combinations exactly. It builds the
+full input and output layouts. Decisions are cached by (op, input layouts, dtypes, the non-tensor
+arguments that decide): the hot path is one dict lookup. The cache is a bounded LRU (`MAX_DECISIONS`),
+and counts decisions made per op.
 """
 
 from __future__ import annotations
@@ -29,25 +32,41 @@ from .placement import Partial, Placement, Replicate, Shard
 from .redistribute.planner import plan as plan_redistribute
 
 __all__ = [
-    "Row", "TensorMeta", "PlainTensor", "DataDependentOutput", "ResizesWritten", "OpCall", "schema_positions",
-    "ShardingRule", "RowsRule",
-    "OutVariantRule", "ComposedRule",
+    "Row", "LocalCollective", "TensorMeta", "PlainTensor", "DataDependentOutput", "ResizesWritten", "OpCall",
+    "schema_positions", "ShardingRule", "RowsRule", "OutVariantRule", "ComposedRule",
     "Decision", "decide", "TYPE_ONLY", "SIGN",
-    "transition_cost", "clear_cache", "MAX_DECISIONS", "decisions_made", "decision_cache_hits",
+    "transition_cost", "row_cost", "clear_cache", "MAX_DECISIONS", "decisions_made", "decision_cache_hits",
 ]
 
 
 @dataclass(frozen=True, slots=True)
+class LocalCollective:
+    """A collective that a rule's local op issues along its row's mesh dim (softmax over a sharded
+    dim all_reduces its row maxima): the kind (`comm`'s name) and the bytes of the tensor it
+    reduces or gathers, global (an upper bound of any rank's). Declared so that the cost of the row
+    counts it and `explicit_communication()` refuses it like a move of an input."""
+
+    kind: str
+    bytes: int
+
+    def __str__(self) -> str:
+        return f"{self.kind}({self.bytes} B)"
+
+
+@dataclass(frozen=True, slots=True)
 class Row:
-    """One way to compute an op along one mesh dim: a placement per output and per tensor input."""
+    """One way to compute an op along one mesh dim: a placement per output and per tensor input, and
+    the collectives the rule's local op issues itself along that mesh dim when it computes this row."""
 
     outputs: tuple[Placement, ...]
     inputs: tuple[Placement, ...]
+    collectives: tuple[LocalCollective, ...] = ()
 
     def __str__(self) -> str:
         outputs = ", ".join(str(p) for p in self.outputs)
         inputs = ", ".join(str(p) for p in self.inputs)
-        return f"[{outputs} <- {inputs}]"
+        communicates = f" + {', '.join(str(c) for c in self.collectives)}" if self.collectives else ""
+        return f"[{outputs} <- {inputs}{communicates}]"
 
 
 @dataclass(frozen=True, slots=True)
@@ -329,6 +348,18 @@ class Decision:
     def moves_inputs(self, current: Sequence[Layout]) -> bool:
         return any(target != layout for target, layout in zip(self.input_layouts, current))
 
+    @property
+    def local_collectives(self) -> tuple[tuple[int, LocalCollective], ...]:
+        """(mesh dim, collective) for each collective the local op issues (mesh dims of size 1 issue none)."""
+        if not self.input_layouts:
+            return ()
+        mesh_shape = self.input_layouts[0].mesh_shape
+        return tuple(
+            (mesh_dim, collective)
+            for mesh_dim, row in enumerate(self.rows) if mesh_shape[mesh_dim] > 1
+            for collective in row.collectives
+        )
+
 
 def transition_cost(layout: Layout, mesh_dim: int, target: Placement, itemsize: int) -> tuple[float, int]:
     """(bytes a rank moves, collectives) to change one mesh dim of `layout` to `target`.
@@ -355,18 +386,105 @@ def transition_cost(layout: Layout, mesh_dim: int, target: Placement, itemsize: 
     return float((parts - 1) * local_bytes) * 2, 2
 
 
-def _ranked_rows(rows: Sequence[Row], layouts: Sequence[Layout], metas: Sequence[TensorMeta], mesh_dim: int) -> list[Row]:
-    """The rows by estimated cost on one mesh dim, cheapest first (ties: the rule's order)."""
-    keyed = []
-    for rank_in_rule, row in enumerate(rows):
-        bytes_moved, collectives = 0.0, 0
-        for layout, meta, target in zip(layouts, metas, row.inputs):
-            moved, count = transition_cost(layout, mesh_dim, target, meta.dtype.itemsize)
-            bytes_moved += moved
-            collectives += count
-        keyed.append((bytes_moved, collectives, rank_in_rule, row))
-    keyed.sort(key=lambda entry: entry[:3])
-    return [entry[3] for entry in keyed]
+def _collective_cost(collective: LocalCollective, parts: int) -> float:
+    """Bytes a rank moves for a declared in-op collective over `parts` ranks (like `comm.CommRecord`)."""
+    if collective.kind == "all_reduce":
+        return 2 * collective.bytes * (parts - 1) / parts
+    if collective.kind == "all_gather":
+        return float(collective.bytes * (parts - 1))
+    return float(collective.bytes * (parts - 1) / parts)
+
+
+def _numel(meta: TensorMeta) -> int:
+    return math.prod(meta.shape)
+
+
+def _follows_the_data(row: Row, layouts: Sequence[Layout], mesh_dim: int) -> tuple[bool, bool]:
+    """(a Shard output follows the data, the Partial outputs do) along `mesh_dim`.
+
+    A Shard output follows the data when some input that the row leaves where it is is sharded
+    there. Partial outputs do when no input must be communicated to get there and either some
+    input stays sharded (a sum over a sharded dim, a matmul of matching shards) or there are no
+    more Partial outputs than Partial inputs staying (a Partial scaled, cast, padded or summed).
+    Keeping a Partial by gathering another input only postpones the reduction and pays the gather
+    on top; a Partial that fans out into several Partial outputs (a LayerNorm backward giving input
+    and weight gradients) needs a reduction for each instead of one now.
+    """
+    staying = [
+        layout.placements[mesh_dim] for layout, target in zip(layouts, row.inputs) if layout.placements[mesh_dim] == target
+    ]
+    sharded = any(isinstance(placement, Shard) for placement in staying)
+    moves_data = any(transition_cost(layout, mesh_dim, target, 1)[1] for layout, target in zip(layouts, row.inputs))
+    partial_in = sum(isinstance(placement, Partial) for placement in staying)
+    partial_out = sum(isinstance(placement, Partial) for placement in row.outputs)
+    partial = not moves_data and (sharded or partial_out <= partial_in)
+    return sharded, partial
+
+
+def _forced_later(
+    row: Row, output_metas: Sequence[TensorMeta], mesh_dim: int, parts: int, follows: tuple[bool, bool]
+) -> tuple[float, int]:
+    """What an output layout nobody asked for costs later, estimated as undoing it once.
+
+    A Shard output on a mesh dim where no input stays sharded (a Partial reduce-scattered over the
+    batch, a Replicate input sliced, the only sharded input moved to another dim) leaves the rest of
+    the step to run sharded on a dim the program never chose: its consumers gather it (an
+    all_gather) or their gradients arrive sharded. Partial outputs that do not follow the data
+    must be reduced (an all_reduce each). Outputs that follow the data cost nothing here.
+    """
+    shard_follows, partial_follows = follows
+    bytes_moved, collectives = 0.0, 0
+    for placement, meta in zip(row.outputs, output_metas):
+        full_bytes = _numel(meta) * meta.dtype.itemsize
+        if isinstance(placement, Partial) and not partial_follows:
+            bytes_moved += 2 * full_bytes * (parts - 1) / parts
+            collectives += 1
+        elif isinstance(placement, Shard) and not shard_follows:
+            bytes_moved += full_bytes * (parts - 1) / parts
+            collectives += 1
+    return bytes_moved, collectives
+
+
+def row_cost(
+    row: Row, layouts: Sequence[Layout], metas: Sequence[TensorMeta], output_metas: Sequence[TensorMeta | None],
+    mesh_dim: int,
+) -> tuple[int, int, int]:
+    """(bytes a rank moves, collectives, bytes moved now) for the step when the op computes `row`
+    on `mesh_dim`: moving the inputs there and the local op's own collectives (now), and what the
+    output forces later. Rows that cost the same overall prefer to communicate later (a Partial
+    scaled by a number stays Partial), so that explicit-communication programs keep running."""
+    parts = layouts[0].mesh_shape[mesh_dim] if layouts else 1
+    bytes_moved, collectives = 0.0, 0
+    for layout, meta, target in zip(layouts, metas, row.inputs):
+        moved, count = transition_cost(layout, mesh_dim, target, meta.dtype.itemsize)
+        bytes_moved += moved
+        collectives += count
+    if parts > 1:
+        for collective in row.collectives:
+            bytes_moved += _collective_cost(collective, parts)
+            collectives += 1
+    now = bytes_moved
+    if parts > 1:
+        tensor_outputs = [meta for meta in output_metas if meta is not None]  # rows name tensor outputs only
+        follows = _follows_the_data(row, layouts, mesh_dim)
+        later, count = _forced_later(row, tensor_outputs, mesh_dim, parts, follows)
+        bytes_moved += later
+        collectives += count
+    return round(bytes_moved), collectives, round(now)  # rounded: equal paths priced in two ways tie exactly
+
+
+def _ranked_rows(
+    rows: Sequence[Row], layouts: Sequence[Layout], metas: Sequence[TensorMeta],
+    output_metas: Sequence[TensorMeta | None], mesh_dim: int,
+) -> list[Row]:
+    """The rows by estimated step cost on one mesh dim, cheapest first (ties: the one communicating
+    later, then the rule's order)."""
+    keyed = [
+        (*row_cost(row, layouts, metas, output_metas, mesh_dim), rank_in_rule, row)
+        for rank_in_rule, row in enumerate(rows)
+    ]
+    keyed.sort(key=lambda entry: entry[:4])
+    return [entry[4] for entry in keyed]
 
 
 def _planned_cost(rows: Sequence[Row], layouts: Sequence[Layout], metas: Sequence[TensorMeta]) -> float:
@@ -383,12 +501,17 @@ def _planned_cost(rows: Sequence[Row], layouts: Sequence[Layout], metas: Sequenc
 _CANDIDATES_PER_MESH_DIM = 2
 
 
-def _choose_rows(rows: Sequence[Row], layouts: Sequence[Layout], metas: Sequence[TensorMeta]) -> tuple[Row, ...]:
+def _choose_rows(
+    rows: Sequence[Row], layouts: Sequence[Layout], metas: Sequence[TensorMeta],
+    output_metas: Sequence[TensorMeta | None],
+) -> tuple[Row, ...]:
     """One row per mesh dim: the per-mesh-dim estimate's best, unless an input is sharded on one
     tensor dim by several mesh dims (nested) and that choice moves data. Then the estimate cannot
     see the order constraints, and the redistribute planner prices the combinations of each mesh
     dim's top candidates exactly (slower: a planner search per input and combination)."""
-    ranked = [_ranked_rows(rows, layouts, metas, mesh_dim) for mesh_dim in range(len(layouts[0].mesh_shape))]
+    ranked = [
+        _ranked_rows(rows, layouts, metas, output_metas, mesh_dim) for mesh_dim in range(len(layouts[0].mesh_shape))
+    ]
     greedy = tuple(candidates[0] for candidates in ranked)
     nested = any(len(order) > 1 for layout in layouts for order in layout.shard_order)
     if not nested or all(
@@ -598,15 +721,15 @@ def _decide_rows(call: OpCall, layouts: Sequence[Layout], rule: ShardingRule, co
     if not rows:
         raise NotImplementedError(f"the sharding rule of {call.op} returned no way to compute it")
     mesh_shape = layouts[0].mesh_shape
-    chosen = _choose_rows(rows, layouts, call.inputs)
-    input_layouts = _aligned_pieces(
-        layouts,
-        tuple(layout.with_placements([row.inputs[index] for row in chosen]) for index, layout in enumerate(layouts)),
-    )
     try:
         metas = tuple(rule.global_outputs(call))
     except NotImplementedError as error:  # e.g. `nonzero` inside boolean indexing: shapes depend on data
         raise DataDependentOutput(f"{call.op} cannot be evaluated on meta tensors: {error}") from error
+    chosen = _choose_rows(rows, layouts, call.inputs, metas)
+    input_layouts = _aligned_pieces(
+        layouts,
+        tuple(layout.with_placements([row.inputs[index] for row in chosen]) for index, layout in enumerate(layouts)),
+    )
     placements: list[tuple[Placement, ...] | None] = []
     for meta in metas:  # rows name tensor outputs only, in order
         tensor_index = len([p for p in placements if p is not None])

@@ -34,6 +34,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import propagation
+from .gradients import watch_leaves
 from .list_plans import is_multi_tensor_function, learn_function, list_key
 from .plain_tensors import outermost_call
 from .plan_cache import (
@@ -108,7 +109,9 @@ def torch_function(cls, function, types, args=(), kwargs=None):
             return cls._wrap(function(*local_args, **kwargs), plan.spec)
         # Known to run from cached aten plans only, so no plain tensor gets mixed in: no need to
         # mark the call for `created_by_torch`.
+        watch_leaves(cls, args, kwargs)
         return _run_normally(function, types, args, kwargs)
+    watch_leaves(cls, args, kwargs)
     return _call(cls, function, args, kwargs, key)
 
 

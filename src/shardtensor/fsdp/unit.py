@@ -227,7 +227,7 @@ class ParameterUnit:
         self.compute_dtype = self.mp_policy.param_dtype or self.parameter_dtype
         self.reduce_dtype = self.mp_policy.reduce_dtype or self.compute_dtype
         meshes: dict[DeviceMesh, DeviceMesh] = {}
-        shards, layouts = [], []
+        layouts = []
         for parameter, locations in by_parameter.values():
             dim = self._shard_dim(parameter, shard_placement_fn, locations[0][1])
             full_mesh = self.mesh

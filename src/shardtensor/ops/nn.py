@@ -10,10 +10,13 @@ on their shards (`ShardingRule.local_op`):
   Partial(sum); its backward writes only this rank's rows;
 - nll_loss: with a sharded batch and reduction='mean' the local sum is divided by the global total
   weight (exact for any batch size); with a sharded class dim the picked values are masked.
+The rows that communicate inside their local op declare it (`Row.collectives`): the cost of the row
+counts it, and `explicit_communication()` refuses it.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -21,7 +24,7 @@ import torch
 from .. import comm
 from ..layout import Layout
 from ..placement import Partial, Replicate, Shard
-from ..propagation import OpCall, Row, ShardingRule, TensorMeta
+from ..propagation import LocalCollective, OpCall, Row, ShardingRule, TensorMeta
 from .common import dim_argument, empty_shard_results, on_shards
 from .index_checks import IndexArgument, with_index_checks
 from .registry import register_rule
@@ -67,7 +70,11 @@ class Softmax(ShardingRule):
         rows = [Row((R,), (R,) * inputs)]
         rows += [Row((Shard(d),), (Shard(d),) * inputs) for d in range(ndim) if d != dim]
         if ndim:
-            rows.append(Row((Shard(dim),), (Shard(dim),) * inputs))
+            meta = call.inputs[0]
+            reduced_bytes = math.prod(meta.shape) // max(meta.shape[dim], 1) * meta.dtype.itemsize
+            # Forward: the row maxima and the sums of exponentials; backward: one sum.
+            reductions = (LocalCollective("all_reduce", reduced_bytes),) * (1 if self.backward else 2)
+            rows.append(Row((Shard(dim),), (Shard(dim),) * inputs, reductions))
         return rows
 
     def local_op(self, call, input_layouts, coordinate):
@@ -109,7 +116,12 @@ def layer_norm(call: OpCall) -> list[Row]:
 
 
 def layer_norm_backward(call: OpCall) -> list[Row]:
-    """(grad_out, input, normalized_shape, mean, rstd, weight, bias, mask): weight/bias grads sum over the batch."""
+    """(grad_out, input, normalized_shape, mean, rstd, weight, bias, mask): weight/bias grads sum over the batch.
+
+    Every gradient is linear in grad_out for given input, statistics and weight, so a Partial
+    grad_out (the input gradient of a row-parallel linear) gives Partial gradients without a
+    collective: the Megatron block's single backward reduction can come later, on fewer bytes.
+    """
     batch_dims = call.inputs[1].ndim - len(call.argument("normalized_shape"))
     parameters = (R,) * (len(call.inputs) - 4)
     output_mask = call.argument("output_mask")
@@ -117,6 +129,9 @@ def layer_norm_backward(call: OpCall) -> list[Row]:
     for d in range(batch_dims):
         outputs = _masked_outputs((Shard(d), P, P), output_mask)
         rows.append(Row(outputs, (Shard(d),) * 4 + parameters))
+    for reduce_op in ("sum", "avg"):
+        partial = Partial(reduce_op)
+        rows.append(Row(_masked_outputs((partial,) * 3, output_mask), (partial,) + (R,) * 3 + parameters))
     return rows
 
 
@@ -278,7 +293,9 @@ class NllLoss(ShardingRule):
         if call.inputs[0].ndim != 2:
             return rows
         batch_output = {_NONE: (Shard(0), R), _SUM: (P, P), _MEAN: (P, R)}[reduction]
-        rows.append(Row(batch_output, (Shard(0), Shard(0)) + weight))
+        # 'mean' over a sharded batch divides by the all_reduced total weight (a scalar).
+        total_weight = (LocalCollective("all_reduce", call.inputs[0].dtype.itemsize),) * (reduction == _MEAN)
+        rows.append(Row(batch_output, (Shard(0), Shard(0)) + weight, total_weight))
         return rows + [Row((P, R), (Shard(1), R) + weight)]
 
     def local_op(self, call, input_layouts, coordinate):

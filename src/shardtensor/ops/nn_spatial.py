@@ -21,7 +21,7 @@ import torch
 
 from .. import comm
 from ..placement import Partial, Replicate, Shard
-from ..propagation import DataDependentOutput, OpCall, Row, ShardingRule, schema_positions
+from ..propagation import DataDependentOutput, LocalCollective, OpCall, Row, ShardingRule, schema_positions
 from ..redistribute import redistribute_local_tensor
 from .common import empty_shard_results
 from .nn import _masked_outputs as _masked
@@ -185,10 +185,14 @@ class BatchNorm(ShardingRule):
         channel_outputs = (Shard(1),) + (Shard(0),) * per_channel + (R,) * (outputs - 1 - per_channel)
         running = _running_statistics(call)
         rows = [Row((R,) * outputs, (R,) * len(call.inputs))] if all(R in choice for choice in choices) else []
+        statistic_bytes = call.inputs[0].shape[1] * call.inputs[0].dtype.itemsize
         for combination in itertools.product(*choices):
             kept = dict(zip(running, combination))
             channel_inputs = tuple(kept.get(index, Shard(0)) for index in range(1, len(call.inputs)))
-            rows.append(Row(channel_outputs, (Shard(1),) + channel_inputs))
+            # A running statistic kept whole while the channels shard: the updated channels are all_reduced.
+            shared = tuple(LocalCollective("all_reduce", statistic_bytes) for kept_placement in combination
+                           if kept_placement == R)
+            rows.append(Row(channel_outputs, (Shard(1),) + channel_inputs, shared))
         return rows
 
     def local_op(self, call, input_layouts, coordinate):

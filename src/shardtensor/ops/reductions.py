@@ -23,7 +23,7 @@ import torch
 from .. import comm
 from ..layout import Layout
 from ..placement import Partial, Replicate, Shard
-from ..propagation import OpCall, Row, ShardingRule, TensorMeta
+from ..propagation import LocalCollective, OpCall, Row, ShardingRule, TensorMeta
 from .common import dim_argument, normalized_dim
 from .registry import pointwise, register_rule
 from .tensor_ops import TensorOpRule
@@ -214,7 +214,10 @@ class AllElementsRule(ShardingRule):
     __name__ = "all_elements"
 
     def rows(self, call: OpCall) -> Sequence[Row]:
-        return [Row((), row.inputs) for row in pointwise(call)]
+        # A sharded row ANDs every shard's answer: one all_reduce of a bool (declared per mesh dim;
+        # the local op makes it one collective over all sharded mesh dims).
+        agreement = (LocalCollective("all_reduce", 1),)
+        return [Row((), row.inputs, agreement if index else ()) for index, row in enumerate(pointwise(call))]
 
     def rows_for_layouts(self, call: OpCall, layouts: Sequence[Layout]) -> Sequence[Row]:
         if not self._unequal_shapes(call):
