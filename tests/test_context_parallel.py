@@ -140,6 +140,15 @@ def test_buffers_sharded_in_place_and_restored(mesh):
 
 
 @spmd(meshes=[(2,)])
+def test_parameter_buffer_sharded_and_restored(mesh):
+    parameter = torch.nn.Parameter(torch.arange(8.0))
+    with context_parallel(mesh, buffers=[parameter], buffer_seq_dims=[0], load_balance=False):
+        assert_close(parameter.detach(), torch.arange(8.0)[4 * mesh.get_local_rank(0):][:4])
+    assert_close(parameter.detach(), torch.arange(8.0))
+    assert parameter.requires_grad
+
+
+@spmd(meshes=[(2,)])
 def test_sdpa_restored_after_an_error_inside(mesh):
     original_attention = F.scaled_dot_product_attention
     buffer = torch.arange(8.0)

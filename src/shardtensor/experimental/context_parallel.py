@@ -72,7 +72,11 @@ def _local_piece(tensor: torch.Tensor, dim: int, layout: SequenceLayout, coordin
 
 
 def _replace_contents(buffer: torch.Tensor, contents: torch.Tensor) -> None:
-    """Make `buffer` (same tensor object) hold `contents`, resizing it in place."""
+    """Make `buffer` (same tensor object) hold `contents`: resized in place, or, for a tensor that
+    requires grad (which torch will not resize, e.g. a parameter), given new data."""
+    if buffer.requires_grad:
+        buffer.data = contents.detach().clone()
+        return
     with torch.no_grad():
         buffer.resize_(contents.shape)
         buffer.copy_(contents)

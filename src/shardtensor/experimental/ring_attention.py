@@ -82,7 +82,7 @@ def _scores(query: torch.Tensor, key: torch.Tensor, kind: str) -> torch.Tensor:
     if kind == "diagonal":
         rows, columns = scores.shape[-2:]
         masked = torch.ones(rows, columns, dtype=torch.bool, device=scores.device).triu(1)
-        scores = scores.masked_fill(masked, float("-inf"))
+        scores.masked_fill_(masked, float("-inf"))
     return scores
 
 
@@ -160,7 +160,7 @@ def _forward(query, key, value, ring: _Ring, scale: float):
         for query_slot, key_slot, kind in ring.pairs(source):
             scores = _scores(scaled_queries[query_slot], keys[key_slot], kind)
             block_lse = torch.logsumexp(scores, dim=-1, keepdim=True)
-            block_output = torch.exp(scores - block_lse) @ values[key_slot]
+            block_output = scores.sub_(block_lse).exp_() @ values[key_slot]  # in place: one block-sized buffer
             if outputs[query_slot] is None:
                 outputs[query_slot], log_sum_exps[query_slot] = block_output, block_lse
                 continue
@@ -180,10 +180,10 @@ def _block_gradients(scaled_queries, grad_outputs, deltas, log_sum_exps, block, 
     grad_queries = [torch.zeros_like(piece) for piece in scaled_queries]
     for query_slot, key_slot, kind in ring.pairs(source):
         scores = _scores(scaled_queries[query_slot], keys[key_slot], kind)
-        probabilities = torch.exp(scores - log_sum_exps[query_slot])
+        probabilities = scores.sub_(log_sum_exps[query_slot]).exp_()
         grad_values[key_slot].add_(_fold_heads(probabilities.transpose(-2, -1) @ grad_outputs[query_slot], ring.groups))
         grad_probabilities = grad_outputs[query_slot] @ values[key_slot].transpose(-2, -1)
-        grad_scores = probabilities * (grad_probabilities - deltas[query_slot])
+        grad_scores = grad_probabilities.sub_(deltas[query_slot]).mul_(probabilities)
         grad_queries[query_slot] = grad_queries[query_slot] + grad_scores @ keys[key_slot] * scale
         grad_keys[key_slot].add_(_fold_heads(grad_scores.transpose(-2, -1) @ scaled_queries[query_slot], ring.groups))
     return grad_queries
@@ -254,9 +254,10 @@ def _shape_error(query, key, value, detail: str) -> ValueError:
 def ring_attention(query, key, value, *, mesh: DeviceMesh, layout: SequenceLayout, is_causal: bool,
                    scale: float | None, enable_gqa: bool, method: str) -> torch.Tensor:
     """Exact attention of this rank's query shard against the whole (sharded) key/value sequence."""
-    if key.shape != value.shape[:-1] + key.shape[-1:] or key.shape[-2] != query.shape[-2]:
-        raise _shape_error(query, key, value, "self-attention needs the same local sequence length for "
-                           "query, key and value (all sharded along their sequence dim by the context)")
+    if key.shape != value.shape or key.shape[-2] != query.shape[-2]:
+        raise _shape_error(query, key, value, "ring attention needs key and value of the same shape and the "
+                           "same local sequence length as the query (all sharded along their sequence dim "
+                           "by the context)")
     if query.shape[-2] % layout.chunks_per_rank:
         raise _shape_error(query, key, value, f"with causal load balance the local sequence length must be "
                            f"divisible by 2 (the global one by 2 * world size = {layout.chunk_count})")
