@@ -171,22 +171,21 @@ def _forward(query, key, value, ring: _Ring, scale: float):
     return torch.cat(outputs, dim=-2), torch.cat(log_sum_exps, dim=-2)
 
 
-def _block_gradients(scaled_queries, grad_outputs, deltas, log_sum_exps, block, gradient_block, source, ring, scale):
-    """Add this block's contribution to dq (returned pieces) and to the travelling dk/dv (in place)."""
+def _block_gradients(scaled_queries, grad_outputs, deltas, log_sum_exps, block, gradient_block, grad_queries,
+                     source, ring, scale):
+    """Add this block's contribution to the local dq pieces and to the block's dk/dv (all in place)."""
     chunks = ring.layout.chunks_per_rank
     keys = _expand_heads(block[0], ring.groups).to(ring.dtype).chunk(chunks, dim=-2)
     values = _expand_heads(block[1], ring.groups).to(ring.dtype).chunk(chunks, dim=-2)
     grad_keys, grad_values = gradient_block[0].chunk(chunks, dim=-2), gradient_block[1].chunk(chunks, dim=-2)
-    grad_queries = [torch.zeros_like(piece) for piece in scaled_queries]
     for query_slot, key_slot, kind in ring.pairs(source):
         scores = _scores(scaled_queries[query_slot], keys[key_slot], kind)
         probabilities = scores.sub_(log_sum_exps[query_slot]).exp_()
         grad_values[key_slot].add_(_fold_heads(probabilities.transpose(-2, -1) @ grad_outputs[query_slot], ring.groups))
         grad_probabilities = grad_outputs[query_slot] @ values[key_slot].transpose(-2, -1)
         grad_scores = grad_probabilities.sub_(deltas[query_slot]).mul_(probabilities)
-        grad_queries[query_slot] = grad_queries[query_slot] + grad_scores @ keys[key_slot] * scale
+        grad_queries[query_slot].add_(grad_scores @ keys[key_slot], alpha=scale)
         grad_keys[key_slot].add_(_fold_heads(grad_scores.transpose(-2, -1) @ scaled_queries[query_slot], ring.groups))
-    return grad_queries
 
 
 def _backward(grad_output, query, key, value, output, log_sum_exp, ring: _Ring, scale: float):
@@ -197,7 +196,7 @@ def _backward(grad_output, query, key, value, output, log_sum_exp, ring: _Ring, 
     deltas = (grad_output * output).sum(-1, keepdim=True).chunk(chunks, dim=-2)
     log_sum_exps = log_sum_exp.chunk(chunks, dim=-2)
     grad_query = torch.zeros_like(query, dtype=ring.dtype)
-    grad_query_pieces = list(grad_query.chunk(chunks, dim=-2))
+    grad_query_pieces = grad_query.chunk(chunks, dim=-2)
     block_shape = (2, *key.shape)
     if ring.method == "allgather":
         blocks = _gather_blocks(key, value, ring)
@@ -205,10 +204,8 @@ def _backward(grad_output, query, key, value, output, log_sum_exp, ring: _Ring, 
                                 dtype=ring.dtype, device=key.device)
         gradient_blocks = gradients.split(key.shape[-2], dim=-2)
         for source in ring.sources():
-            pieces = _block_gradients(scaled_queries, grad_outputs, deltas, log_sum_exps, blocks[source],
-                                      gradient_blocks[source], source, ring, scale)
-            for piece, total in zip(pieces, grad_query_pieces):
-                total.add_(piece)
+            _block_gradients(scaled_queries, grad_outputs, deltas, log_sum_exps, blocks[source],
+                             gradient_blocks[source], grad_query_pieces, source, ring, scale)
         local = comm.reduce_scatter(gradients, ring.mesh, 0, reduce_op="sum", dim=-2,
                                     sizes=[key.shape[-2]] * ring.layout.world_size)
     else:
@@ -217,10 +214,8 @@ def _backward(grad_output, query, key, value, output, log_sum_exp, ring: _Ring, 
         sources = ring.sources()
         for step, source in enumerate(sources):
             pending = _rotate([current], ring) if step + 1 < len(sources) else None
-            pieces = _block_gradients(scaled_queries, grad_outputs, deltas, log_sum_exps, current,
-                                      travelling, source, ring, scale)
-            for piece, total in zip(pieces, grad_query_pieces):
-                total.add_(piece)
+            _block_gradients(scaled_queries, grad_outputs, deltas, log_sum_exps, current, travelling,
+                             grad_query_pieces, source, ring, scale)
             if pending is not None:  # the k/v arrive first, then their gradients follow them
                 current = pending.wait()[0]
                 travelling = _rotate([travelling], ring).wait()[0]
