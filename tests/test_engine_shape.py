@@ -25,7 +25,7 @@ LAYERS = [
     ["layout"],
     ["mesh", "launch"],
     ["comm"],
-    ["redistribute", "random"],
+    ["redistribute", "random", "log"],
     ["modes", "log", "propagation", "ops"],  # rules, the switches they read, the logger of decisions
     ["spec", "plain_tensors", "write_back", "plan_cache", "list_plans", "dispatch", "torch_function", "tensor_methods",
      "from_local", "autograd", "checkpoint"],  # the engine below the class, and the mixins it inherits

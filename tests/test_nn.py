@@ -160,10 +160,12 @@ def test_cross_entropy_on_an_uneven_batch_and_on_sharded_classes(mesh):
 def test_cross_entropy_with_batch_and_classes_sharded_over_different_mesh_dims(mesh):
     """Regression: (S(0), S(1)) logits with 'mean' divided each batch shard by its own total weight
     (twice the loss), and a class weight broke the local shapes of sharded outputs; every per-mesh-dim
-    mix of batch, class and no sharding must be exact."""
-    logits_full = torch.randn(7, 5, dtype=torch.float64)
-    target_full = torch.tensor([0, 4, 2, -100, 1, 3, 4])
-    class_weight = torch.rand(5, dtype=torch.float64) + 0.5
+    mix of batch, class and no sharding must be exact. 37 classes: with very few classes, gathering
+    the logits is cheaper than log_softmax's two all_reduces of the row statistics, and the planner
+    (which counts those, `Row.collectives`) rightly gathers."""
+    logits_full = torch.randn(7, 37, dtype=torch.float64)
+    target_full = torch.tensor([0, 36, 2, -100, 1, 3, 4])
+    class_weight = torch.rand(37, dtype=torch.float64) + 0.5
     per_mesh_dim = [R, Shard(0), Shard(1)]  # nothing, the batch, the classes
     for logits_placements in itertools.product(per_mesh_dim, repeat=2):
         target_placements = [Shard(0) if p == Shard(0) else R for p in logits_placements]

@@ -131,7 +131,9 @@ def test_explain_lists_steps_totals_and_lower_bound():
     source = Layout.create((2, 2), [Shard(0), Shard(1)], (8, 8))
     text = explain(source, source.with_placements([Shard(1), Shard(0)]), 4)
     assert "mesh dim" in text and "all_gather" in text and "lower bound" in text
-    assert len(text.splitlines()) == 2 + len(plan(source, source.with_placements([Shard(1), Shard(0)]), 4).steps)
+    result = plan(source, source.with_placements([Shard(1), Shard(0)]), 4)
+    above_bound = result.total_bytes > result.lower_bound_bytes  # then a line with the fewest-bytes plan
+    assert len(text.splitlines()) == 2 + len(result.steps) + above_bound
 
 
 # ---- shard order and nesting ---------------------------------------------------------------------
@@ -324,3 +326,130 @@ def test_a_star_finds_the_same_optimum_as_an_uninformed_search(monkeypatch):
     uninformed = [plan(source, target, 4).total_cost_us for source, target in pairs]
     planner._cached_plan.cache_clear()
     assert informed == pytest.approx(uninformed, abs=1e-9)
+
+
+# ---- Partial sources over several mesh dims: brute force and the lower bound ---------------------
+
+
+def _all_steps(state, target, itemsize, cost_model):
+    """Every step a plan could take, a superset of the planner's moves: any placement on one mesh
+    dim, and a reduction over every ordered set of two or more Partial mesh dims to R or any Shard."""
+    from shardtensor.redistribute import planner
+
+    for mesh_dim, current in enumerate(state.placements):
+        options = [R] + [Shard(dim) for dim in range(state.ndim)]
+        if current == R and isinstance(target.placements[mesh_dim], Partial):
+            options.append(target.placements[mesh_dim])
+        for placement in options:
+            if placement != current:
+                try:
+                    after = state.transition(mesh_dim, placement)
+                except ValueError:
+                    continue
+                yield planner._make_step(state, after, mesh_dim, itemsize, cost_model)
+    moving = [
+        mesh_dim for mesh_dim, placement in enumerate(state.placements)
+        if isinstance(placement, Partial) and state.mesh_shape[mesh_dim] > 1 and target.placements[mesh_dim] != placement
+    ]
+    for count in range(2, len(moving) + 1):
+        for mesh_dims in itertools.permutations(moving, count):
+            for placement in [R] + [Shard(dim) for dim in range(state.ndim)]:
+                after = state
+                for mesh_dim in mesh_dims:
+                    after = after.transition(mesh_dim, placement)
+                yield planner._flattened_step(state, after, mesh_dims, itemsize, cost_model)
+    if planner._exchange_allowed(state, target):
+        yield planner._exchange_step(state, target, itemsize, cost_model)
+
+
+def _brute_force_cost(source, target, itemsize, cost_model):
+    """Dijkstra over `_all_steps`, no heuristic: the cheapest cost of any plan."""
+    import heapq
+
+    best, counter = {source: 0.0}, itertools.count()
+    frontier = [(0.0, next(counter), source)]
+    while frontier:
+        cost, _, state = heapq.heappop(frontier)
+        if state == target:
+            return cost
+        if cost > best[state]:
+            continue
+        for step in _all_steps(state, target, itemsize, cost_model):
+            if cost + step.cost_us < best.get(step.after, float("inf")) - 1e-12:
+                best[step.after] = cost + step.cost_us
+                heapq.heappush(frontier, (cost + step.cost_us, next(counter), step.after))
+    return float("inf")
+
+
+BYTES_FIRST = CostModel(latency_us=0.0, exchange_latency_us=0.0)
+PARTIAL_SOURCES_3D = {
+    (2, 2, 2): [[Partial(), Shard(0), Partial()], [Shard(1), Partial(), Partial()], [Partial(), Partial(), Partial()]],
+    (2, 1, 2): [[Partial(), Shard(0), Partial()], [Partial(), Partial(), Shard(1)]],
+}
+
+
+@pytest.mark.parametrize("mesh_shape", sorted(PARTIAL_SOURCES_3D), ids=str)
+def test_partial_sources_on_small_3d_meshes_get_the_brute_force_optimum(mesh_shape):
+    """The planner's plan costs what the cheapest of all plans costs (exhaustive search over a
+    superset of its moves), under the default cost model and when bytes alone decide; and it is
+    never below its lower bound."""
+    for source_placements in PARTIAL_SOURCES_3D[mesh_shape]:
+        source = Layout.create(mesh_shape, source_placements, (4, 6))
+        targets = [list(target) for target in itertools.product([R, Shard(0), Shard(1)], repeat=3)]
+        targets.append([Partial(), R, Shard(1)])
+        for target_placements in targets:
+            target = source.with_placements(target_placements)
+            for cost_model in [DEFAULT_COST_MODEL, BYTES_FIRST]:
+                result = plan(source, target, 4, cost_model)
+                message = f"mesh {mesh_shape} shape (4, 6): {source_placements} -> {target_placements}\n{result}"
+                assert result.total_cost_us == pytest.approx(_brute_force_cost(source, target, 4, cost_model), abs=1e-9), message
+                assert result.total_bytes >= result.lower_bound_bytes, message
+
+
+@pytest.mark.parametrize(
+    "mesh_shape, source, target, shape, itemsize, plan_bytes",
+    [  # the issue's rows: the plan is at its (exact) bound
+        ((4, 2), [Partial(), Shard(0)], [Shard(1), R], (64, 64), 4, 8192),
+        ((2, 2, 2), [Partial(), Shard(0), Partial()], [R, R, R], (64, 64), 4, 20480),
+        ((2, 2), [Partial(), Partial()], [Shard(0), R], (64, 64), 4, 16384),
+        ((4, 2), [Partial(), Partial()], [Shard(0), R], (64, 64), 4, 16384),
+    ],
+)
+def test_the_issue_rows_reach_their_bound_when_bytes_decide(mesh_shape, source, target, shape, itemsize, plan_bytes):
+    layout = Layout.create(mesh_shape, source, shape)
+    result = plan(layout, layout.with_placements(target), itemsize, BYTES_FIRST)
+    assert result.total_bytes == result.lower_bound_bytes == plan_bytes, str(result)
+
+
+def test_a_plan_above_its_bound_explains_the_fewest_bytes_plan():
+    layout = Layout.create((2, 2), [Partial(), Partial()], (64, 64))
+    text = explain(layout, layout.with_placements([Shard(0), R]), 4)
+    assert "total 24576 bytes/rank" in text and "lower bound 16384 bytes/rank (1.50x)" in text
+    assert "fewest bytes: 16384 bytes/rank in 2 collective(s)" in text
+
+
+PARTIAL_MESH_SHAPES = [(2, 2, 2), (2, 1, 2), (2, 2), (4, 2), (3, 2)]
+
+
+@st.composite
+def partial_layout_pairs(draw):
+    mesh_shape = draw(st.sampled_from(PARTIAL_MESH_SHAPES))
+    shape = tuple(draw(st.lists(st.integers(0, 9), min_size=1, max_size=3)))
+    choices = [R, Partial("sum")] + [Shard(dim) for dim in range(len(shape))]
+    source_placements = draw(st.lists(st.sampled_from(choices), min_size=len(mesh_shape), max_size=len(mesh_shape)))
+    source_placements[draw(st.integers(0, len(mesh_shape) - 1))] = Partial("sum")
+    target_placements = draw(st.lists(st.sampled_from(choices), min_size=len(mesh_shape), max_size=len(mesh_shape)))
+    source = Layout.create(mesh_shape, source_placements, shape)
+    return source, source.with_placements(target_placements)
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(partial_layout_pairs(), st.sampled_from([1, 2, 4]))
+def test_no_plan_from_a_partial_source_is_below_its_bound(pair, itemsize):
+    source, target = pair
+    for cost_model in [DEFAULT_COST_MODEL, BYTES_FIRST]:
+        result = plan(source, target, itemsize, cost_model)
+        assert result.total_bytes >= result.lower_bound_bytes, (
+            f"shape {source.shape} mesh {source.mesh_shape}: {list(map(str, source.placements))} -> "
+            f"{list(map(str, target.placements))}, {itemsize}-byte items\n{result}"
+        )

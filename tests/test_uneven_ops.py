@@ -71,8 +71,9 @@ def test_replicate_input_adopts_uneven_pieces_locally(mesh, op):
     with shardtensor.strict_mode(), comm.observe() as records:
         result = OPS[op](a, b)
     # Replicate -> Shard with a's pieces is a local slice; cat along dim 1 on 2x2 must move a's dim-1
-    # shard (the engine re-shards dim 0 over both mesh dims: one all_to_all per mesh dim).
-    expected_kinds = ["all_to_all", "all_to_all"] if op == "cat_dim1" and mesh.ndim == 2 else []
+    # shard: one all_gather on that mesh dim (re-sharding dim 0 over both mesh dims instead would
+    # take an all_to_all per mesh dim and leave a dim-0 sharding on mesh dim 1 that no input had).
+    expected_kinds = ["all_gather"] if op == "cat_dim1" and mesh.ndim == 2 else []
     assert [record.kind for record in records] == expected_kinds, records
     reference_a, reference_b = full_a.clone().requires_grad_(), full_b.clone().requires_grad_()
     expected = OPS[op](reference_a, reference_b)

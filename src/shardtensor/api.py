@@ -54,6 +54,11 @@ def _box(tensor: torch.Tensor, offset: Sequence[int], shape: Sequence[int]) -> t
     return tensor
 
 
+def _owns_its_storage(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` is contiguous and its storage holds exactly its elements."""
+    return tensor.is_contiguous() and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+
+
 def _send_from_source(tensor: torch.Tensor, layout: Layout, mesh: DeviceMesh, coordinate, source: int) -> torch.Tensor:
     """This rank's shard of the tensor held at mesh coordinate (source, ..., source).
 
@@ -82,7 +87,7 @@ def _send_from_source(tensor: torch.Tensor, layout: Layout, mesh: DeviceMesh, co
                     peer[mesh_dim] = peer_coordinate
                     offset, shape = _region(layout, peer, after)
                     relative = [start - mine for start, mine in zip(offset, my_offset)]
-                    pieces.append(_box(current, relative, shape).contiguous())
+                    pieces.append(_box(current, relative, shape))  # a view: scatter copies one at a time
             _, shape = _region(layout, coordinate, after)
             current = comm.scatter(pieces, mesh, mesh_dim, src=source, shape=tuple(shape), dtype=tensor.dtype)
         else:
@@ -134,8 +139,9 @@ def distribute_tensor(
                 f"each rank's own tensor"
             )
         local = _send_from_source(data, layout, mesh, coordinate, src_data_rank)
-    if local.untyped_storage().data_ptr() == data.untyped_storage().data_ptr():
-        local = local.clone()  # never share storage with the caller's tensor
+    if local.untyped_storage().data_ptr() == data.untyped_storage().data_ptr() or not _owns_its_storage(local):
+        # never share storage with the caller's tensor, nor keep a larger buffer alive through a view
+        local = local.clone(memory_format=torch.contiguous_format)
     local = layout.operand_of(local, mesh.get_coordinate())
     spec = DTensorSpec(mesh, layout, tuple(tensor.stride()), tensor.dtype)
     return DTensor(local, spec, requires_grad=tensor.requires_grad)

@@ -35,7 +35,7 @@ from .mesh import DeviceMesh
 
 __all__ = [
     "CommRecord", "CommHandle", "PointToPoint", "observe", "call_counts",
-    "all_gather", "all_to_all", "all_reduce", "reduce_scatter", "broadcast", "scatter",
+    "all_gather", "all_gather_into", "all_to_all", "all_reduce", "reduce_scatter", "broadcast", "scatter",
     "all_gather_object", "send", "recv", "batch_p2p",
 ]
 
@@ -315,6 +315,61 @@ def all_gather(tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: MeshDims, *, di
     return _complete(work, finish_uneven, async_op)
 
 
+def all_gather_into(output: torch.Tensor, tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: MeshDims, *,
+                    sizes: Sequence[int], async_op: bool = False):
+    """Write every peer's flat `tensor` (peer c's has sizes[c] elements) into the flat `output`, in
+    coordinate order, and return `output`: the buffer of a sharded-data-parallel unit.
+
+    Even sizes use one all_gather; uneven sizes one batch of point-to-point sends and receives
+    (one grouped call: this piece to every peer, each peer's piece straight into its place), so
+    nothing is padded, no send buffer repeats the piece (as an all_to_all's would) and nothing is
+    copied after the collective (when c10d's group order is coordinate order; else one reordering
+    copy). Recorded as one "all_gather".
+    """
+    peers = _peers(mesh, mesh_dim)
+    sizes = _check_sizes("all_gather_into", "sizes", sizes, peers)
+    if tensor.ndim != 1 or output.ndim != 1 or not output.is_contiguous() or output.numel() != sum(sizes) \
+            or tensor.numel() != sizes[peers.coordinate] or output.dtype != tensor.dtype:
+        raise _sizes_error("all_gather_into", "(output, tensor) shapes",
+                           (tuple(output.shape), tuple(tensor.shape), output.dtype, tensor.dtype), peers,
+                           f"a flat contiguous output of sum(sizes) = {sum(sizes)} elements and a flat tensor of "
+                           f"sizes[{peers.coordinate}] = {sizes[peers.coordinate]} elements, of one dtype")
+    if peers.size == 1:
+        output.copy_(tensor)
+        return _identity(output, async_op)
+    local = _wire(tensor).contiguous()
+    wire_output = _wire(output)
+    _record("all_gather", peers.mesh_dim, peers.size, _nbytes(local) * (peers.size - 1),
+            (sum(sizes) - sizes[peers.coordinate]) * local.element_size())
+    target = wire_output if peers.in_coordinate_order else torch.empty_like(wire_output)
+    group_sizes = [sizes[c] for c in peers.group_order]
+    if len(set(sizes)) == 1:
+        work = _all_gather_single(target, local, group=peers.group, async_op=async_op)
+    else:
+        # Point-to-point: this piece goes to every peer as it is and each peer's piece lands in its place
+        # of the output, so no send buffer repeats the piece (an all_to_all_single would need one).
+        pieces = target.split(group_sizes)
+        operations = []
+        for c in range(peers.size):
+            if c != peers.coordinate:
+                peer = peers.ranks[c]
+                operations.append(dist.P2POp(dist.isend, local, peer, group=peers.group))
+                operations.append(dist.P2POp(dist.irecv, pieces[peers.group_rank[c]], peer, group=peers.group))
+        pieces[peers.group_rank[peers.coordinate]].copy_(local)
+        work = dist.batch_isend_irecv(operations)
+        if not async_op:
+            for item in work:
+                item.wait()
+
+    def finish() -> torch.Tensor:
+        if target is not wire_output:
+            by_group_rank = target.split(group_sizes)
+            torch.cat([by_group_rank[peers.group_rank[c]] for c in range(peers.size)], out=wire_output)
+        return output
+
+    return _complete(work, finish, async_op)
+
+
 def all_to_all(tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: MeshDims, *, split_dim: int,
                split_sizes: Sequence[int], concat_dim: int, concat_sizes: Sequence[int], async_op: bool = False):
     """Split along `split_dim` (piece c to coordinate c), concatenate what arrives along `concat_dim`.
@@ -450,7 +505,8 @@ def scatter(pieces: Sequence[torch.Tensor] | None, mesh: DeviceMesh, mesh_dim: M
     """Coordinate `src` sends pieces[c] to coordinate c (sizes may differ); returns this coordinate's piece.
 
     Only `src` passes `pieces` (in coordinate order); every rank passes the `shape` and `dtype` of
-    its own piece. One all_to_all moves exact bytes; `src` gets its own piece back as is.
+    its own piece. Point-to-point sends move exact bytes (empty pieces move nothing); `src` gets its
+    own piece back as is. Pieces may be views of one tensor: each is made contiguous only when sent.
     """
     peers = _peers(mesh, mesh_dim)
     if not 0 <= src < peers.size:
@@ -466,18 +522,29 @@ def scatter(pieces: Sequence[torch.Tensor] | None, mesh: DeviceMesh, mesh_dim: M
                                f"shape {tuple(shape)} and dtype {dtype}")
     if peers.size == 1:
         return _identity(pieces[0], async_op)
-    template = _wire(pieces[me] if me == src else torch.empty(0, dtype=dtype, device=mesh.device_type))
-    if me == src:
-        send = [None if c == me else _wire(pieces[c]) for c in range(peers.size)]
-        shapes = [None] * peers.size
-    else:
-        send = [None] * peers.size
-        shapes = [shape if c == src else None for c in range(peers.size)]
-    work, received, sent_bytes, received_bytes = _exchange(send, shapes, template, peers, async_op)
-    _record("scatter", peers.mesh_dim, peers.size, sent_bytes, received_bytes)
-    if me == src:
-        return _complete(work, lambda: pieces[me], async_op)
-    return _complete(work, lambda: _unwire(received()[src], dtype), async_op)
+    if me != src:
+        buffer = torch.empty(shape, dtype=dtype, device=mesh.device_type)
+        _record("scatter", peers.mesh_dim, peers.size, 0, _nbytes(buffer))
+        work = dist.irecv(_wire(buffer), src=peers.ranks[src], group=peers.group) if buffer.numel() else None
+        if work is not None and not async_op:
+            work.wait()
+        return _complete(work, lambda: buffer, async_op)
+    # The source sends each piece straight from the caller's tensor: no send buffer holding all pieces
+    # (an all_to_all would concatenate them). Synchronously, one piece is in flight at a time, so a
+    # piece that must be made contiguous is freed before the next one is made.
+    works, sent_bytes = [], 0
+    for coordinate in range(peers.size):
+        if coordinate == me or pieces[coordinate].numel() == 0:
+            continue
+        piece = _wire(pieces[coordinate].contiguous())
+        sent_bytes += _nbytes(piece)
+        work = dist.isend(piece, dst=peers.ranks[coordinate], group=peers.group)
+        if async_op:
+            works.append(work)
+        else:
+            work.wait()
+    _record("scatter", peers.mesh_dim, peers.size, sent_bytes, 0)
+    return _complete(works, lambda: pieces[me], async_op)
 
 
 def all_gather_object(obj: Any, mesh: DeviceMesh, mesh_dim: int | str | None = None) -> list:

@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import ops  # noqa: F401  (registers every op family)
 from . import plan_cache, propagation
+from .input_moves import KeptMoves, moved_local, with_kept_moves
 from .layout import Layout
 from .list_plans import ListPlan, is_multi_tensor, list_key
 from .modes import describe, implicit_communication_error, is_explicit, is_strict
@@ -28,8 +29,9 @@ from .ops.foreach import canonical_arguments
 from .ops.registry import RULES
 from .placement import Replicate
 from .plain_tensors import created_by_torch
-from .plan_cache import Plan, fast_key, plans, recording, template
+from .plan_cache import Plan, counts_of, fast_key, key_modes, plans, record, recording, strip_values, template
 from .propagation import DataDependentOutput, Decision, OpCall, PlainTensor, ResizesWritten, TensorMeta, decide
+from .propagation import key_modes as key_modes_by_op
 from .redistribute import redistribute_local_tensor
 from .spec import DTensorSpec
 from .write_back import (
@@ -52,18 +54,33 @@ def dispatch(dtensor_class: type, op, types, args: tuple = (), kwargs: dict | No
     single-device value)."""
     if kwargs is None:
         kwargs = _NO_KEYWORDS
+    if KeptMoves.count:  # a Partial input reduced before is seen where it was moved (`input_moves`)
+        args, kwargs = with_kept_moves(dtensor_class, op, args, kwargs)
     key = fast_key(dtensor_class, op, args, kwargs)
     if key is None and is_multi_tensor(op):
         key = list_key(dtensor_class, op, args, kwargs)
     if key is not None:
         plan = plans.get(key)
+        if plan is None:  # the plan may be stored without the values that do not decide
+            plan = plans.get(_value_free_key(dtensor_class, op, args, kwargs))
         if plan is not None and plan.generation == propagation.generation:
+            plan.used = True
+            plan.counts.hits += 1
             if recording:
-                recording[-1].append(plan)
+                record(plan, args, kwargs)
             return plan.run(args, kwargs)
     if recording:
-        recording[-1].append(None)
+        record(None, args, kwargs)
+    counts_of(op).misses += 1
     return _dispatch_slowly(dtensor_class, op, args, kwargs, key)
+
+
+def _value_free_key(dtensor_class: type, op, args: tuple, kwargs: dict) -> tuple | None:
+    """The call's key without the values that do not decide (None when every value decides)."""
+    modes = key_modes_by_op.get(op)
+    if modes is None:
+        modes = key_modes(op)
+    return fast_key(dtensor_class, op, args, kwargs, modes) if modes else None
 
 
 def _common_mesh(op, dtensors: list):
@@ -112,12 +129,14 @@ def _frozen(value):
     return value
 
 
-def _decision_cache_key(op, layouts, call: OpCall, coordinate: tuple[int, ...] | None, flat: list):
+def _decision_cache_key(op, layouts, call: OpCall, coordinate: tuple[int, ...] | None, flat: list, modes: tuple):
     """What a decision depends on. The type of every argument is in it because 2, 2.0 and True are
-    equal keys but give other dtypes; the coordinate because local arguments and local ops are this
-    rank's, and two meshes of one shape may place this rank at different coordinates."""
+    equal keys but give other dtypes; the values that decide (`modes`); the coordinate because local
+    arguments and local ops are this rank's, and two meshes of one shape may place this rank at
+    different coordinates."""
     types = tuple(type(value) for value in flat)
-    args, kwargs = call.args, call.kwargs
+    partial_input = any(layout.partial_mesh_dims() for layout in layouts)
+    args, kwargs = strip_values(call.args, call.kwargs, modes, partial_input)
     if is_multi_tensor(op):  # its rules read scalars' signs only: Adam's new step sizes must not miss
         args, kwargs = canonical_arguments(args), canonical_arguments(kwargs)
     key = (op, tuple(layouts), call.inputs, args, kwargs, types, coordinate)
@@ -126,6 +145,14 @@ def _decision_cache_key(op, layouts, call: OpCall, coordinate: tuple[int, ...] |
     except TypeError:
         return None
     return key
+
+
+def _value_keys_error(op, rule) -> RuntimeError:
+    return RuntimeError(
+        f"the sharding rule of {op} ({getattr(rule, '__name__', type(rule).__name__)}) declares that the values of "
+        f"{sorted(rule.value_keys)} do not decide, but it builds local arguments or a local op, which would keep "
+        f"the first call's values for every later call; leave those arguments out of its value_keys"
+    )
 
 
 def _moves_no_mutated_input(decision: Decision, mutated_dtensors: list, dtensors: list) -> bool:
@@ -175,12 +202,15 @@ def _dispatch_slowly(dtensor_class: type, op, args: tuple, kwargs: dict, key: tu
             raise implicit_communication_error(op, dtensors, decision.input_layouts, "its sharding rule needs other layouts")
         return _outside_mesh(dtensor_class, op, flat, tree, positions, dtensors, mesh, decision.output_layouts)
     coordinate = tuple(coordinate)
+    modes = key_modes(op)
     try:
-        decision = decide(call, layouts, rule, coordinate, _decision_cache_key(op, layouts, call, coordinate, flat))
+        decision = decide(call, layouts, rule, coordinate, _decision_cache_key(op, layouts, call, coordinate, flat, modes))
     except DataDependentOutput:  # every rank reaches the same verdict: the replicate fallback computes it
         return _fallback(dtensor_class, op, flat, tree, positions, dtensors, mutated_dtensors, mesh)
     except ResizesWritten as resize:
         return write_resized(dtensor_class, op, args, kwargs, *tree_unflatten(flat, tree), resize.functional_op)
+    if modes and (decision.local_arguments is not None or decision.local_op is not None):
+        raise _value_keys_error(op, rule)
     if key is not None and is_multi_tensor(op):
         list_plan = ListPlan.build(dtensor_class, op, rule, mesh, args, kwargs, flat, decision)
         if list_plan is not None:
@@ -191,9 +221,14 @@ def _dispatch_slowly(dtensor_class: type, op, args: tuple, kwargs: dict, key: tu
         if decision.local_arguments is None or local_template is not None:
             plan = Plan(dtensor_class, op, mesh, args, kwargs, decision, writes(op), local_template)
             plan_cache.store(key, plan)
+            if modes:
+                plan_cache.store(_value_free_key(dtensor_class, op, args, kwargs), plan)
             return plan.run(args, kwargs)
-    if is_explicit() and decision.moves_inputs(layouts):
-        raise implicit_communication_error(op, dtensors, decision.input_layouts, "its sharding rule needs other layouts")
+    if is_explicit() and (decision.moves_inputs(layouts) or decision.local_collectives):
+        raise implicit_communication_error(
+            op, dtensors, decision.input_layouts, "its sharding rule needs other layouts or communicates",
+            decision.local_collectives,
+        )
     if decision.local_arguments is not None:
         flat, tree = _local_flat(flat, decision.local_arguments)
         positions = [index for index, value in enumerate(flat) if isinstance(value, dtensor_class)]
@@ -275,9 +310,11 @@ def _run(dtensor_class: type, op, flat, tree, positions, dtensors, mutated_dtens
         local = dtensor._local_tensor
         if target != dtensor.sharding:
             moved = True
-            local = redistribute_local_tensor(local, dtensor.sharding, target, mesh)
             if id(dtensor) in mutated_ids:
+                local = redistribute_local_tensor(local, dtensor.sharding, target, mesh)
                 copies[id(local)] = (dtensor, target, local)
+            else:
+                local = moved_local(dtensor, target, mesh)
         else:
             passed_through[id(local)] = dtensor
         local_flat[index] = local

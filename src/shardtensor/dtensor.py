@@ -53,6 +53,7 @@ class DTensor(FastTensorMethods, CheckpointableMixin, torch.Tensor):
     _local_value: torch.Tensor | None
     _pending: object | None = None  # an async redistribute's result to wait for (`_wrap` leaves it unset)
     _spec: DTensorSpec
+    _view_of_copy: bool = False  # a view of a moved copy: writes into it raise (`write_back.py`)
 
     # Public torch functions, methods and operators (`torch_function.py`), then aten ops (`dispatch.py`).
     __torch_function__ = classmethod(torch_function)

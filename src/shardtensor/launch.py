@@ -116,6 +116,7 @@ def _worker_main(rank, world_size, backend, port, timeout, tasks, results, paren
                 return
             continue
         if payload is None:
+            dist.destroy_process_group()  # tear down before exit: a live group can abort the interpreter's exit
             return
         task_id, function, args, kwargs, parent_path = pickle.loads(payload)
         if sys.path != parent_path:

@@ -17,7 +17,7 @@ import torch
 
 from .placement import Partial, Placement, Replicate, Shard, normalize_placements
 
-__all__ = ["Layout", "chunk_sizes", "ShardSizes"]
+__all__ = ["Layout", "chunk_sizes", "contiguous_stride", "ShardSizes"]
 
 # What users may pass to describe shard sizes: "chunk", or {mesh_dim: sizes along that mesh dim}.
 ShardSizes = str | Mapping[int, Sequence[int]] | None
@@ -33,6 +33,15 @@ def chunk_sizes(size: int, parts: int) -> tuple[int, ...]:
         sizes.append(take)
         remaining -= take
     return tuple(sizes)
+
+
+def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of `shape` (a dim of size 0 counts as 1, as torch does)."""
+    stride, step = [], 1
+    for size in reversed(shape):
+        stride.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(stride))
 
 
 def _default_pieces(size: int, split_counts: Sequence[int]) -> tuple[int, ...]:
@@ -257,8 +266,11 @@ class Layout:
         """The same tensor under other placements: a redistribute target.
 
         Tensor dims whose shard order is unchanged keep their exact pieces; the others get the
-        `torch.chunk` default.
+        `torch.chunk` default. The same placements (no `shard_order`) give this layout itself, so a
+        nested shard order that is not the default one is not "moved" to the default.
         """
+        if shard_order is None and tuple(placements) == self.placements:
+            return self
         target = Layout.create(self.mesh_shape, placements, self.shape, shard_order=shard_order)
         pieces = tuple(
             old if old_order == new_order else new

@@ -21,9 +21,8 @@ import torch
 from torch._C import _increment_version
 from torch.utils._pytree import tree_flatten
 
-from . import propagation
 from .ops.foreach import canonical_scalar
-from .plan_cache import MAX_PLANS, function_plans
+from .plan_cache import CachedPlan, store_function_plan
 from .propagation import ComposedRule, Decision
 from .spec import DTensorSpec, interned_spec
 
@@ -108,18 +107,18 @@ def list_key(dtensor_class: type, op, args: tuple, kwargs: dict) -> tuple | None
     return tuple(key)
 
 
-class ListPlan:
+class ListPlan(CachedPlan):
     """A multi-tensor decision in which no tensor moves: which arguments are DTensor lists (given
     their local tensors), what to call on them (the aten op, a rule's local op, or the public torch
     function it was learnt from), the specs of the outputs (none for in-place ops), and the lists it
     writes (whose wrappers' version counters it bumps, as the dispatcher does)."""
 
-    __slots__ = ("generation", "wrap", "op", "specs", "list_positions", "list_names", "single_positions", "single_names",
+    __slots__ = ("wrap", "op", "specs", "list_positions", "list_names", "single_positions", "single_names",
                  "call", "output_specs", "written_positions", "returned_argument")
 
     def __init__(self, dtensor_class: type, op, call, output_specs: tuple, args: tuple, kwargs: dict,
                  written_positions: tuple[int, ...] = (), returned_argument: int | None = None):
-        self.generation = propagation.generation  # a rule registered later makes the plan stale
+        super().__init__(op)  # a rule registered later makes the plan stale (its generation)
         self.wrap = dtensor_class._wrap
         self.op, self.call, self.output_specs, self.written_positions = op, call, output_specs, written_positions
         self.returned_argument = returned_argument  # an in-place public function returns its `self` list
@@ -209,9 +208,7 @@ def learn_function(dtensor_class: type, function, key: tuple, args: tuple, kwarg
     )
     if any(name in kwargs for name in _written_names(plan.op)):
         return
-    if len(function_plans) >= MAX_PLANS:
-        function_plans.clear()
-    function_plans[key] = ListPlan(dtensor_class, plan.op, function, plan.output_specs, args, kwargs, written, returned)
+    store_function_plan(key, ListPlan(dtensor_class, plan.op, function, plan.output_specs, args, kwargs, written, returned))
 
 
 def _written_names(op) -> list[str]:

@@ -66,10 +66,14 @@ def strict_mode() -> Iterator[None]:
 
 @contextlib.contextmanager
 def explicit_communication() -> Iterator[None]:
-    """Inside this block an op that would redistribute an input raises instead, showing the plan.
+    """Inside this block an op that would communicate implicitly raises instead, showing the plan.
 
-    Communication then happens only where the program asks for it (`redistribute`,
-    `full_tensor`); ops whose rules compute locally (or yield Partial) still run.
+    That is an op whose rule moves an input, or whose rule's local op issues collectives itself
+    (softmax over a sharded dim, nll_loss 'mean' over a sharded batch, batch-norm running
+    statistics, `equal` of sharded tensors: `Row.collectives`). Communication then happens only
+    where the program asks for it (`redistribute`, `full_tensor`); ops whose rules compute locally
+    (or yield Partial) still run. (The agreement on out-of-range indices of sharded index tensors is
+    a check, not part of the computation: `shardtensor.trusted_indices()` skips it.)
 
     >>> with shardtensor.explicit_communication():  # doctest: +SKIP
     ...     x_row_sharded + y_column_sharded  # RuntimeError naming aten.add.Tensor and the plan
@@ -115,15 +119,18 @@ def describe(dtensors) -> str:
     return ", ".join(f"[{', '.join(str(p) for p in d.placements)}] shape={tuple(d.shape)}" for d in dtensors)
 
 
-def implicit_communication_error(op, dtensors, targets, what: str) -> RuntimeError:
-    """Explicit-communication mode refuses an op that would move `dtensors` to `targets` (None: stays)."""
+def implicit_communication_error(op, dtensors, targets, what: str, local_collectives=()) -> RuntimeError:
+    """Explicit-communication mode refuses an op that would move `dtensors` to `targets` (None: stays)
+    or whose rule's local op issues `local_collectives` ((mesh dim, `LocalCollective`) pairs)."""
     lines = [
-        f"{op} would redistribute its inputs implicitly ({what}), which explicit-communication mode "
+        f"{op} would communicate implicitly ({what}), which explicit-communication mode "
         f"forbids. Inputs: {describe(dtensors)}. The plan it would run:"
     ]
     for number, (dtensor, target) in enumerate(zip(dtensors, targets)):
         if target is not None and target != dtensor.sharding:
             lines.append(f"input {number}: " + explain(dtensor.sharding, target, dtensor.element_size()))
+    for mesh_dim, collective in local_collectives:
+        lines.append(f"inside the op (its sharding rule's local computation): {collective} on mesh dim {mesh_dim}")
     lines.append(
         "Redistribute the inputs yourself first (x.redistribute(mesh, placements)), or leave "
         "shardtensor.explicit_communication() / unset SHARDTENSOR_EXPLICIT_COMM."

@@ -5,33 +5,104 @@ The hot path of `dispatch`: a key built from the op, the identity of each DTenso
 decision with the output specs and, for rules with local arguments such as `view`, this rank's
 arguments already built), which runs the local op and wraps its outputs. `torch_function` keeps
 its plans for public functions here too, so that one `clear_plans` forgets both.
+
+A plan is stored under the call's key, in which every non-tensor argument counts with its type and
+value, and, when the op's rule declares arguments whose value does not decide
+(`ShardingRule.value_keys`: `mul`'s scalar by its sign only, `add`'s `alpha` by its type only),
+also under the key without those values (`fast_key(..., modes)`). A call first looks up its own
+key (the hot path, unchanged for repeated values) and then the other: `x * step_size` with a new
+step size every call is a hit. Each cache holds at most `MAX_PLANS` entries; when full, the least
+recently used go first, approximated as CLOCK does (a plan used since the last sweep is kept once
+more), so that a hit only sets a flag. `cache_counts()` reports hits, misses and decisions per op
+(`shardtensor.debug.plan_cache_counts`).
 """
 
 from __future__ import annotations
 
 import functools
+from collections import OrderedDict
+from dataclasses import dataclass
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import propagation
 from .modes import implicit_communication_error, is_explicit
-from .propagation import Decision, PlainTensor, TensorMeta
-from .redistribute import redistribute_local_tensor
+from .input_moves import moved_local
+from .ops.registry import RULES
+from .propagation import SIGN, Decision, PlainTensor, TensorMeta
 from .spec import DTensorSpec, interned_spec
 from .write_back import mark_views_of_copies, mutated, refuse_writes_into_views_of_copies, returns_view
 
-__all__ = ["fast_key", "template", "Plan", "plans", "function_plans", "recording", "store", "clear_plans", "MAX_PLANS"]
+__all__ = [
+    "fast_key", "key_modes", "strip_values", "template", "Plan", "plans", "function_plans", "recording", "store",
+    "store_function_plan", "function_key_modes", "clear_plans", "Recording", "record", "CachedPlan", "MAX_PLANS", "CacheCounts", "cache_counts", "counts_of",
+]
 
-# fast key -> Plan. Keys hold the id of each DTensor argument's spec; the plan keeps those specs
-# alive, so an id cannot be reused while its key exists.
-plans: dict[tuple, Plan] = {}
-# fast key (holding the public function's id) -> `torch_function`'s plan for it.
-function_plans: dict[tuple, object] = {}
+# fast key -> Plan, least recently used first. Keys hold the id of each DTensor argument's spec; the
+# plan keeps those specs alive, so an id cannot be reused while its key exists.
+plans: OrderedDict[tuple, Plan] = OrderedDict()
+# fast key (holding the public function's id) -> `torch_function`'s plan for it, least recently used first.
+function_plans: OrderedDict[tuple, object] = OrderedDict()
+# The size of each of the two caches; when one is full its least recently used plan is dropped.
 MAX_PLANS = 8192
+
+# (public function, number of positional arguments) -> key modes learnt by `torch_function` from the
+# one aten op such calls run with their arguments unchanged (`key_modes` of that op); () once two
+# calls disagree (other overloads, or arguments not passed through), so that no value is left out.
+function_key_modes: dict = {}
+
+
+class _OpCounts:
+    """One op's plan-cache hits and misses, shared by its plans (so a dropped plan keeps its count)."""
+
+    __slots__ = ("hits", "misses")
+
+    def __init__(self):
+        self.hits = self.misses = 0
+
+
+_op_counts: dict = {}
+
+
+def counts_of(op) -> _OpCounts:
+    counts = _op_counts.get(op)
+    if counts is None:
+        counts = _op_counts[op] = _OpCounts()
+    return counts
+
 
 # While `torch_function` learns a public function, the plan each aten op ran from (None: a miss).
 recording: list[list] = []
+
+
+class Recording(list):
+    """One public call's entry in `recording`: the plans, and the (args, kwargs) each aten op got."""
+
+    __slots__ = ("arguments",)
+
+    def __init__(self):
+        super().__init__()
+        self.arguments: list[tuple[tuple, dict]] = []
+
+
+def record(plan, args: tuple, kwargs: dict) -> None:
+    """Note in the innermost `recording` entry that an aten op ran from `plan` (None: a miss)."""
+    entry = recording[-1]
+    entry.append(plan)
+    if type(entry) is Recording:
+        entry.arguments.append((args, kwargs))
+
+
+class CachedPlan:
+    """What every entry of `plans` has for the hot path: the `propagation.generation` it was made in,
+    whether it was used since the last sweep (`used`), and its op's shared hit and miss counts."""
+
+    __slots__ = ("generation", "used", "counts")
+
+    def __init__(self, op):
+        self.generation, self.used, self.counts = propagation.generation, False, counts_of(op)
+
 
 _KEY_SCALAR_TYPES = frozenset(
     (int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout)
@@ -40,16 +111,110 @@ _KEY_LIST_ITEM_TYPES = frozenset((int, float, bool, type(None)))
 
 
 def store(key: tuple, plan: Plan) -> None:
-    """Keep `plan` under `key` (emptying the cache first when it is full)."""
-    if len(plans) >= MAX_PLANS:
-        plans.clear()
-    plans[key] = plan
+    """Keep `plan` under `key`, dropping the least recently used plan when the cache is full."""
+    _store(plans, key, plan)
+
+
+def store_function_plan(key: tuple, plan) -> None:
+    """Keep a `torch_function` plan under `key`, dropping the least recently used one when full."""
+    _store(function_plans, key, plan)
+
+
+def _store(cache: OrderedDict, key: tuple, plan) -> None:
+    while len(cache) >= MAX_PLANS:  # CLOCK: the oldest entry goes unless it was used since the last sweep
+        oldest_key, oldest = next(iter(cache.items()))
+        if oldest.used:
+            oldest.used = False
+            cache.move_to_end(oldest_key)
+        else:
+            del cache[oldest_key]
+    cache[key] = plan
 
 
 def clear_plans() -> None:
     """Forget every cached plan: the aten ones and the public functions learnt from them."""
     plans.clear()
     function_plans.clear()
+    function_key_modes.clear()
+
+
+@dataclass(frozen=True, slots=True)
+class CacheCounts:
+    """One op's calls since the process started: served from a cached plan (`hits`, the public-function
+    fast path included), missed (`misses`: the slow path), and how the misses got their decision:
+    made by the rule (`decisions`) or found in propagation's cache (`decision_hits`)."""
+
+    hits: int
+    misses: int
+    decisions: int
+    decision_hits: int
+
+    def __str__(self) -> str:
+        return f"{self.hits} hits, {self.misses} misses, {self.decisions} decisions, {self.decision_hits} decision hits"
+
+
+def cache_counts() -> dict[str, CacheCounts]:
+    """`CacheCounts` per op (by name), for ops that ran at least once on DTensors."""
+    ops = set(_op_counts) | set(propagation.decisions_made) | set(propagation.decision_cache_hits)
+    empty = _OpCounts()
+    counts = {
+        str(op): CacheCounts(_op_counts.get(op, empty).hits, _op_counts.get(op, empty).misses,
+                             propagation.decisions_made[op], propagation.decision_cache_hits[op])
+        for op in ops
+    }
+    return dict(sorted(counts.items()))
+
+
+# ---- keys -----------------------------------------------------------------------------------------
+
+_SCALAR_KINDS = frozenset((int, float, bool, complex))
+
+
+def key_modes(op) -> tuple:
+    """How the arguments of `op` enter keys: `(mode per position, {name: mode})` from its rule's
+    `value_keys` (None: the value decides), or `()` when every value decides (most ops)."""
+    modes = propagation.key_modes.get(op)
+    if modes is None:
+        rule = RULES.get(op)
+        arguments = op._schema.arguments
+        declared = rule.value_keys if rule is not None else {}
+        value_keys = {argument.name: declared[argument.name] for argument in arguments if argument.name in declared}
+        modes = ()
+        if value_keys:
+            modes = (tuple(None if argument.kwarg_only else value_keys.get(argument.name) for argument in arguments),
+                     value_keys)
+        propagation.key_modes[op] = modes
+    return modes
+
+
+def _mode_key(value, mode: str | None, key: list, sign_decides: bool = True) -> bool:
+    """Append a scalar that does not decide as its type (and sign, for SIGN); False: it decides."""
+    kind = type(value)
+    if mode is None or kind not in _SCALAR_KINDS or (mode == SIGN and kind is complex):
+        return False
+    key.append(kind)
+    if mode == SIGN and sign_decides:
+        key.append((value > 0) - (value < 0))  # NaN: 0, like zero (neither keeps P(max) nor swaps it)
+    return True
+
+
+def strip_values(values: tuple, named: tuple, modes: tuple, partial_input: bool) -> tuple[tuple, tuple]:
+    """`(args, kwargs items)` of a call with each value that does not decide replaced by its key. A
+    SIGN only picks among Partial rows, so without a `partial_input` it counts by its type only."""
+    if not modes:
+        return values, named
+    positional, by_name = modes
+
+    def stripped(value, mode):
+        key: list = []
+        return (_STRIPPED, *key) if _mode_key(value, mode, key, partial_input) else value
+
+    args = tuple(stripped(value, positional[index] if index < len(positional) else None)
+                 for index, value in enumerate(values))
+    return args, tuple((name, stripped(value, by_name.get(name))) for name, value in named)
+
+
+_STRIPPED = object()  # marks a value replaced by its type (and sign) in a decision cache key
 
 
 def _key_value(dtensor_class: type, value, key: list) -> bool:
@@ -76,8 +241,11 @@ def _key_value(dtensor_class: type, value, key: list) -> bool:
     return True
 
 
-def fast_key(dtensor_class: type, op, args: tuple, kwargs: dict) -> tuple | None:
-    """The plan-cache key of a flat call (DTensors, scalars, flat lists of numbers); None otherwise."""
+def fast_key(dtensor_class: type, op, args: tuple, kwargs: dict, modes: tuple = ()) -> tuple | None:
+    """The plan-cache key of a flat call (DTensors, scalars, flat lists of numbers); None otherwise.
+    `modes` (from `key_modes`) leave out the values that do not decide."""
+    if modes:
+        return _fast_key_with_modes(dtensor_class, op, args, kwargs, modes)
     key = [id(op)]  # ops live as long as the process; hashing an OpOverload runs Python code
     for value in args:
         kind = type(value)
@@ -91,6 +259,24 @@ def fast_key(dtensor_class: type, op, args: tuple, kwargs: dict) -> tuple | None
     if kwargs:
         for name, value in kwargs.items():
             key.append(name)
+            if not _key_value(dtensor_class, value, key):
+                return None
+    return tuple(key)
+
+
+def _fast_key_with_modes(dtensor_class: type, op, args: tuple, kwargs: dict, modes: tuple) -> tuple | None:
+    positional, by_name = modes
+    key = [id(op)]
+    for index, value in enumerate(args):
+        kind = type(value)
+        if kind is dtensor_class:
+            key.append(id(value._spec))
+        elif kind not in _SCALAR_KINDS or index >= len(positional) or not _mode_key(value, positional[index], key):
+            if not _key_value(dtensor_class, value, key):
+                return None
+    for name, value in kwargs.items():
+        key.append(name)
+        if type(value) not in _SCALAR_KINDS or not _mode_key(value, by_name.get(name), key):
             if not _key_value(dtensor_class, value, key):
                 return None
     return tuple(key)
@@ -110,22 +296,22 @@ def template(decision: Decision, args: tuple, kwargs: dict) -> tuple[list, dict,
     return list(local_args), dict(local_kwargs), destinations
 
 
-class Plan:
+class Plan(CachedPlan):
     """A decision for flat calls with everything per call precomputed: where each tensor argument
     comes from and goes to (a rule's local arguments are a template filled with the local tensors),
     where each DTensor must move (None: stays), and the output specs."""
 
     __slots__ = (
-        "generation", "dtensor_class", "wrap", "op", "mesh", "specs", "slots", "moves", "output_specs", "call",
+        "dtensor_class", "wrap", "op", "mesh", "specs", "slots", "moves", "local_collectives", "output_specs", "call",
         "runs_op", "mutates", "local_args", "local_kwargs", "writes_kwargs", "simple_positions", "single_spec",
         "view_of_copy",
     )
 
     def __init__(self, dtensor_class: type, op, mesh, args: tuple, kwargs: dict, decision: Decision, mutates: bool,
                  template):
+        super().__init__(op)  # a rule registered later makes the plan stale (its generation)
         self.op, self.mesh, self.mutates = op, mesh, mutates
         self.dtensor_class, self.wrap = dtensor_class, dtensor_class._wrap
-        self.generation = propagation.generation  # a rule registered later makes the plan stale
         # The op's C++ callable skips `OpOverload.__call__`'s Python frame.
         self.runs_op = decision.local_op is None
         self.call = op._op if self.runs_op else functools.partial(decision.local_op, mesh)
@@ -151,6 +337,7 @@ class Plan:
                 slots.append((in_kwargs, source, is_dtensor, next(targets) if is_dtensor else None) + destination)
         self.slots = tuple(slots)
         self.moves = any(target is not None for *_, target, _, _ in self.slots)
+        self.local_collectives = decision.local_collectives
         self.view_of_copy = self.moves and returns_view(op)
         self.writes_kwargs = any(to_kwargs for *_, to_kwargs, _ in self.slots)
         self.output_specs = tuple(
@@ -160,7 +347,8 @@ class Plan:
         single = not mutates and len(self.output_specs) == 1 and self.output_specs[0] is not None
         self.single_spec = self.output_specs[0] if single else None
         # The common case, run by a short loop: positional DTensors that stay where they are.
-        simple = single and template is None and not self.moves and not self.writes_kwargs
+        simple = (single and template is None and not self.moves and not self.writes_kwargs
+                  and not self.local_collectives)
         self.simple_positions = tuple(source for _, source, *_ in self.slots) if simple else None
 
     def run(self, args: tuple, kwargs: dict):
@@ -175,11 +363,14 @@ class Plan:
             return self._wrap_result(result, [])
         if self.mutates:
             refuse_writes_into_views_of_copies(self.op, mutated(self.dtensor_class, self.op, args, kwargs))
-        if self.moves and is_explicit():
+        if (self.moves or self.local_collectives) and is_explicit():
             dtensors = [(kwargs if in_kwargs else args)[where] for in_kwargs, where, is_dtensor, *_ in self.slots
                         if is_dtensor]
             targets = [target for _, _, is_dtensor, target, _, _ in self.slots if is_dtensor]
-            raise implicit_communication_error(self.op, dtensors, targets, "its sharding rule needs other layouts")
+            raise implicit_communication_error(
+                self.op, dtensors, targets, "its sharding rule needs other layouts or communicates",
+                self.local_collectives,
+            )
         if self.local_args is None:
             local_args, local_kwargs = list(args), kwargs
         else:
@@ -193,7 +384,7 @@ class Plan:
             if is_dtensor:
                 local = value._local_tensor
                 if target is not None:
-                    local = redistribute_local_tensor(local, value._spec.layout, target, self.mesh)
+                    local = moved_local(value, target, self.mesh)  # plans move no written input
                 if self.mutates:
                     inputs.append((local, value))
             if to_kwargs:

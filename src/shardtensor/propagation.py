@@ -1,20 +1,26 @@
 """Sharding propagation: from an op's rule and its inputs' layouts to one decision, cached.
 
 A rule describes an op along a single mesh dim as rows `[outputs..., inputs...]` of placements
-(`Row`). For an N-D mesh the engine picks one row per mesh dim, choosing the row whose input
-placements are cheapest to reach from where the inputs are (bytes moved, then number of
-collectives, then the rule's own order); when that moves a nested-sharded input, the
-redistribute planner prices the best few combinations exactly. It builds the full input and
-output layouts. Decisions
-are cached by (op, input layouts, dtypes, non-tensor arguments): the hot path is one dict lookup.
+(`Row`). For an N-D mesh the engine picks one row per mesh dim, choosing the cheapest row (bytes
+moved, then number of collectives, then bytes moved now, then the rule's own order). A row's cost is for
+the step, not only the op (`row_cost`): moving the inputs, the collectives the rule's local op issues
+itself (`Row.collectives`), and what an output layout nobody asked for forces later (a Shard on a mesh
+dim where no input stays sharded must be gathered again, a Partial that the data does not imply must be
+reduced: `_follows_the_data`); on a tie, the row that communicates later. When the choice moves a
+nested-sharded input, the redistribute planner prices the best few combinations exactly. It builds the
+full input and output layouts. Decisions are cached by (op, input layouts, dtypes, the non-tensor
+arguments that decide): the hot path is one dict lookup. The cache is a bounded LRU (`MAX_DECISIONS`),
+and counts decisions made per op.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -26,24 +32,41 @@ from .placement import Partial, Placement, Replicate, Shard
 from .redistribute.planner import plan as plan_redistribute
 
 __all__ = [
-    "Row", "TensorMeta", "PlainTensor", "DataDependentOutput", "ResizesWritten", "OpCall", "ShardingRule", "RowsRule",
-    "OutVariantRule", "ComposedRule",
-    "Decision", "decide",
-    "transition_cost", "clear_cache",
+    "Row", "LocalCollective", "TensorMeta", "PlainTensor", "DataDependentOutput", "ResizesWritten", "OpCall",
+    "schema_positions", "ShardingRule", "RowsRule", "OutVariantRule", "ComposedRule",
+    "Decision", "decide", "TYPE_ONLY", "SIGN",
+    "transition_cost", "row_cost", "clear_cache", "MAX_DECISIONS", "decisions_made", "decision_cache_hits",
 ]
 
 
 @dataclass(frozen=True, slots=True)
+class LocalCollective:
+    """A collective that a rule's local op issues along its row's mesh dim (softmax over a sharded
+    dim all_reduces its row maxima): the kind (`comm`'s name) and the bytes of the tensor it
+    reduces or gathers, global (an upper bound of any rank's). Declared so that the cost of the row
+    counts it and `explicit_communication()` refuses it like a move of an input."""
+
+    kind: str
+    bytes: int
+
+    def __str__(self) -> str:
+        return f"{self.kind}({self.bytes} B)"
+
+
+@dataclass(frozen=True, slots=True)
 class Row:
-    """One way to compute an op along one mesh dim: a placement per output and per tensor input."""
+    """One way to compute an op along one mesh dim: a placement per output and per tensor input, and
+    the collectives the rule's local op issues itself along that mesh dim when it computes this row."""
 
     outputs: tuple[Placement, ...]
     inputs: tuple[Placement, ...]
+    collectives: tuple[LocalCollective, ...] = ()
 
     def __str__(self) -> str:
         outputs = ", ".join(str(p) for p in self.outputs)
         inputs = ", ".join(str(p) for p in self.inputs)
-        return f"[{outputs} <- {inputs}]"
+        communicates = f" + {', '.join(str(c) for c in self.collectives)}" if self.collectives else ""
+        return f"[{outputs} <- {inputs}{communicates}]"
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,13 +112,47 @@ class OpCall:
     def argument(self, name: str):
         """The value of the op's argument `name`, positional or keyword (its schema default when it
         was not given; None when the op has no such argument)."""
-        for position, schema_argument in enumerate(self.op._schema.arguments):
-            if schema_argument.name == name:
-                if position < len(self.args) and not schema_argument.kwarg_only:
-                    return self.args[position]
-                default = schema_argument.default_value if schema_argument.has_default_value() else None
-                return self.kwarg(name, default)
-        return None
+        found = schema_positions(self.op).get(name)
+        if found is None:
+            return None
+        position, positional, default = found
+        if positional and position < len(self.args):
+            return self.args[position]
+        return self.kwarg(name, default)
+
+    def input_names(self) -> list[str]:
+        """The schema name of each DTensor input, in the order `inputs` lists them (a tensor list
+        argument such as `indices` names each of its DTensors)."""
+        names = []
+        for name in schema_positions(self.op):
+            value = self.argument(name)
+            values = value if isinstance(value, (list, tuple)) else [value]
+            names += [name for item in values if isinstance(item, TensorMeta)]
+        return names
+
+    def with_arguments(self, **values) -> tuple[tuple, dict]:
+        """(args, kwargs) of this call with the named arguments replaced: where they were given
+        (by position or keyword), else added as keywords. For a rule's local arguments."""
+        args, kwargs = list(self.args), dict(self.kwargs)
+        positions = schema_positions(self.op)
+        for name, value in values.items():
+            position, positional, _ = positions[name]
+            if positional and position < len(args):
+                args[position] = value
+            else:
+                kwargs[name] = value
+        return tuple(args), kwargs
+
+
+@functools.cache
+def schema_positions(op) -> dict[str, tuple[int, bool, object]]:
+    """name -> (position, may be given by position, schema default or None) for each argument of `op`."""
+    return {
+        argument.name: (
+            position, not argument.kwarg_only, argument.default_value if argument.has_default_value() else None,
+        )
+        for position, argument in enumerate(op._schema.arguments)
+    }
 
 
 class DataDependentOutput(Exception):
@@ -122,6 +179,13 @@ class ShardingRule:
 
     # True: plain (non-DTensor) tensor arguments are accepted and treated as Replicate (index tensors).
     accepts_plain_tensors: bool = False
+    # Non-tensor arguments (by schema name) whose value does not change the decision, each with what
+    # of it does: TYPE_ONLY (2, 2.0 and True still differ: other dtypes) or SIGN (its sign picks
+    # among Partial rows, as a negative scale swaps P(max) and P(min); without a Partial input only its
+    # type counts). Calls that differ only there share one cached decision and dispatch plan, so the
+    # rule's local arguments and local op must not depend on these values. Every argument not listed
+    # decides with its value (views' sizes, dims, reduce ops...).
+    value_keys: Mapping[str, str] = {}
 
     def rows(self, call: OpCall) -> Sequence[Row]:
         raise NotImplementedError
@@ -153,11 +217,13 @@ class ShardingRule:
 
 
 class RowsRule(ShardingRule):
-    """A rule given as a plain function from an `OpCall` to rows."""
+    """A rule given as a plain function from an `OpCall` to rows (and, optionally, its `value_keys`)."""
 
-    def __init__(self, rows: Callable[[OpCall], Sequence[Row]]):
+    def __init__(self, rows: Callable[[OpCall], Sequence[Row]], value_keys: Mapping[str, str] | None = None):
         self._rows = rows
         self.__name__ = getattr(rows, "__name__", type(self).__name__)
+        if value_keys:
+            self.value_keys = dict(value_keys)
 
     def rows(self, call: OpCall) -> Sequence[Row]:
         return self._rows(call)
@@ -187,6 +253,10 @@ class OutVariantRule(ShardingRule):
 
     def functional_rule(self) -> ShardingRule:
         return self._rules[self.functional_op]
+
+    @property
+    def value_keys(self) -> Mapping[str, str]:
+        return self.functional_rule().value_keys
 
     def split(self, call: OpCall) -> tuple[OpCall, list[int], list[int]]:
         """The functional call, and the indices in `call.inputs` of its operands and of the out tensors."""
@@ -278,6 +348,18 @@ class Decision:
     def moves_inputs(self, current: Sequence[Layout]) -> bool:
         return any(target != layout for target, layout in zip(self.input_layouts, current))
 
+    @property
+    def local_collectives(self) -> tuple[tuple[int, LocalCollective], ...]:
+        """(mesh dim, collective) for each collective the local op issues (mesh dims of size 1 issue none)."""
+        if not self.input_layouts:
+            return ()
+        mesh_shape = self.input_layouts[0].mesh_shape
+        return tuple(
+            (mesh_dim, collective)
+            for mesh_dim, row in enumerate(self.rows) if mesh_shape[mesh_dim] > 1
+            for collective in row.collectives
+        )
+
 
 def transition_cost(layout: Layout, mesh_dim: int, target: Placement, itemsize: int) -> tuple[float, int]:
     """(bytes a rank moves, collectives) to change one mesh dim of `layout` to `target`.
@@ -304,18 +386,105 @@ def transition_cost(layout: Layout, mesh_dim: int, target: Placement, itemsize: 
     return float((parts - 1) * local_bytes) * 2, 2
 
 
-def _ranked_rows(rows: Sequence[Row], layouts: Sequence[Layout], metas: Sequence[TensorMeta], mesh_dim: int) -> list[Row]:
-    """The rows by estimated cost on one mesh dim, cheapest first (ties: the rule's order)."""
-    keyed = []
-    for rank_in_rule, row in enumerate(rows):
-        bytes_moved, collectives = 0.0, 0
-        for layout, meta, target in zip(layouts, metas, row.inputs):
-            moved, count = transition_cost(layout, mesh_dim, target, meta.dtype.itemsize)
-            bytes_moved += moved
-            collectives += count
-        keyed.append((bytes_moved, collectives, rank_in_rule, row))
-    keyed.sort(key=lambda entry: entry[:3])
-    return [entry[3] for entry in keyed]
+def _collective_cost(collective: LocalCollective, parts: int) -> float:
+    """Bytes a rank moves for a declared in-op collective over `parts` ranks (like `comm.CommRecord`)."""
+    if collective.kind == "all_reduce":
+        return 2 * collective.bytes * (parts - 1) / parts
+    if collective.kind == "all_gather":
+        return float(collective.bytes * (parts - 1))
+    return float(collective.bytes * (parts - 1) / parts)
+
+
+def _numel(meta: TensorMeta) -> int:
+    return math.prod(meta.shape)
+
+
+def _follows_the_data(row: Row, layouts: Sequence[Layout], mesh_dim: int) -> tuple[bool, bool]:
+    """(a Shard output follows the data, the Partial outputs do) along `mesh_dim`.
+
+    A Shard output follows the data when some input that the row leaves where it is is sharded
+    there. Partial outputs do when no input must be communicated to get there and either some
+    input stays sharded (a sum over a sharded dim, a matmul of matching shards) or there are no
+    more Partial outputs than Partial inputs staying (a Partial scaled, cast, padded or summed).
+    Keeping a Partial by gathering another input only postpones the reduction and pays the gather
+    on top; a Partial that fans out into several Partial outputs (a LayerNorm backward giving input
+    and weight gradients) needs a reduction for each instead of one now.
+    """
+    staying = [
+        layout.placements[mesh_dim] for layout, target in zip(layouts, row.inputs) if layout.placements[mesh_dim] == target
+    ]
+    sharded = any(isinstance(placement, Shard) for placement in staying)
+    moves_data = any(transition_cost(layout, mesh_dim, target, 1)[1] for layout, target in zip(layouts, row.inputs))
+    partial_in = sum(isinstance(placement, Partial) for placement in staying)
+    partial_out = sum(isinstance(placement, Partial) for placement in row.outputs)
+    partial = not moves_data and (sharded or partial_out <= partial_in)
+    return sharded, partial
+
+
+def _forced_later(
+    row: Row, output_metas: Sequence[TensorMeta], mesh_dim: int, parts: int, follows: tuple[bool, bool]
+) -> tuple[float, int]:
+    """What an output layout nobody asked for costs later, estimated as undoing it once.
+
+    A Shard output on a mesh dim where no input stays sharded (a Partial reduce-scattered over the
+    batch, a Replicate input sliced, the only sharded input moved to another dim) leaves the rest of
+    the step to run sharded on a dim the program never chose: its consumers gather it (an
+    all_gather) or their gradients arrive sharded. Partial outputs that do not follow the data
+    must be reduced (an all_reduce each). Outputs that follow the data cost nothing here.
+    """
+    shard_follows, partial_follows = follows
+    bytes_moved, collectives = 0.0, 0
+    for placement, meta in zip(row.outputs, output_metas):
+        full_bytes = _numel(meta) * meta.dtype.itemsize
+        if isinstance(placement, Partial) and not partial_follows:
+            bytes_moved += 2 * full_bytes * (parts - 1) / parts
+            collectives += 1
+        elif isinstance(placement, Shard) and not shard_follows:
+            bytes_moved += full_bytes * (parts - 1) / parts
+            collectives += 1
+    return bytes_moved, collectives
+
+
+def row_cost(
+    row: Row, layouts: Sequence[Layout], metas: Sequence[TensorMeta], output_metas: Sequence[TensorMeta | None],
+    mesh_dim: int,
+) -> tuple[int, int, int]:
+    """(bytes a rank moves, collectives, bytes moved now) for the step when the op computes `row`
+    on `mesh_dim`: moving the inputs there and the local op's own collectives (now), and what the
+    output forces later. Rows that cost the same overall prefer to communicate later (a Partial
+    scaled by a number stays Partial), so that explicit-communication programs keep running."""
+    parts = layouts[0].mesh_shape[mesh_dim] if layouts else 1
+    bytes_moved, collectives = 0.0, 0
+    for layout, meta, target in zip(layouts, metas, row.inputs):
+        moved, count = transition_cost(layout, mesh_dim, target, meta.dtype.itemsize)
+        bytes_moved += moved
+        collectives += count
+    if parts > 1:
+        for collective in row.collectives:
+            bytes_moved += _collective_cost(collective, parts)
+            collectives += 1
+    now = bytes_moved
+    if parts > 1:
+        tensor_outputs = [meta for meta in output_metas if meta is not None]  # rows name tensor outputs only
+        follows = _follows_the_data(row, layouts, mesh_dim)
+        later, count = _forced_later(row, tensor_outputs, mesh_dim, parts, follows)
+        bytes_moved += later
+        collectives += count
+    return round(bytes_moved), collectives, round(now)  # rounded: equal paths priced in two ways tie exactly
+
+
+def _ranked_rows(
+    rows: Sequence[Row], layouts: Sequence[Layout], metas: Sequence[TensorMeta],
+    output_metas: Sequence[TensorMeta | None], mesh_dim: int,
+) -> list[Row]:
+    """The rows by estimated step cost on one mesh dim, cheapest first (ties: the one communicating
+    later, then the rule's order)."""
+    keyed = [
+        (*row_cost(row, layouts, metas, output_metas, mesh_dim), rank_in_rule, row)
+        for rank_in_rule, row in enumerate(rows)
+    ]
+    keyed.sort(key=lambda entry: entry[:4])
+    return [entry[4] for entry in keyed]
 
 
 def _planned_cost(rows: Sequence[Row], layouts: Sequence[Layout], metas: Sequence[TensorMeta]) -> float:
@@ -332,12 +501,17 @@ def _planned_cost(rows: Sequence[Row], layouts: Sequence[Layout], metas: Sequenc
 _CANDIDATES_PER_MESH_DIM = 2
 
 
-def _choose_rows(rows: Sequence[Row], layouts: Sequence[Layout], metas: Sequence[TensorMeta]) -> tuple[Row, ...]:
+def _choose_rows(
+    rows: Sequence[Row], layouts: Sequence[Layout], metas: Sequence[TensorMeta],
+    output_metas: Sequence[TensorMeta | None],
+) -> tuple[Row, ...]:
     """One row per mesh dim: the per-mesh-dim estimate's best, unless an input is sharded on one
     tensor dim by several mesh dims (nested) and that choice moves data. Then the estimate cannot
     see the order constraints, and the redistribute planner prices the combinations of each mesh
     dim's top candidates exactly (slower: a planner search per input and combination)."""
-    ranked = [_ranked_rows(rows, layouts, metas, mesh_dim) for mesh_dim in range(len(layouts[0].mesh_shape))]
+    ranked = [
+        _ranked_rows(rows, layouts, metas, output_metas, mesh_dim) for mesh_dim in range(len(layouts[0].mesh_shape))
+    ]
     greedy = tuple(candidates[0] for candidates in ranked)
     nested = any(len(order) > 1 for layout in layouts for order in layout.shard_order)
     if not nested or all(
@@ -391,6 +565,31 @@ def _contiguous_meta(shape: tuple[int, ...], dtype: torch.dtype) -> TensorMeta:
     return TensorMeta(shape, tuple(reversed(stride)), dtype)
 
 
+def _inherited_shard_order(placements, ndim: int, input_layouts) -> tuple[tuple[int, ...], ...] | None:
+    """The output's shard order: a tensor dim split by several mesh dims takes the order of an input dim
+    split by the same mesh dims (the local op keeps each coordinate's piece where it was), else the default.
+
+    Without this, an input whose nested order is not ascending (FSDP's data-parallel split inside a
+    tensor-parallel one) would give an output whose pieces are labelled with the wrong coordinates.
+    """
+    mesh_dims_of = [[] for _ in range(ndim)]
+    for mesh_dim, placement in enumerate(placements):
+        if isinstance(placement, Shard):
+            mesh_dims_of[placement.dim % ndim].append(mesh_dim)
+    orders = [tuple(mesh_dims) for mesh_dims in mesh_dims_of]
+    changed = False
+    for dim, mesh_dims in enumerate(mesh_dims_of):
+        if len(mesh_dims) < 2:
+            continue
+        for layout in input_layouts:
+            found = next((order for order in layout.shard_order if sorted(order) == mesh_dims), None)
+            if found is not None:
+                changed = changed or found != orders[dim]
+                orders[dim] = found
+                break
+    return tuple(orders) if changed else None
+
+
 def _exact_output_layouts(call, rule, mesh_shape, placements, metas, input_layouts) -> tuple[Layout | None, ...]:
     """Output layouts whose pieces are exactly what the local op produces on every coordinate.
 
@@ -421,7 +620,8 @@ def _exact_output_layouts(call, rule, mesh_shape, placements, metas, input_layou
             layouts.append(Layout.create(mesh_shape, placements[index], meta.shape))
         else:
             shapes = {coordinate: outputs[index].shape for coordinate, outputs in local_shapes.items()}
-            layout = Layout.from_local_shapes(mesh_shape, placements[index], shapes)
+            order = _inherited_shard_order(placements[index], meta.ndim, input_layouts)
+            layout = Layout.from_local_shapes(mesh_shape, placements[index], shapes, shard_order=order)
             if layout.shape != meta.shape:
                 raise RuntimeError(
                     f"sharding rule of {call.op} is wrong: placements {list(placements[index])} give local "
@@ -461,7 +661,18 @@ def _aligned_pieces(layouts: Sequence[Layout], targets: tuple[Layout, ...]) -> t
     return tuple(aligned)
 
 
-_cache: dict = {}
+# How a non-tensor argument's value enters a cache key when it does not decide (`ShardingRule.value_keys`).
+TYPE_ONLY = "type"
+SIGN = "sign"
+
+# Decisions by cache key, least recently used first; at most MAX_DECISIONS (then the oldest goes).
+MAX_DECISIONS = 4096
+_cache: OrderedDict = OrderedDict()
+# Per op: decisions made (cache misses) and decisions found in the cache, since the process started.
+decisions_made: Counter = Counter()
+decision_cache_hits: Counter = Counter()
+# op -> how its arguments enter cache keys (dispatch fills it from the op's rule); cleared with the rules.
+key_modes: dict = {}
 
 # Counts `clear_cache` calls: a dispatch plan built from a decision is valid while this is unchanged.
 generation = 0
@@ -471,6 +682,7 @@ def clear_cache() -> None:
     """Forget every decision (a rule was added or replaced), and with them the dispatch plans."""
     global generation
     _cache.clear()
+    key_modes.clear()
     generation += 1
 
 
@@ -485,6 +697,8 @@ def decide(
     if cache_key is not None:
         cached = _cache.get(cache_key)
         if cached is not None:
+            _cache.move_to_end(cache_key)
+            decision_cache_hits[call.op] += 1
             return cached
     if isinstance(rule, OutVariantRule):
         decision = _decide_out_variant(call, layouts, rule, coordinate)
@@ -492,7 +706,10 @@ def decide(
         decision = rule.decision(call, layouts, coordinate)
     else:
         decision = _decide_rows(call, layouts, rule, coordinate)
+    decisions_made[call.op] += 1
     if cache_key is not None:
+        while len(_cache) >= MAX_DECISIONS:
+            _cache.popitem(last=False)
         _cache[cache_key] = decision
     if propagation_logger.isEnabledFor(DEBUG):
         log_decision(call.op, layouts, decision, [meta.dtype.itemsize for meta in call.inputs])
@@ -504,15 +721,15 @@ def _decide_rows(call: OpCall, layouts: Sequence[Layout], rule: ShardingRule, co
     if not rows:
         raise NotImplementedError(f"the sharding rule of {call.op} returned no way to compute it")
     mesh_shape = layouts[0].mesh_shape
-    chosen = _choose_rows(rows, layouts, call.inputs)
-    input_layouts = _aligned_pieces(
-        layouts,
-        tuple(layout.with_placements([row.inputs[index] for row in chosen]) for index, layout in enumerate(layouts)),
-    )
     try:
         metas = tuple(rule.global_outputs(call))
     except NotImplementedError as error:  # e.g. `nonzero` inside boolean indexing: shapes depend on data
         raise DataDependentOutput(f"{call.op} cannot be evaluated on meta tensors: {error}") from error
+    chosen = _choose_rows(rows, layouts, call.inputs, metas)
+    input_layouts = _aligned_pieces(
+        layouts,
+        tuple(layout.with_placements([row.inputs[index] for row in chosen]) for index, layout in enumerate(layouts)),
+    )
     placements: list[tuple[Placement, ...] | None] = []
     for meta in metas:  # rows name tensor outputs only, in order
         tensor_index = len([p for p in placements if p is not None])

@@ -2,8 +2,9 @@
 
 The flattened global tensor is cut into blocks of `BLOCK_SIZE` elements; block `k` of the random
 call number `counter` comes from a `torch.Generator` seeded with a hash of (seed, counter, k).
-A rank generates only the blocks that overlap its shard and keeps the elements it holds, so every
-mesh shape, placement and rank count (one rank included) sees the same global tensor.
+A rank generates only the blocks that overlap its shard, one at a time, and copies the part of each
+block that its shard holds (time and memory linear in the shard), so every mesh shape, placement and
+rank count (one rank included) sees the same global tensor.
 
 Semantics: `manual_seed(seed)` sets the seed and resets the counter to 0. Every random call on
 DTensors (the `rand`/`randn` factories and random ops such as `uniform_`, `rand_like`,
@@ -16,6 +17,7 @@ own generator and neither read nor advance this counter.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -69,14 +71,79 @@ def _block_seed(seed: int, counter: int, block: int) -> int:
     return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
-def _flat_indices(shape: Sequence[int], offset: Sequence[int], local_shape: Sequence[int]) -> torch.Tensor:
-    """Row-major global indices of the elements of the box `offset + local_shape`, in local order."""
-    index = torch.zeros((), dtype=torch.int64)
-    step = math.prod(shape)
-    for size, start, length in zip(shape, offset, local_shape):
-        step //= max(size, 1)
-        index = index.unsqueeze(-1) + torch.arange(start, start + length, dtype=torch.int64) * step
-    return index.reshape(-1)
+def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+class _Blocks:
+    """Draws of the flattened global tensor by flat index range, one block at a time.
+
+    Only the most recent block is kept, so ranges that share a block (consecutive chunks of a box)
+    draw it once, and memory stays at most two blocks whatever the box size.
+    """
+
+    def __init__(self, method: str, total: int, seed: int, counter: int, dtype: torch.dtype, parameters: tuple):
+        self.method, self.total, self.seed, self.counter = method, total, seed, counter
+        self.dtype, self.parameters = dtype, parameters
+        self._last: tuple[int, torch.Tensor] | None = None
+
+    def block(self, index: int) -> torch.Tensor:
+        if self._last is None or self._last[0] != index:
+            length = min(BLOCK_SIZE, self.total - index * BLOCK_SIZE)
+            generator = torch.Generator().manual_seed(_block_seed(self.seed, self.counter, index))
+            values = getattr(torch.empty(length, dtype=self.dtype), self.method)(*self.parameters, generator=generator)
+            self._last = (index, values)
+        return self._last[1]
+
+    def range(self, start: int, stop: int) -> torch.Tensor:
+        """Global flat elements `start:stop` (a view of one block when the range lies in one)."""
+        first, last = start // BLOCK_SIZE, (stop - 1) // BLOCK_SIZE
+        parts = []
+        for index in range(first, last + 1):
+            low = max(start - index * BLOCK_SIZE, 0)
+            high = min(stop - index * BLOCK_SIZE, BLOCK_SIZE)
+            parts.append(self.block(index)[low:high])
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _fill_box(values: torch.Tensor, blocks: _Blocks, shape: Sequence[int], offset: Sequence[int]) -> None:
+    """Write the box `offset + values.shape` of the global tensor into `values`, in O(its size).
+
+    The box is walked in chunks of consecutive indices of one `split` tensor dim (the outermost
+    whose rows fit in a block). A chunk is as long as fits in the block where it starts, so most
+    chunks are views of one block and only a row crossing a block edge is concatenated: the draws in
+    flight never exceed two blocks, and only blocks holding elements of the box are drawn (within a
+    chunk, gaps between the box's elements are shorter than a block).
+    """
+    ndim = len(shape)
+    local_shape = tuple(values.shape)
+    if ndim == 0:
+        values.copy_(blocks.range(0, 1).reshape(()))
+        return
+    strides = _contiguous_strides(shape)
+    split = 0
+    while split < ndim - 1 and strides[split] > BLOCK_SIZE:
+        split += 1
+    row = strides[split]
+    inner_shape, inner_strides = local_shape[split + 1 :], strides[split + 1 :]
+    inner_start = sum(start * stride for start, stride in zip(offset[split + 1 :], inner_strides))
+    inner_extent = sum((length - 1) * stride for length, stride in zip(inner_shape, inner_strides)) + 1
+    for outer in itertools.product(*(range(length) for length in local_shape[:split])):
+        base = sum((start + index) * stride for start, index, stride in zip(offset, outer, strides))
+        destination = values[outer] if outer else values
+        first = 0
+        while first < local_shape[split]:
+            start = base + (offset[split] + first) * row + inner_start
+            room = (start // BLOCK_SIZE + 1) * BLOCK_SIZE - start
+            count = min(local_shape[split] - first, max(1, (room - inner_extent) // row + 1))
+            drawn = blocks.range(start, start + (count - 1) * row + inner_extent)
+            box = drawn.as_strided((count, *inner_shape), (row, *inner_strides), drawn.storage_offset())
+            destination[first : first + count].copy_(box)
+            first += count
 
 
 def random_shard(
@@ -90,11 +157,15 @@ def random_shard(
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
     parameters: tuple = (),
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The box `offset + local_shape` of the global random tensor of `shape`.
 
     `kind` is "rand", "randn" or a name in `FILLS`, called with `parameters` on each block
-    (`random_shard("uniform_", ..., parameters=(-1.0, 1.0))`).
+    (`random_shard("uniform_", ..., parameters=(-1.0, 1.0))`). Time and memory are linear in the
+    blocks the box touches (its size, for boxes of whole rows), never in the global size: blocks
+    are drawn one at a time and copied into the result, or into `out` (a tensor of `local_shape`,
+    written in place) so that filling an existing shard needs no second shard.
 
     >>> full = random_shard("rand", (3, 4), (0, 0), (3, 4), seed=0, counter=0, dtype=torch.float32)
     >>> torch.equal(random_shard("rand", (3, 4), (1, 2), (2, 2), seed=0, counter=0,
@@ -104,15 +175,10 @@ def random_shard(
     method = _ALIASES.get(kind, kind)
     if method not in FILLS:
         raise ValueError(f"random_shard kind must be 'rand', 'randn' or one of {FILLS}, got {kind!r}")
-    total = math.prod(shape)
-    index = _flat_indices(shape, offset, local_shape)
-    values = torch.empty(index.numel(), dtype=dtype)
-    if index.numel():
-        blocks = index // BLOCK_SIZE
-        for block in torch.unique(blocks).tolist():
-            length = min(BLOCK_SIZE, total - block * BLOCK_SIZE)
-            generator = torch.Generator().manual_seed(_block_seed(seed, counter, block))
-            generated = getattr(torch.empty(length, dtype=dtype), method)(*parameters, generator=generator)
-            mask = blocks == block
-            values[mask] = generated[index[mask] - block * BLOCK_SIZE]
-    return values.reshape(tuple(local_shape)).to(device)
+    if out is None:
+        out = torch.empty(tuple(local_shape), dtype=dtype, device=device)
+    elif tuple(out.shape) != tuple(local_shape):
+        raise ValueError(f"random_shard out= has shape {tuple(out.shape)}, but the box has shape {tuple(local_shape)}")
+    if out.numel():
+        _fill_box(out, _Blocks(method, math.prod(shape), seed, counter, dtype, parameters), shape, offset)
+    return out

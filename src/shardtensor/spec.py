@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .layout import Layout
+from .layout import Layout, contiguous_stride
 from .mesh import DeviceMesh
 from .placement import Placement
 
@@ -47,14 +47,6 @@ def interned_spec(spec: DTensorSpec) -> DTensorSpec:
             _interned_specs.clear()
         _interned_specs[spec] = found = spec
     return found
-
-
-def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
-    stride, step = [], 1
-    for size in reversed(shape):
-        stride.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(stride))
 
 
 def global_stride(local: torch.Tensor, shape: Sequence[int]) -> tuple[int, ...]:

@@ -34,9 +34,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import propagation
+from .gradients import watch_leaves
 from .list_plans import is_multi_tensor_function, learn_function, list_key
 from .plain_tensors import outermost_call
-from .plan_cache import MAX_PLANS, fast_key, function_plans, recording
+from .plan_cache import (
+    Recording, counts_of, fast_key, function_key_modes, function_plans, key_modes, recording, store_function_plan,
+)
 from .spec import DTensorSpec
 from .write_back import returns_view
 
@@ -56,10 +59,13 @@ class _FunctionPlan:
     """What a learnt public function needs: where its DTensors are and the spec of its result
     (None: not servable here, but known to run from cached aten plans only)."""
 
-    __slots__ = ("function", "positions", "spec", "input_specs", "generation")
+    __slots__ = ("function", "positions", "spec", "input_specs", "generation", "counts", "used")
 
-    def __init__(self, cls, function, args: tuple, kwargs: dict, positions: tuple[int, ...], spec: DTensorSpec | None):
+    def __init__(self, cls, function, args: tuple, kwargs: dict, positions: tuple[int, ...], spec: DTensorSpec | None,
+                 op=None):
         self.function, self.positions, self.spec = function, positions, spec
+        # A servable plan counts its calls as hits of the one aten op it stands for.
+        self.counts, self.used = (None if op is None else counts_of(op)), False
         # The key holds the ids of these specs: keeping them alive keeps the ids from being reused.
         self.input_specs = tuple(value._spec for value in (*args, *kwargs.values()) if isinstance(value, cls))
         self.generation = propagation.generation
@@ -83,7 +89,12 @@ def torch_function(cls, function, types, args=(), kwargs=None):
     else:
         key = fast_key(cls, function, args, kwargs)
     plan = function_plans.get(key) if key is not None else None
+    if plan is None and key is not None:  # the plan may be stored without the values that do not decide
+        modes = function_key_modes.get((function, len(args)))
+        if modes:
+            plan = function_plans.get(fast_key(cls, function, args, kwargs, modes))
     if plan is not None and plan.function is function and plan.generation == propagation.generation:
+        plan.used = True
         if (
             plan.spec is not None
             and fast_path_enabled
@@ -91,13 +102,16 @@ def torch_function(cls, function, types, args=(), kwargs=None):
             and not _autocast()
             and (not _grad_enabled() or not _any_requires_grad(*args))
         ):
+            plan.counts.hits += 1
             local_args = list(args)
             for position in plan.positions:
                 local_args[position] = args[position]._local_tensor
             return cls._wrap(function(*local_args, **kwargs), plan.spec)
         # Known to run from cached aten plans only, so no plain tensor gets mixed in: no need to
         # mark the call for `created_by_torch`.
+        watch_leaves(cls, args, kwargs)
         return _run_normally(function, types, args, kwargs)
+    watch_leaves(cls, args, kwargs)
     return _call(cls, function, args, kwargs, key)
 
 
@@ -117,6 +131,8 @@ def _multi_tensor_call(cls, function, args: tuple, kwargs: dict):
         and not _autocast()
         and (not _grad_enabled() or not _any_requires_grad(*args))
     ):
+        plan.used = True
+        plan.counts.hits += 1
         return plan.run(args, kwargs)
     recorded: list = []
     recording.append(recorded)
@@ -139,7 +155,7 @@ def _call(cls, function, args: tuple, kwargs: dict, key: tuple | None):
         if key is None or _dispatch_modes() or _autocast():
             with _disabled():
                 return function(*args, **kwargs)
-        recorded: list = []
+        recorded = Recording()
         recording.append(recorded)
         try:
             with _disabled():
@@ -147,10 +163,32 @@ def _call(cls, function, args: tuple, kwargs: dict, key: tuple | None):
         finally:
             recording.pop()
     if None not in recorded:  # every aten op ran from a cached plan: the verdict is final
-        if len(function_plans) >= MAX_PLANS:
-            function_plans.clear()
-        function_plans[key] = _learn(cls, function, args, kwargs, recorded, result)
+        plan = _learn(cls, function, args, kwargs, recorded, result)
+        # Later calls that differ only in values that do not decide find this plan too.
+        signature = (function, len(args))
+        modes = _modes_passed_through(args, kwargs, recorded)
+        if function_key_modes.setdefault(signature, modes) != modes:
+            function_key_modes[signature] = ()
+        store_function_plan(key, plan)
+        if function_key_modes[signature]:
+            store_function_plan(fast_key(cls, function, args, kwargs, function_key_modes[signature]), plan)
     return result
+
+
+def _modes_passed_through(args: tuple, kwargs: dict, recorded: Recording) -> tuple:
+    """The aten op's key modes (`plan_cache.key_modes`) when the function ran one aten op and passed
+    it its own arguments unchanged, position for position and keyword for keyword; else ()."""
+    if len(recorded) != 1:
+        return ()
+    plan, (aten_args, aten_kwargs) = recorded[0], recorded.arguments[0]
+    modes = key_modes(plan.op)
+    if not modes or len(aten_args) != len(args) or list(aten_kwargs) != list(kwargs):
+        return ()
+    pairs = [*zip(args, aten_args), *((kwargs[name], aten_kwargs[name]) for name in kwargs)]
+    if all(given is passed or (type(given) is type(passed) and not isinstance(given, torch.Tensor) and given == passed)
+           for given, passed in pairs):
+        return modes
+    return ()
 
 
 class _AtenOps(TorchDispatchMode):
@@ -198,7 +236,7 @@ def _learn(cls, function, args: tuple, kwargs: dict, recorded: list, result) -> 
         or local.dtype != expected.dtype
     ):
         return _FunctionPlan(cls, function, args, kwargs, positions, None)
-    return _FunctionPlan(cls, function, args, kwargs, positions, plan.single_spec)
+    return _FunctionPlan(cls, function, args, kwargs, positions, plan.single_spec, op)
 
 
 # ---- arguments read as data ----------------------------------------------------------------------

@@ -90,7 +90,7 @@ def mark_views_of_copies(dtensor_class: type, result):
 
 def refuse_writes_into_views_of_copies(op, mutated_dtensors: list) -> None:
     for dtensor in mutated_dtensors:
-        if getattr(dtensor, "_view_of_copy", False):
+        if dtensor._view_of_copy:
             raise RuntimeError(
                 f"{op} writes in place into a DTensor that is a view of a redistributed copy (a view op "
                 f"whose input had to move, e.g. through the replicate fallback): the write would not reach "

@@ -19,7 +19,7 @@ from ..dtensor import DTensor
 from ..layout import Layout
 from ..placement import Placement
 from ..redistribute import CostModel, HandOff, Plan, hand_off, plan
-from ..redistribute.planner import DEFAULT_COST_MODEL
+from ..redistribute.planner import DEFAULT_COST_MODEL, explain_plan
 
 __all__ = ["explain_redistribute"]
 
@@ -43,8 +43,8 @@ def explain_redistribute(
     """Print (to `file`, default stdout) and return the plan `redistribute(placements)` would run.
 
     Each step shows its mesh dim, from -> to, collective, group size, bytes the busiest rank
-    receives and estimated cost; the last line gives the total and the lower bound of bytes any
-    plan must move. `itemsize` defaults to the DTensor's element size. For a DTensor and another
+    receives and estimated cost; then the total and the lower bound of bytes any plan must move,
+    and, for a plan above the bound, the plan moving the fewest bytes with its cost. `itemsize` defaults to the DTensor's element size. For a DTensor and another
     `device_mesh`, returns (the plan reducing Partial mesh dims on the source mesh or None, the
     point-to-point `HandOff`) and prints both. Nothing is communicated.
     """
@@ -63,7 +63,7 @@ def explain_redistribute(
     output = sys.stdout if file is None else file
     if device_mesh is None or device_mesh == source_mesh:
         result = plan(source, source.with_placements(tuple(placements)), itemsize, cost_model)
-        print(result, file=output)
+        print(explain_plan(result, cost_model), file=output)
         return result
     reduced = source.without_partial()
     reduction = plan(source, reduced, itemsize, cost_model) if reduced != source else None

@@ -45,7 +45,7 @@ def cdist_forward(call: OpCall) -> list[Row]:
     rows = [Row((R,), (R, R))]
     rows += [Row((Shard(dim),), (Shard(dim), Shard(dim))) for dim in _batch_dims(*call.inputs[:2])]
     rows += [Row((Shard(batch),), (Shard(batch), R)), Row((Shard(batch + 1),), (R, Shard(batch)))]
-    partial = _feature_partial(call.args[2])
+    partial = _feature_partial(call.argument("p"))
     if partial is not None:
         rows.append(Row((partial,), (Shard(batch + 1), Shard(batch + 1))))
     return rows
@@ -66,7 +66,7 @@ def pdist_forward(call: OpCall) -> list[Row]:
     """`_pdist_forward(x (N, M), p)`: the condensed distances of every row pair; only a sharded
     feature dim with p in (0, 1, inf) stays local (rows pair across shards)."""
     rows = [Row((R,), (R,))]
-    partial = _feature_partial(call.args[1] if len(call.args) > 1 else call.kwarg("p", 2.0))
+    partial = _feature_partial(call.argument("p"))
     if partial is not None:
         rows.append(Row((partial,), (Shard(1),)))
     return rows

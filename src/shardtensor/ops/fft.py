@@ -32,6 +32,7 @@ from ..layout import Layout
 from ..placement import Partial, Replicate, Shard
 from ..propagation import OpCall, Row, ShardingRule
 from .pointwise import LINEAR_REDUCE_OPS
+from .common import empty_shard_results, one_input_row
 from .registry import pointwise, register_rule, same_layout
 
 __all__ = ["FftRule", "fft_rows", "view_as_real_rows", "view_as_complex_rows"]
@@ -41,22 +42,17 @@ aten = torch.ops.aten
 _FLIPPED = {"max": "min", "min": "max"}
 
 
-def _row(output, first_input, inputs: int) -> Row:
-    """A row for a one-input op; an `out=` tensor (a second input) lies like the output."""
-    return Row((output,), (first_input,) + (output,) * (inputs - 1))
-
-
 def _kept_dim_rows(call: OpCall, kept_dims, partial_ops=LINEAR_REDUCE_OPS) -> list[Row]:
     """Replicate, then S(d) -> S(d) for each kept dim, then the Partials that pass unchanged."""
     inputs = len(call.inputs)
-    rows = [_row(Replicate(), Replicate(), inputs)]
-    rows += [_row(Shard(dim), Shard(dim), inputs) for dim in kept_dims]
-    return rows + [_row(Partial(op), Partial(op), inputs) for op in partial_ops]
+    rows = [one_input_row(Replicate(), Replicate(), inputs)]
+    rows += [one_input_row(Shard(dim), Shard(dim), inputs) for dim in kept_dims]
+    return rows + [one_input_row(Partial(op), Partial(op), inputs) for op in partial_ops]
 
 
 def _transformed_dims(call: OpCall) -> set[int]:
     ndim = call.inputs[0].ndim
-    dims = call.args[1] if len(call.args) > 1 else call.kwarg("dim")
+    dims = call.argument("dim")
     return {dim % ndim for dim in dims}
 
 
@@ -72,10 +68,9 @@ def _fft_of_empty_shard(op) -> Callable:
     the ranks with empty shards only would leave the others waiting in their next collective."""
 
     def run(mesh, local, *args, out=None, **kwargs):
-        meta = op(local.to("meta"), *args, **kwargs)
         if out is not None:
-            return out.resize_(meta.shape)
-        return torch.empty_strided(meta.shape, meta.stride(), dtype=meta.dtype, device=local.device)
+            return out.resize_(empty_shard_results(op, (local, *args), kwargs).shape)
+        return empty_shard_results(op, (local, *args), kwargs)
 
     return run
 
@@ -107,7 +102,7 @@ def view_as_complex_rows(call: OpCall) -> list[Row]:
 def negative_view_rows(call: OpCall) -> list[Row]:
     """`_neg_view`: linear, and -max(a_i) = min(-a_i)."""
     rows = _kept_dim_rows(call, range(call.inputs[0].ndim))
-    return rows + [_row(Partial(_FLIPPED[op]), Partial(op), len(call.inputs)) for op in _FLIPPED]
+    return rows + [one_input_row(Partial(_FLIPPED[op]), Partial(op), len(call.inputs)) for op in _FLIPPED]
 
 
 def _elementwise(partial_ops) -> Callable[[OpCall], list[Row]]:

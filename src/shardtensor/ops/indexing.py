@@ -16,9 +16,9 @@ import torch
 
 from ..placement import REDUCE_OPS, Partial, Placement, Replicate, Shard
 from ..propagation import OpCall, Row
-from .reductions import tensor_argument_names
-from .registry import pointwise, register_rule
+from .common import dim_argument
 from .index_checks import IndexArgument
+from .registry import pointwise, register_rule
 from .tensor_ops import TensorOpRule
 
 __all__ = ["LOOKUP_VALUES"]
@@ -27,13 +27,9 @@ aten = torch.ops.aten
 R = Replicate()
 
 
-def _row(names: list[str], output: Placement, placements: dict[str, Placement]) -> Row:
+def _named_row(names: list[str], output: Placement, placements: dict[str, Placement]) -> Row:
     """A row whose inputs are named by schema argument: unnamed ones Replicate, `out=` like the output."""
     return Row((output,), tuple(placements.get(name, output if name == "out" else R) for name in names))
-
-
-def _dim(call: OpCall) -> int:
-    return call.argument("dim") % max(call.inputs[0].ndim, 1)
 
 
 def _same_value_reduce_ops(value) -> list[str]:
@@ -56,9 +52,9 @@ def lookup_rows(call: OpCall) -> list[Row]:
     """Each value is looked up in a whole table, so the values (and the output) shard any dim. A
     batched searchsorted sequence (and its sorter) shards its leading dims together with the values.
     A Python-number value (bucketize.Scalar...) gives a 0-d output: Replicate only."""
-    names = tensor_argument_names(call)
+    names = call.input_names()
     values_name = LOOKUP_VALUES[call.op.overloadpacket]
-    rows = [_row(names, R, {})]
+    rows = [_named_row(names, R, {})]
     if values_name not in names:
         return rows
     values = call.inputs[names.index(values_name)]
@@ -67,22 +63,22 @@ def lookup_rows(call: OpCall) -> list[Row]:
         placements = {values_name: Shard(dim)}
         if sequence is not None and sequence.ndim > 1 and dim < values.ndim - 1:
             placements.update(sorted_sequence=Shard(dim), sorter=Shard(dim))
-        rows.append(_row(names, Shard(dim), placements))
+        rows.append(_named_row(names, Shard(dim), placements))
     return rows
 
 
 def _other_dims(call: OpCall) -> list[int]:
     """The dims of `self` an index op does not index along."""
-    dim = _dim(call)
+    dim = dim_argument(call)
     return [other for other in range(call.inputs[0].ndim) if other != dim]
 
 
 def index_fill_rows(call: OpCall) -> list[Row]:
     """index_fill(self, dim, index, value): self keeps shards of the other dims; a Partial self
     stays Partial where every rank writing `value` is exact."""
-    names = tensor_argument_names(call)
-    rows = [_row(names, R, {})] + [_row(names, Shard(d), {"self": Shard(d)}) for d in _other_dims(call)]
-    return rows + [_row(names, Partial(op), {"self": Partial(op)}) for op in _same_value_reduce_ops(call.argument("value"))]
+    names = call.input_names()
+    rows = [_named_row(names, R, {})] + [_named_row(names, Shard(d), {"self": Shard(d)}) for d in _other_dims(call)]
+    return rows + [_named_row(names, Partial(op), {"self": Partial(op)}) for op in _same_value_reduce_ops(call.argument("value"))]
 
 
 # index_reduce's reduce argument -> the Partial of self and source it keeps (mean has none).
@@ -93,39 +89,39 @@ def index_copy_rows(call: OpCall) -> list[Row]:
     """index_copy / index_reduce(self, dim, index, source): self and source shard together on a dim
     other than `dim`; `index` is Replicate. Picking elements (index_copy) passes every Partial of
     self and source; index_reduce passes the Partial its reduction is (amax: max, prod: product)."""
-    names = tensor_argument_names(call)
-    rows = [_row(names, R, {})]
-    rows += [_row(names, Shard(d), {"self": Shard(d), "source": Shard(d)}) for d in _other_dims(call)]
+    names = call.input_names()
+    rows = [_named_row(names, R, {})]
+    rows += [_named_row(names, Shard(d), {"self": Shard(d), "source": Shard(d)}) for d in _other_dims(call)]
     reduce = call.argument("reduce")
     reduce_ops = REDUCE_OPS if reduce is None else _INDEX_REDUCE_PARTIAL[reduce]
-    return rows + [_row(names, Partial(op), {"self": Partial(op), "source": Partial(op)}) for op in reduce_ops]
+    return rows + [_named_row(names, Partial(op), {"self": Partial(op), "source": Partial(op)}) for op in reduce_ops]
 
 
 def take_rows(call: OpCall) -> list[Row]:
     """take(self, index): self (indexed flat) is whole; the output has the index's shape and shards
     like it; a Partial self passes (elements are only picked)."""
-    names = tensor_argument_names(call)
-    rows = [_row(names, R, {})]
+    names = call.input_names()
+    rows = [_named_row(names, R, {})]
     if "index" in names:
         index = call.inputs[names.index("index")]
-        rows += [_row(names, Shard(d), {"index": Shard(d)}) for d in range(index.ndim)]
-    return rows + [_row(names, Partial(op), {"self": Partial(op)}) for op in REDUCE_OPS]
+        rows += [_named_row(names, Shard(d), {"index": Shard(d)}) for d in range(index.ndim)]
+    return rows + [_named_row(names, Partial(op), {"self": Partial(op)}) for op in REDUCE_OPS]
 
 
 def put_rows(call: OpCall) -> list[Row]:
     """put(self, index, source, accumulate): self is whole. Without accumulate the op picks
     elements (every Partial of self and source passes); with accumulate it is linear in (self,
     source), and shards of index and source (same shape) add their parts to a P(sum) self."""
-    names = tensor_argument_names(call)
-    rows = [_row(names, R, {})]
+    names = call.input_names()
+    rows = [_named_row(names, R, {})]
     if not call.argument("accumulate"):
-        return rows + [_row(names, Partial(op), {"self": Partial(op), "source": Partial(op)}) for op in REDUCE_OPS]
-    rows += [_row(names, Partial(op), {"self": Partial(op), "source": Partial(op)}) for op in ("sum", "avg")]
+        return rows + [_named_row(names, Partial(op), {"self": Partial(op), "source": Partial(op)}) for op in REDUCE_OPS]
+    rows += [_named_row(names, Partial(op), {"self": Partial(op), "source": Partial(op)}) for op in ("sum", "avg")]
     if "index" in names and "source" in names:
         index, source = call.inputs[names.index("index")], call.inputs[names.index("source")]
         if index.shape == source.shape:
             rows += [
-                _row(names, Partial("sum"), {"self": Partial("sum"), "index": Shard(d), "source": Shard(d)})
+                _named_row(names, Partial("sum"), {"self": Partial("sum"), "index": Shard(d), "source": Shard(d)})
                 for d in range(index.ndim)
             ]
     return rows
@@ -135,15 +131,15 @@ def masked_scatter_rows(call: OpCall) -> list[Row]:
     """masked_scatter(self, mask, source): the n-th True of the whole mask takes source's n-th
     element, so shards would need the counts before them: only Replicate, or Partials passing
     through (elements are only picked)."""
-    names = tensor_argument_names(call)
-    rows = [_row(names, R, {})]
-    return rows + [_row(names, Partial(op), {"self": Partial(op), "source": Partial(op)}) for op in REDUCE_OPS]
+    names = call.input_names()
+    rows = [_named_row(names, R, {})]
+    return rows + [_named_row(names, Partial(op), {"self": Partial(op), "source": Partial(op)}) for op in REDUCE_OPS]
 
 
 def masked_scatter_backward_rows(call: OpCall) -> list[Row]:
     """masked_scatter_backward(grad, mask, sizes): the source's gradient, linear in grad."""
-    names = tensor_argument_names(call)
-    return [_row(names, R, {})] + [_row(names, Partial(op), {"grad_output": Partial(op)}) for op in ("sum", "avg")]
+    names = call.input_names()
+    return [_named_row(names, R, {})] + [_named_row(names, Partial(op), {"grad_output": Partial(op)}) for op in ("sum", "avg")]
 
 
 def _index_shape_dims(call: OpCall, names: list[str], sharded: tuple[str, ...]) -> list[int]:
@@ -164,34 +160,34 @@ def masked_index_rows(call: OpCall) -> list[Row]:
     """_unsafe_masked_index(self, mask, indices, fill) = where(mask, self[indices], fill): self is
     whole, mask and indices shard with the output; a Partial self passes where writing `fill` on
     every rank is exact."""
-    names = tensor_argument_names(call)
-    rows = [_row(names, R, {})]
+    names = call.input_names()
+    rows = [_named_row(names, R, {})]
     for dim in _index_shape_dims(call, names, ("mask", "indices")):
-        rows.append(_row(names, Shard(dim), {"mask": Shard(dim), "indices": Shard(dim)}))
-    return rows + [_row(names, Partial(op), {"self": Partial(op)}) for op in _same_value_reduce_ops(call.argument("fill"))]
+        rows.append(_named_row(names, Shard(dim), {"mask": Shard(dim), "indices": Shard(dim)}))
+    return rows + [_named_row(names, Partial(op), {"self": Partial(op)}) for op in _same_value_reduce_ops(call.argument("fill"))]
 
 
 def masked_index_put_rows(call: OpCall) -> list[Row]:
     """_unsafe_masked_index_put_accumulate(self, mask, indices, values): adds the masked values into
     self, linear in (self, values); shards of mask, indices and values add their parts to P(sum)."""
-    names = tensor_argument_names(call)
-    rows = [_row(names, R, {})]
-    rows += [_row(names, Partial(op), {"self": Partial(op), "values": Partial(op)}) for op in ("sum", "avg")]
+    names = call.input_names()
+    rows = [_named_row(names, R, {})]
+    rows += [_named_row(names, Partial(op), {"self": Partial(op), "values": Partial(op)}) for op in ("sum", "avg")]
     for dim in _index_shape_dims(call, names, ("mask", "indices", "values")):
         placements = {"self": Partial("sum"), "mask": Shard(dim), "indices": Shard(dim), "values": Shard(dim)}
-        rows.append(_row(names, Partial("sum"), placements))
+        rows.append(_named_row(names, Partial("sum"), placements))
     return rows
 
 
 def cross_rows(call: OpCall) -> list[Row]:
     """linalg_cross(self, other, dim): pointwise with broadcasting except along the 3-vector `dim`;
     bilinear, so a Partial in one operand passes when the other is Replicate."""
-    names = tensor_argument_names(call)
+    names = call.input_names()
     output_ndim = max(meta.ndim for meta in call.inputs)
     cross_dim = call.argument("dim") % output_ndim
     rows = [row for row in pointwise(call) if row.outputs[0] != Shard(cross_dim)]
     for op in ("sum", "avg"):
-        rows += [_row(names, Partial(op), {"self": Partial(op)}), _row(names, Partial(op), {"other": Partial(op)})]
+        rows += [_named_row(names, Partial(op), {"self": Partial(op)}), _named_row(names, Partial(op), {"other": Partial(op)})]
     return rows
 
 

@@ -81,7 +81,7 @@ class BatchedLinalgRule(ShardingRule):
         replicate = Replicate()
         outputs = [meta for meta in run_on_meta(call.op, call.args, dict(call.kwargs)) if meta is not None]
         rows = [Row((replicate,) * len(outputs), (replicate,) * len(call.inputs))]
-        if self.checks_data or call.kwarg("check_errors", False):
+        if self.checks_data or call.argument("check_errors"):
             return rows  # an error raised on some ranks only would leave the others hanging
         present = self._present_arguments(call)
         batch_shapes = [meta.shape[: meta.ndim - _core_dims(core, meta, call.inputs[0])] for _, core, meta in present]
@@ -108,10 +108,9 @@ class BatchedLinalgRule(ShardingRule):
         positions = [index for index, argument in enumerate(schema) if "Tensor" in str(argument.type)]
         if len(positions) != len(self.core):
             raise RuntimeError(f"{call.op} has {len(positions)} tensor arguments but its rule names {len(self.core)}")
-        kwargs = dict(call.kwargs)
         present = []
         for argument, (core, index) in enumerate(zip(self.core, positions)):
-            value = call.args[index] if index < len(call.args) else kwargs.get(schema[index].name)
+            value = call.argument(schema[index].name)
             if isinstance(value, TensorMeta):
                 present.append((argument, core, value))
         return present

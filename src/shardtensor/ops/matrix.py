@@ -66,7 +66,7 @@ class AddendEinsumRule(EinsumRule):
     """`addend * beta + einsum(spec, ...) * alpha`, the addend broadcast to the output (addmm, baddbmm)."""
 
     def rows(self, call: OpCall) -> Sequence[Row]:
-        if isinstance(call.args[0], PlainTensor):  # a plain 0-d addend is on every rank: no Partial product
+        if isinstance(call.argument("self"), PlainTensor):  # a plain 0-d addend is on every rank: no Partial product
             return [row for row in self._rows if not isinstance(row.outputs[0], Partial)]
         addend, *operands = call.inputs
         output_shape = self._output_shape(operands)

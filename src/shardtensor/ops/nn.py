@@ -10,19 +10,22 @@ on their shards (`ShardingRule.local_op`):
   Partial(sum); its backward writes only this rank's rows;
 - nll_loss: with a sharded batch and reduction='mean' the local sum is divided by the global total
   weight (exact for any batch size); with a sharded class dim the picked values are masked.
+The rows that communicate inside their local op declare it (`Row.collectives`): the cost of the row
+counts it, and `explicit_communication()` refuses it.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
-from torch.utils._pytree import tree_map_only
 
 from .. import comm
 from ..layout import Layout
 from ..placement import Partial, Replicate, Shard
-from ..propagation import OpCall, Row, ShardingRule, TensorMeta
+from ..propagation import LocalCollective, OpCall, Row, ShardingRule, TensorMeta
+from .common import dim_argument, empty_shard_results, on_shards
 from .index_checks import IndexArgument, with_index_checks
 from .registry import register_rule
 
@@ -36,15 +39,6 @@ _NONE, _MEAN, _SUM = 0, 1, 2  # nll_loss reductions
 def _masked_outputs(outputs: Sequence, output_mask: Sequence[bool]) -> tuple:
     """Rows name tensor outputs only: drop the outputs that `output_mask` turns off (None results)."""
     return tuple(placement for placement, wanted in zip(outputs, output_mask) if wanted)
-
-
-def _on_shards(op, function):
-    """The local op: `function` on real shards; on meta tensors (mesh None: shapes only) `op`."""
-
-    def run(mesh, *args, **kwargs):
-        return op(*args, **kwargs) if mesh is None else function(mesh, *args, **kwargs)
-
-    return run
 
 
 def _sharding_mesh_dims(layout: Layout, dim: int) -> tuple[int, ...]:
@@ -72,16 +66,19 @@ class Softmax(ShardingRule):
 
     def rows(self, call: OpCall) -> list[Row]:
         ndim, inputs = call.inputs[0].ndim, len(call.inputs)
-        dim = call.args[inputs] % max(ndim, 1)
+        dim = dim_argument(call)
         rows = [Row((R,), (R,) * inputs)]
         rows += [Row((Shard(d),), (Shard(d),) * inputs) for d in range(ndim) if d != dim]
         if ndim:
-            rows.append(Row((Shard(dim),), (Shard(dim),) * inputs))
+            meta = call.inputs[0]
+            reduced_bytes = math.prod(meta.shape) // max(meta.shape[dim], 1) * meta.dtype.itemsize
+            # Forward: the row maxima and the sums of exponentials; backward: one sum.
+            reductions = (LocalCollective("all_reduce", reduced_bytes),) * (1 if self.backward else 2)
+            rows.append(Row((Shard(dim),), (Shard(dim),) * inputs, reductions))
         return rows
 
     def local_op(self, call, input_layouts, coordinate):
-        inputs = len(call.inputs)
-        dim = call.args[inputs] % max(call.inputs[0].ndim, 1)
+        dim = dim_argument(call)
         mesh_dims = _sharding_mesh_dims(input_layouts[0], dim) if call.inputs[0].ndim else ()
         if not mesh_dims:
             return None
@@ -104,7 +101,7 @@ class Softmax(ShardingRule):
             total = _all_reduce((grad * output).sum(dim, keepdim=True), mesh, mesh_dims, "sum")
             return (output * (grad - total)).to(input_dtype)
 
-        return _on_shards(call.op, gradient if backward else forward)
+        return on_shards(call.op, gradient if backward else forward)
 
 
 # ---- normalization ---------------------------------------------------------------------------------
@@ -112,37 +109,45 @@ class Softmax(ShardingRule):
 
 def layer_norm(call: OpCall) -> list[Row]:
     """`native_layer_norm(input, normalized_shape, weight, bias, eps)` -> (out, mean, rstd): batch dims only."""
-    batch_dims = call.inputs[0].ndim - len(call.args[1])
+    batch_dims = call.inputs[0].ndim - len(call.argument("normalized_shape"))
     parameters = (R,) * (len(call.inputs) - 1)
     rows = [Row((R,) * 3, (R,) + parameters)]
     return rows + [Row((Shard(d),) * 3, (Shard(d),) + parameters) for d in range(batch_dims)]
 
 
 def layer_norm_backward(call: OpCall) -> list[Row]:
-    """(grad_out, input, normalized_shape, mean, rstd, weight, bias, mask): weight/bias grads sum over the batch."""
-    batch_dims = call.inputs[1].ndim - len(call.args[2])
+    """(grad_out, input, normalized_shape, mean, rstd, weight, bias, mask): weight/bias grads sum over the batch.
+
+    Every gradient is linear in grad_out for given input, statistics and weight, so a Partial
+    grad_out (the input gradient of a row-parallel linear) gives Partial gradients without a
+    collective: the Megatron block's single backward reduction can come later, on fewer bytes.
+    """
+    batch_dims = call.inputs[1].ndim - len(call.argument("normalized_shape"))
     parameters = (R,) * (len(call.inputs) - 4)
-    output_mask = call.args[7]
+    output_mask = call.argument("output_mask")
     rows = [Row(_masked_outputs((R,) * 3, output_mask), (R,) * len(call.inputs))]
     for d in range(batch_dims):
         outputs = _masked_outputs((Shard(d), P, P), output_mask)
         rows.append(Row(outputs, (Shard(d),) * 4 + parameters))
+    for reduce_op in ("sum", "avg"):
+        partial = Partial(reduce_op)
+        rows.append(Row(_masked_outputs((partial,) * 3, output_mask), (partial,) + (R,) * 3 + parameters))
     return rows
 
 
 class GroupNorm(ShardingRule):
     """`native_group_norm` and its backward, sharded on the batch; the argument N becomes local.
 
-    `batch_argument` is the position of N; `tensors` the number of leading batch-shaped tensors.
+    `tensors` is the number of leading batch-shaped tensors.
     """
 
-    def __init__(self, name: str, batch_argument: int, tensors: int, backward: bool):
-        self.__name__, self.batch_argument, self.tensors, self.backward = name, batch_argument, tensors, backward
+    def __init__(self, name: str, tensors: int, backward: bool):
+        self.__name__, self.tensors, self.backward = name, tensors, backward
 
     def rows(self, call: OpCall) -> list[Row]:
         parameters = (R,) * (len(call.inputs) - self.tensors)
         if self.backward:
-            output_mask = call.args[-1]
+            output_mask = call.argument("output_mask")
             replicated = _masked_outputs((R,) * 3, output_mask)
             sharded = _masked_outputs((Shard(0), P, P), output_mask)
         else:
@@ -150,9 +155,7 @@ class GroupNorm(ShardingRule):
         return [Row(replicated, (R,) * len(call.inputs)), Row(sharded, (Shard(0),) * self.tensors + parameters)]
 
     def local_arguments(self, call, input_layouts, coordinate):
-        args = list(call.args)
-        args[self.batch_argument] = input_layouts[self.tensors - 1].local_shape(coordinate)[0]
-        return tuple(args), dict(call.kwargs)
+        return call.with_arguments(N=input_layouts[self.tensors - 1].local_shape(coordinate)[0])
 
     def local_op(self, call, input_layouts, coordinate):
         """The CPU kernels read their tensors as contiguous without checking; autograd's `.contiguous()`
@@ -215,7 +218,7 @@ class Embedding(ShardingRule):
             result = aten.embedding(weight, local.masked_fill(outside, 0))
             return result.masked_fill_(outside.unsqueeze(-1), 0)
 
-        return _on_shards(call.op, masked_embedding)
+        return on_shards(call.op, masked_embedding)
 
 
 class EmbeddingBackward(ShardingRule):
@@ -241,12 +244,10 @@ class EmbeddingBackward(ShardingRule):
             Shard(0) if isinstance(g, Replicate) and isinstance(i, Replicate) else R
             for g, i in zip(grad.placements, indices.placements)
         ]
-        return Layout.create(grad.mesh_shape, placements, (call.args[2], call.inputs[0].shape[-1]))
+        return Layout.create(grad.mesh_shape, placements, (call.argument("num_weights"), call.inputs[0].shape[-1]))
 
     def local_arguments(self, call, input_layouts, coordinate):
-        args = list(call.args)
-        args[2] = self._table_layout(call, input_layouts).local_shape(coordinate)[0]
-        return tuple(args), dict(call.kwargs)
+        return call.with_arguments(num_weights=self._table_layout(call, input_layouts).local_shape(coordinate)[0])
 
     def local_op(self, call, input_layouts, coordinate):
         vocabulary = _vocabulary_range(self._table_layout(call, input_layouts), coordinate)
@@ -264,14 +265,14 @@ class EmbeddingBackward(ShardingRule):
             )
             return result[:rows].contiguous()
 
-        return _on_shards(call.op, masked_backward)
+        return on_shards(call.op, masked_backward)
 
 
 # ---- nll_loss -------------------------------------------------------------------------------------
 
 
 def _has_weight(call: OpCall) -> bool:
-    return isinstance(call.args[2 if call.op == aten.nll_loss_forward.default else 3], TensorMeta)
+    return isinstance(call.argument("weight"), TensorMeta)
 
 
 class NllLoss(ShardingRule):
@@ -287,12 +288,14 @@ class NllLoss(ShardingRule):
 
     def rows(self, call: OpCall) -> list[Row]:
         weight = (R,) * _has_weight(call)
-        reduction = call.args[3]
+        reduction = call.argument("reduction")
         rows = [Row((R, R), (R, R) + weight)]
         if call.inputs[0].ndim != 2:
             return rows
         batch_output = {_NONE: (Shard(0), R), _SUM: (P, P), _MEAN: (P, R)}[reduction]
-        rows.append(Row(batch_output, (Shard(0), Shard(0)) + weight))
+        # 'mean' over a sharded batch divides by the all_reduced total weight (a scalar).
+        total_weight = (LocalCollective("all_reduce", call.inputs[0].dtype.itemsize),) * (reduction == _MEAN)
+        rows.append(Row(batch_output, (Shard(0), Shard(0)) + weight, total_weight))
         return rows + [Row((P, R), (Shard(1), R) + weight)]
 
     def local_op(self, call, input_layouts, coordinate):
@@ -300,13 +303,13 @@ class NllLoss(ShardingRule):
 
     @staticmethod
     def _local_op(call, input_layouts, coordinate):
-        self_layout, reduction = input_layouts[0], call.args[3]
+        self_layout, reduction = input_layouts[0], call.argument("reduction")
         if call.inputs[0].ndim != 2:
             return None
         batch_mesh_dims, class_mesh_dims = self_layout.shard_order[0], self_layout.shard_order[1]
         if class_mesh_dims:
             first, columns = self_layout.local_offset(coordinate)[1], self_layout.local_shape(coordinate)[1]
-            return _on_shards(_without_weight, _class_sharded_nll(first, columns, batch_mesh_dims))
+            return on_shards(_without_weight, _class_sharded_nll(first, columns, batch_mesh_dims))
         if not batch_mesh_dims or reduction != _MEAN:
             return None
 
@@ -315,7 +318,7 @@ class NllLoss(ShardingRule):
             total_weight = _all_reduce(total_weight, mesh, batch_mesh_dims, "sum")
             return total / total_weight, total_weight
 
-        return _on_shards(call.op, batch_mean)
+        return on_shards(call.op, batch_mean)
 
 
 def _picked(tensor, target, weight, ignore_index, first, columns):
@@ -368,7 +371,7 @@ class NllLossBackward(ShardingRule):
 
     def rows(self, call: OpCall) -> list[Row]:
         weight = (R,) * _has_weight(call)
-        grad = Shard(0) if call.args[4] == _NONE else R
+        grad = Shard(0) if call.argument("reduction") == _NONE else R
         rows = [Row((R,), (R, R, R) + weight + (R,))]
         if call.inputs[1].ndim != 2:
             return rows
@@ -393,7 +396,7 @@ class NllLossBackward(ShardingRule):
         def local_shape(grad, tensor, *rest):  # the global op refuses a weight longer than the local classes
             return torch.empty_like(tensor)
 
-        return _on_shards(local_shape, class_sharded_backward)
+        return on_shards(local_shape, class_sharded_backward)
 
 
 # ---- convolution ------------------------------------------------------------------------------------
@@ -420,9 +423,9 @@ class Convolution(ShardingRule):
     __name__ = "convolution"
 
     def rows(self, call: OpCall) -> list[Row]:
-        bias = isinstance(call.args[2], TensorMeta)
+        bias = isinstance(call.argument("bias"), TensorMeta)
         rows = [Row((R,), (R, R) + (R,) * bias), Row((Shard(0),), (Shard(0), R) + (R,) * bias)]
-        if call.args[6] or call.args[8] != 1:
+        if call.argument("transposed") or call.argument("groups") != 1:
             return rows
         rows.append(Row((Shard(1),), (R, Shard(0)) + (Shard(0),) * bias))
         return rows + [Row((P,), (Shard(1), Shard(1)) + (P,) * bias)]
@@ -448,24 +451,22 @@ class ConvolutionBackward(ShardingRule):
     __name__ = "convolution_backward"
 
     def rows(self, call: OpCall) -> list[Row]:
-        output_mask = call.args[10]
+        output_mask = call.argument("output_mask")
         rows = [
             Row(_masked_outputs((R, R, R), output_mask), (R, R, R)),
             Row(_masked_outputs((Shard(0), P, P), output_mask), (Shard(0), Shard(0), R)),
         ]
-        if call.args[7] or call.args[9] != 1:
+        if call.argument("transposed") or call.argument("groups") != 1:
             return rows
         rows.append(Row(_masked_outputs((P, Shard(0), Shard(0)), output_mask), (Shard(1), R, Shard(0))))
         return rows + [Row(_masked_outputs((Shard(1), Shard(1), R), output_mask), (R, Shard(1), Shard(1)))]
 
     def local_arguments(self, call, input_layouts, coordinate):
-        if call.args[3] is None:
+        if call.argument("bias_sizes") is None:
             return None
         # bias_sizes: the output channels of the local convolution, which grad_output's local dim 1
         # holds (the weight's dim 0 is not it for a transposed or grouped convolution).
-        args = list(call.args)
-        args[3] = [input_layouts[0].local_shape(coordinate)[1]]
-        return tuple(args), dict(call.kwargs)
+        return call.with_arguments(bias_sizes=[input_layouts[0].local_shape(coordinate)[1]])
 
     def local_op(self, call, input_layouts, coordinate):
         def convolution_backward(mesh, grad, tensor, weight, bias_sizes, *rest):
@@ -484,7 +485,7 @@ class ConvolutionBackward(ShardingRule):
 
 def _attention_rows(call: OpCall, outputs: int, attention_inputs: int, query: TensorMeta) -> list[Row]:
     """Rows sharding batch (dim 0) or heads (dim 1) of every attention tensor; a mask follows by broadcast."""
-    mask = call.kwarg("attn_mask")
+    mask = call.argument("attn_mask")
     rows = [Row((R,) * outputs, (R,) * len(call.inputs))]
     for dim in (0, 1):
         if dim == 1 and any(meta.shape[1] != query.shape[1] for meta in call.inputs[:attention_inputs]):
@@ -512,26 +513,15 @@ class Attention(ShardingRule):
         self.__name__, self.backward = name, backward
 
     def rows(self, call: OpCall) -> list[Row]:
-        if self.backward:
-            outputs, attention_inputs, dropout = 3, 6, call.args[6]
-        else:
-            outputs, attention_inputs = 2, 3
-            dropout = call.args[3] if len(call.args) > 3 else call.kwarg("dropout_p", 0.0)
-        if dropout > 0:
+        outputs, attention_inputs = (3, 6) if self.backward else (2, 3)
+        if call.argument("dropout_p") > 0:
             return [Row((R,) * outputs, (R,) * len(call.inputs))]
         return _attention_rows(call, outputs, attention_inputs, call.inputs[int(self.backward)])
 
     def local_op(self, call, input_layouts, coordinate):
         if all(layout.local_shape(coordinate)[1] for layout in input_layouts if layout.ndim == 4):
             return None
-        return _on_shards(call.op, lambda mesh, *args, **kwargs: _empty_results(call.op, args, kwargs))
-
-
-def _empty_results(op, args: tuple, kwargs: dict):
-    """`op`'s results for shards with an empty dim: shapes from the op on meta tensors, no kernel run."""
-    meta_args, meta_kwargs = tree_map_only(torch.Tensor, lambda tensor: tensor.to("meta"), (args, kwargs))
-    results = op(*meta_args, **meta_kwargs)
-    return tree_map_only(torch.Tensor, lambda meta: torch.zeros(meta.shape, dtype=meta.dtype), results)
+        return on_shards(call.op, lambda mesh, *args, **kwargs: empty_shard_results(call.op, args, kwargs))
 
 
 register_rule([aten._softmax.default], Softmax("softmax", log=False, backward=False))
@@ -540,8 +530,8 @@ register_rule([aten._softmax_backward_data.default], Softmax("softmax_backward",
 register_rule([aten._log_softmax_backward_data.default], Softmax("log_softmax_backward", log=True, backward=True))
 register_rule([aten.native_layer_norm.default], layer_norm)
 register_rule([aten.native_layer_norm_backward.default], layer_norm_backward)
-register_rule([aten.native_group_norm.default], GroupNorm("group_norm", 3, 1, backward=False))
-register_rule([aten.native_group_norm_backward.default], GroupNorm("group_norm_backward", 5, 4, backward=True))
+register_rule([aten.native_group_norm.default], GroupNorm("group_norm", 1, backward=False))
+register_rule([aten.native_group_norm_backward.default], GroupNorm("group_norm_backward", 4, backward=True))
 register_rule([aten.embedding.default], Embedding())
 register_rule([aten.embedding_dense_backward.default], EmbeddingBackward())
 register_rule([aten.nll_loss_forward.default], NllLoss())

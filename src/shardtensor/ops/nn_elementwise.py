@@ -14,7 +14,8 @@ import math
 import torch
 
 from ..placement import Partial, Replicate, Shard
-from ..propagation import OpCall, Row, ShardingRule, TensorMeta
+from ..propagation import OpCall, Row, ShardingRule, schema_positions
+from .common import normalized_dim
 from .registry import pointwise, register_rule
 
 aten = torch.ops.aten
@@ -24,22 +25,18 @@ R, P = Replicate(), Partial("sum")
 _NONE, _MEAN, _SUM = 0, 1, 2  # loss reductions
 
 
-def _argument(call: OpCall, position: int, name: str, default):
-    return call.args[position] if len(call.args) > position else call.kwarg(name, default)
-
-
 class ElementwiseLoss(ShardingRule):
-    """A loss computed per element, then reduced by `reduction` (at argument `reduction_argument`).
+    """A loss computed per element, then reduced by its `reduction` argument.
 
     A backward (`backward=True`) takes the gradient first: with a reduction it is 0-d, Replicate,
     and the input gradient lies like the input.
     """
 
-    def __init__(self, name: str, reduction_argument: int, backward: bool = False):
-        self.__name__, self.reduction_argument, self.backward = name, reduction_argument, backward
+    def __init__(self, name: str, backward: bool = False):
+        self.__name__, self.backward = name, backward
 
     def _reduction(self, call: OpCall) -> int:
-        return _argument(call, self.reduction_argument, "reduction", _MEAN)
+        return call.argument("reduction")
 
     def rows(self, call: OpCall) -> list[Row]:
         rows = pointwise(call)
@@ -57,7 +54,7 @@ class ElementwiseLoss(ShardingRule):
         if self._reduction(call) != _MEAN or not any(any(layout.shard_order) for layout in input_layouts):
             return None
         count = self._count(call)
-        op, position, backward = call.op, self.reduction_argument, self.backward
+        op, position, backward = call.op, schema_positions(call.op)["reduction"][0], self.backward
 
         def global_mean(mesh, *args, **kwargs):
             args = list(args)
@@ -77,25 +74,18 @@ class ElementwiseLoss(ShardingRule):
 
 class SampleLoss(ElementwiseLoss):
     """A loss per sample of an (N, C) input (a margin over the classes): the batch shards every
-    tensor but the class `weight` (at argument `weight_argument`); 'mean' averages over N.
+    tensor but the class `weight`; 'mean' averages over N.
 
     The backwards (`multi_margin_loss_backward`, `multilabel_margin_loss_backward`) have no meta
     kernel, so no rule can size their shards: they take the replicate fallback.
     """
-
-    def __init__(self, name: str, reduction_argument: int, weight_argument: int | None):
-        super().__init__(name, reduction_argument)
-        self.weight_argument = weight_argument
 
     def rows(self, call: OpCall) -> list[Row]:
         outputs, inputs = len(call.op._schema.returns), len(call.inputs)
         rows = [Row((R,) * outputs, (R,) * inputs)]
         if call.inputs[0].ndim != 2:
             return rows
-        batched = []
-        for position, value in enumerate(call.args):
-            if isinstance(value, TensorMeta):
-                batched.append(R if position == self.weight_argument else Shard(0))
+        batched = [R if name == "weight" else Shard(0) for name in call.input_names()]
         loss = Shard(0) if self._reduction(call) == _NONE else P
         return rows + [Row((loss,) + (Shard(0),) * (outputs - 1), tuple(batched))]
 
@@ -107,7 +97,7 @@ def glu(call: OpCall) -> list[Row]:
     """`glu(self, dim)`, `glu_backward(grad, self, dim)`, `_safe_softmax(self, dim, dtype)`: every
     dim but `dim` (halved, or normalized over) shards, on every tensor together."""
     inputs, ndim = len(call.inputs), call.inputs[-1].ndim
-    dim = _argument(call, inputs, "dim", -1) % max(ndim, 1)
+    dim = normalized_dim(call.argument("dim"), ndim)
     rows = [Row((R,), (R,) * inputs)]
     return rows + [Row((Shard(d),), (Shard(d),) * inputs) for d in range(ndim) if d != dim]
 
@@ -118,33 +108,25 @@ def prelu_backward(call: OpCall) -> list[Row]:
     return [Row((row.outputs[0],) * 2, row.inputs) for row in pointwise(call)]
 
 
-# op -> position of `reduction`
-_LOSSES = {
-    aten.binary_cross_entropy.default: 3,
-    aten.binary_cross_entropy_with_logits.default: 4,
-    aten.mse_loss.default: 2,
-    aten.huber_loss.default: 2,
-    aten.smooth_l1_loss.default: 2,
-    aten.soft_margin_loss.default: 2,
-}
-_LOSS_BACKWARDS = {
-    aten.binary_cross_entropy_backward.default: 4,
-    aten.mse_loss_backward.default: 3,
-    aten.huber_loss_backward.default: 3,
-    aten.smooth_l1_loss_backward.default: 3,
-    aten.soft_margin_loss_backward.default: 3,
-}
+_LOSSES = [
+    aten.binary_cross_entropy.default, aten.binary_cross_entropy_with_logits.default, aten.mse_loss.default,
+    aten.huber_loss.default, aten.smooth_l1_loss.default, aten.soft_margin_loss.default,
+]
+_LOSS_BACKWARDS = [
+    aten.binary_cross_entropy_backward.default, aten.mse_loss_backward.default, aten.huber_loss_backward.default,
+    aten.smooth_l1_loss_backward.default, aten.soft_margin_loss_backward.default,
+]
 _POINTWISE = [
     aten.hardshrink.default, aten.hardshrink_backward.default, aten.softshrink.default,
     aten.softshrink_backward.default, aten._prelu_kernel.default,
 ]
 
-for _op, _position in _LOSSES.items():
-    register_rule([_op], ElementwiseLoss(_op._schema.name, _position))
-for _op, _position in _LOSS_BACKWARDS.items():
-    register_rule([_op], ElementwiseLoss(_op._schema.name, _position, backward=True))
-register_rule([aten.multi_margin_loss.default], SampleLoss("multi_margin_loss", 5, weight_argument=4))
-register_rule([aten.multilabel_margin_loss_forward.default], SampleLoss("multilabel_margin_loss", 2, None))
+for _op in _LOSSES:
+    register_rule([_op], ElementwiseLoss(_op._schema.name))
+for _op in _LOSS_BACKWARDS:
+    register_rule([_op], ElementwiseLoss(_op._schema.name, backward=True))
+register_rule([aten.multi_margin_loss.default], SampleLoss("multi_margin_loss"))
+register_rule([aten.multilabel_margin_loss_forward.default], SampleLoss("multilabel_margin_loss"))
 register_rule(_POINTWISE, pointwise)
 register_rule([aten._prelu_kernel_backward.default], prelu_backward)
 register_rule([aten.glu.default, aten.glu_backward.default, aten._safe_softmax.default], glu)

@@ -18,36 +18,18 @@ import itertools
 from collections.abc import Sequence
 
 import torch
-from torch.utils._pytree import tree_map_only
 
 from .. import comm
 from ..placement import Partial, Replicate, Shard
-from ..propagation import DataDependentOutput, OpCall, Row, ShardingRule, TensorMeta
+from ..propagation import DataDependentOutput, LocalCollective, OpCall, Row, ShardingRule, schema_positions
 from ..redistribute import redistribute_local_tensor
+from .common import empty_shard_results
 from .nn import _masked_outputs as _masked
 from .registry import register_rule
 
 aten = torch.ops.aten
 
 R, P = Replicate(), Partial("sum")
-
-
-def _zeros_from_meta(op, args: tuple, local_sizes: dict[int, int], device) -> tuple:
-    """`op`'s outputs as zeros when some sharded dims are empty here: the op runs on meta tensors
-    whose empty dims have size 1, and `local_sizes` (dim -> size) puts the real sizes back into
-    every output."""
-
-    def stand_in(tensor):
-        shape = [1 if dim in local_sizes and size == 0 else size for dim, size in enumerate(tensor.shape)]
-        return torch.empty(shape, dtype=tensor.dtype, device="meta")
-
-    results = op(*tree_map_only(torch.Tensor, stand_in, args))
-
-    def zeros(meta):
-        shape = [local_sizes.get(dim, size) for dim, size in enumerate(meta.shape)]
-        return torch.zeros(shape, dtype=meta.dtype, device=device)
-
-    return tree_map_only(torch.Tensor, zeros, results)
 
 
 # ---- pooling, upsampling, unpooling, pixel shuffle, im2col -----------------------------------------
@@ -57,12 +39,12 @@ class PlaneRule(ShardingRule):
     """An op on the last `spatial_rank` dims of every tensor: any dim before them shards, on every
     tensor input and output together (batch, channel; pixel shuffle counts its channel as spatial).
 
-    `input_size_argument` is the position of a global size list (the backward of upsampling) made
-    local per coordinate.
+    `global_input_size`: the op's `input_size` argument is a global size list (the backward of
+    upsampling), made local per coordinate.
     """
 
-    def __init__(self, name: str, spatial_rank: int, input_size_argument: int | None = None):
-        self.__name__, self.spatial_rank, self.input_size_argument = name, spatial_rank, input_size_argument
+    def __init__(self, name: str, spatial_rank: int, global_input_size: bool = False):
+        self.__name__, self.spatial_rank, self.global_input_size = name, spatial_rank, global_input_size
 
     def _leading_dims(self, call: OpCall) -> int:
         return max(call.inputs[0].ndim - self.spatial_rank, 0)
@@ -72,32 +54,40 @@ class PlaneRule(ShardingRule):
         rows = [Row((R,) * outputs, (R,) * inputs)]
         return rows + [Row((Shard(d),) * outputs, (Shard(d),) * inputs) for d in range(self._leading_dims(call))]
 
-    def local_arguments(self, call, input_layouts, coordinate):
-        if self.input_size_argument is None:
-            return None
+    def _local_input_size(self, call: OpCall, input_layouts, coordinate) -> list[int]:
         leading = self._leading_dims(call)
-        args = list(call.args)
-        local = input_layouts[0].local_shape(coordinate)[:leading]
-        args[self.input_size_argument] = [*local, *call.args[self.input_size_argument][leading:]]
-        return tuple(args), dict(call.kwargs)
+        return [*input_layouts[0].local_shape(coordinate)[:leading], *call.argument("input_size")[leading:]]
+
+    def local_arguments(self, call, input_layouts, coordinate):
+        if not self.global_input_size:
+            return None
+        return call.with_arguments(input_size=self._local_input_size(call, input_layouts, coordinate))
 
     def local_op(self, call, input_layouts, coordinate):
         leading = self._leading_dims(call)
         local = input_layouts[0].local_shape(coordinate)[:leading]
         if all(local):
             return None
-        return _planes_or_zeros(call.op, dict(enumerate(local)), self.input_size_argument)
+        if self.global_input_size:  # the gradient of upsampling has the local `input_size` shape
+            input_size = self._local_input_size(call, input_layouts, coordinate)
+            return lambda mesh, grad, *args, **kwargs: grad.new_zeros(input_size)
+        return _planes_or_zeros(call.op, dict(enumerate(local)))
 
 
-def _planes_or_zeros(op, local_sizes: dict[int, int], input_size_argument: int | None):
-    """The local op of a shard without planes: zeros of the local output shape, no kernel (a
-    gradient of upsampling has the local `input_size` shape)."""
+def _planes_or_zeros(op, local_sizes: dict[int, int]):
+    """The local op of a shard without planes: zeros of the local output shape, no kernel. The op
+    runs on meta tensors whose empty dims (`local_sizes`: dim -> size) have size 1, and the real
+    sizes go back into every output."""
 
-    def empty_planes(mesh, *args):
-        device = next(arg.device for arg in args if isinstance(arg, torch.Tensor))
-        if input_size_argument is not None:
-            return torch.zeros(args[input_size_argument], dtype=args[0].dtype, device=device)
-        return _zeros_from_meta(op, args, local_sizes, device)
+    def stand_in(tensor):
+        shape = [1 if dim in local_sizes and size == 0 else size for dim, size in enumerate(tensor.shape)]
+        return torch.empty(shape, dtype=tensor.dtype, device="meta")
+
+    def local_shape(meta):
+        return [local_sizes.get(dim, size) for dim, size in enumerate(meta.shape)]
+
+    def empty_planes(mesh, *args, **kwargs):
+        return empty_shard_results(op, args, kwargs, stand_in=stand_in, local_shape=local_shape)
 
     return empty_planes
 
@@ -120,7 +110,7 @@ def grid_sampler(call: OpCall) -> list[Row]:
 def grid_sampler_backward(call: OpCall) -> list[Row]:
     """(grad_output, input, grid, ..., output_mask) -> grads of input and grid; with the channels
     sharded, each rank's grid gradient sums its channels only: Partial(sum)."""
-    output_mask = call.args[6]
+    output_mask = call.argument("output_mask")
     return [
         Row(_masked((R, R), output_mask), (R, R, R)),
         Row(_masked((Shard(0), Shard(0)), output_mask), (Shard(0), Shard(0), Shard(0))),
@@ -130,15 +120,14 @@ def grid_sampler_backward(call: OpCall) -> list[Row]:
 
 # ---- batch norm ------------------------------------------------------------------------------------
 
-# Per op: position of the input, of the `training` flag (True: always, False: never), of
-# `output_mask` for a backward (None: forward), and the outputs other than the first that are
-# per channel (the rest, a `reserve` buffer, stays whole).
+# Per op: whether it trains (True: always, False: never, None: its `training` argument says), and
+# the outputs other than the first that are per channel (the rest, a `reserve` buffer, stays whole).
 _BATCH_NORM_FORWARD = {
-    aten.native_batch_norm.default: (5, 2),
-    aten._native_batch_norm_legit.default: (5, 2),
-    aten._native_batch_norm_legit.no_stats: (3, 2),
+    aten.native_batch_norm.default: (None, 2),
+    aten._native_batch_norm_legit.default: (None, 2),
+    aten._native_batch_norm_legit.no_stats: (None, 2),
     aten._native_batch_norm_legit_no_training.default: (False, 2),
-    aten._native_batch_norm_legit_functional.default: (5, 4),
+    aten._native_batch_norm_legit_functional.default: (None, 4),
     aten._batch_norm_with_update.default: (True, 2),
     aten._batch_norm_with_update_functional.default: (True, 4),
     aten._batch_norm_no_update.default: (False, 2),
@@ -148,8 +137,8 @@ _UPDATES_RUNNING_STATISTICS = {
 }
 
 
-def _training(call: OpCall, flag) -> bool:
-    return flag if isinstance(flag, bool) else bool(call.args[flag])
+def _training(call: OpCall, flag: bool | None) -> bool:
+    return bool(call.argument("training")) if flag is None else flag
 
 
 class BatchNorm(ShardingRule):
@@ -196,14 +185,18 @@ class BatchNorm(ShardingRule):
         channel_outputs = (Shard(1),) + (Shard(0),) * per_channel + (R,) * (outputs - 1 - per_channel)
         running = _running_statistics(call)
         rows = [Row((R,) * outputs, (R,) * len(call.inputs))] if all(R in choice for choice in choices) else []
+        statistic_bytes = call.inputs[0].shape[1] * call.inputs[0].dtype.itemsize
         for combination in itertools.product(*choices):
             kept = dict(zip(running, combination))
             channel_inputs = tuple(kept.get(index, Shard(0)) for index in range(1, len(call.inputs)))
-            rows.append(Row(channel_outputs, (Shard(1),) + channel_inputs))
+            # A running statistic kept whole while the channels shard: the updated channels are all_reduced.
+            shared = tuple(LocalCollective("all_reduce", statistic_bytes) for kept_placement in combination
+                           if kept_placement == R)
+            rows.append(Row(channel_outputs, (Shard(1),) + channel_inputs, shared))
         return rows
 
     def local_op(self, call, input_layouts, coordinate):
-        compute = _channels_or_zeros(call.op, input_layouts[0].local_shape(coordinate), 0)
+        compute = _channels_or_zeros(call.op, input_layouts[0].local_shape(coordinate))
         channels = input_layouts[0]
         channel_pieces = (channels.shard_order[1], channels.pieces[1])
         apart = tuple(
@@ -221,10 +214,10 @@ def _running_statistics(call: OpCall) -> tuple[int, ...]:
     training, _ = _BATCH_NORM_FORWARD[call.op]
     if call.op not in _UPDATES_RUNNING_STATISTICS or not _training(call, training):
         return ()
-    tensors = [isinstance(value, TensorMeta) for value in call.args[:5]]
-    if not (tensors[3] and tensors[4]):
+    names = call.input_names()
+    if "running_mean" not in names or "running_var" not in names:
         return ()
-    return sum(tensors[:3]), sum(tensors[:4])
+    return names.index("running_mean"), names.index("running_var")
 
 
 def _update_running_statistics(
@@ -278,7 +271,9 @@ class BatchNormBackward(ShardingRule):
     __name__ = "batch_norm_backward"
 
     def rows(self, call: OpCall) -> list[Row]:
-        training, output_mask = call.args[7], call.args[9]
+        # `train` of native_batch_norm_backward, `update` of batch_norm_backward
+        training = call.argument("train" if call.op == aten.native_batch_norm_backward.default else "update")
+        output_mask = call.argument("output_mask")
         reserve = (R,) * (call.op == aten.batch_norm_backward.default)
         per_channel = len(call.inputs) - 2 - len(reserve)
         rows = [
@@ -292,17 +287,18 @@ class BatchNormBackward(ShardingRule):
         return rows
 
     def local_op(self, call, input_layouts, coordinate):
-        return _channels_or_zeros(call.op, input_layouts[1].local_shape(coordinate), 1)
+        return _channels_or_zeros(call.op, input_layouts[1].local_shape(coordinate))
 
 
-def _channels_or_zeros(op, local_input_shape: Sequence[int], input_position: int):
+def _channels_or_zeros(op, local_input_shape: Sequence[int]):
     """The kernels refuse an input without elements: a shard without channels (or batch) gets zeros
     (an empty output, empty per-channel results, zero weight and bias gradients)."""
     if all(local_input_shape[:2]):
         return None
+    input_position = schema_positions(op)["input"][0]
+    no_channels = local_input_shape[1] == 0
 
     def empty_shard(mesh, *args):
-        no_channels = local_input_shape[1] == 0
         input_ndim = args[input_position].ndim
 
         def stand_in(tensor):
@@ -313,15 +309,12 @@ def _channels_or_zeros(op, local_input_shape: Sequence[int], input_position: int
                 return tensor.new_empty((1,), device="meta")
             return tensor.new_empty(tensor.shape, device="meta")
 
-        results = op(*tree_map_only(torch.Tensor, stand_in, args))
-
-        def zeros(meta):
+        def local_shape(meta):
             if meta.ndim == input_ndim:
-                return torch.zeros(local_input_shape, dtype=meta.dtype, device=args[input_position].device)
-            shape = (0,) if no_channels and meta.ndim == 1 else meta.shape
-            return torch.zeros(shape, dtype=meta.dtype, device=args[input_position].device)
+                return local_input_shape
+            return (0,) if no_channels and meta.ndim == 1 else meta.shape
 
-        return tree_map_only(torch.Tensor, zeros, results)
+        return empty_shard_results(op, args, stand_in=stand_in, local_shape=local_shape)
 
     return empty_shard
 
@@ -341,7 +334,7 @@ _PLANE_OPS = {
     "pixel_shuffle": 3, "pixel_unshuffle": 3,  # (*, C, H, W): channels mix with the spatial dims
     "im2col": 3, "col2im": 2,  # (N, C, H, W) <-> (N, C * kernel, blocks)
 }
-# Upsampling forwards (and their `.vec` overloads) and backwards, whose `input_size` (argument 2) is global.
+# Upsampling forwards (and their `.vec` overloads) and backwards, whose `input_size` is global.
 _UPSAMPLE_OPS = {
     "upsample_nearest1d": 1, "_upsample_nearest_exact1d": 1, "upsample_linear1d": 1,
     "upsample_nearest2d": 2, "_upsample_nearest_exact2d": 2, "upsample_bilinear2d": 2, "upsample_bicubic2d": 2,
@@ -354,7 +347,7 @@ for _name, _rank in _PLANE_OPS.items():
 for _name, _rank in _UPSAMPLE_OPS.items():
     register_rule([getattr(aten, _name).default, getattr(aten, _name).vec], PlaneRule(_name, _rank))
     _backward = getattr(aten, _name + "_backward").default
-    register_rule([_backward], PlaneRule(_name + "_backward", _rank, input_size_argument=2))
+    register_rule([_backward], PlaneRule(_name + "_backward", _rank, global_input_size=True))
 register_rule([aten.channel_shuffle.default, aten.native_channel_shuffle.default], channel_shuffle)
 register_rule([aten.grid_sampler_2d.default, aten.grid_sampler_3d.default], grid_sampler)
 register_rule([aten.grid_sampler_2d_backward.default, aten.grid_sampler_3d_backward.default], grid_sampler_backward)

@@ -29,7 +29,7 @@ from collections.abc import Callable
 import torch
 
 from ..placement import Partial, Placement, Replicate
-from ..propagation import OpCall, Row, RowsRule, TensorMeta
+from ..propagation import SIGN, TYPE_ONLY, OpCall, Row, RowsRule, TensorMeta
 from .registry import pointwise, register_rule
 
 __all__ = ["PARTIAL_FAMILIES", "ComparisonRule"]
@@ -62,7 +62,7 @@ def _scalars(call: OpCall) -> list:
 
 
 def _first_argument_is_dtensor(call: OpCall) -> bool:
-    return bool(call.args) and isinstance(call.args[0], TensorMeta)
+    return isinstance(call.argument("self"), TensorMeta)
 
 
 def _linear(call: OpCall) -> list[PartialRow]:
@@ -86,7 +86,7 @@ def _monotone(call: OpCall) -> list[PartialRow]:
 
 def _monotone_with_slope(call: OpCall) -> list[PartialRow]:
     """leaky_relu is non-decreasing only for a non-negative negative_slope."""
-    slope = call.args[1] if len(call.args) > 1 else call.kwarg("negative_slope", 0.01)
+    slope = call.argument("negative_slope")
     return _monotone(call) if slope >= 0 else []
 
 
@@ -121,7 +121,7 @@ def _product(call: OpCall) -> list[PartialRow]:
 
 
 def _quotient(call: OpCall) -> list[PartialRow]:
-    if call.kwarg("rounding_mode") is not None or not _first_argument_is_dtensor(call):
+    if call.argument("rounding_mode") is not None or not _first_argument_is_dtensor(call):
         return []  # floor/trunc division is not linear; a DTensor divisor is not either
     operands = _operand_count(call)
     if operands == 2:
@@ -195,7 +195,7 @@ def _cast(call: OpCall) -> list[PartialRow]:
     of P(max) has no integer value.
     """
     source = call.inputs[0].dtype
-    target = call.kwarg("dtype") or source
+    target = call.argument("dtype") or source
     every = LINEAR_REDUCE_OPS + EXTREME_REDUCE_OPS + ("product",)
     if target == source:
         kept = every
@@ -250,6 +250,21 @@ _BACKWARD = [
     aten.leaky_relu_backward, aten.elu_backward, aten.softplus_backward, aten.mish_backward,
     aten.logit_backward, aten.log_sigmoid_backward,
 ]
+
+# Scalar arguments whose value does not change a family's rows (`ShardingRule.value_keys`), so that
+# `x * step_size` with a new step size every call reuses the cached decision: only the sign of a
+# scale decides (it swaps P(max) and P(min)); an addend, `alpha`, `value` or `weight` does not.
+_VALUE_KEYS = {
+    "_sum": {"other": TYPE_ONLY, "alpha": TYPE_ONLY},
+    "_product": {"other": SIGN},
+    "_quotient": {"other": SIGN},
+    "_monotone_with_slope": {"negative_slope": SIGN},
+    "_monotone": {"min": TYPE_ONLY, "max": TYPE_ONLY, "min_val": TYPE_ONLY, "max_val": TYPE_ONLY},
+    "_no_partial": {"exponent": TYPE_ONLY, "other": TYPE_ONLY},
+    "_lerp": {"weight": TYPE_ONLY},
+    "_addcmul": {"value": TYPE_ONLY},
+    "_addcdiv": {"value": TYPE_ONLY},
+}
 
 # op packets -> their Partial rows; each packet's in-place variant (`add_`) shares the entry.
 PARTIAL_FAMILIES: list[tuple[list, Callable[[OpCall], list[PartialRow]]]] = [
@@ -313,6 +328,6 @@ class ComparisonRule(RowsRule):
 _COMPARISONS = [aten.eq, aten.ne, aten.lt, aten.le, aten.gt, aten.ge]
 
 for _packets, _partial_rows in PARTIAL_FAMILIES:
-    register_rule(_with_in_place(_packets), _elementwise_rule(_partial_rows))
+    register_rule(_with_in_place(_packets), RowsRule(_elementwise_rule(_partial_rows), _VALUE_KEYS.get(_partial_rows.__name__)))
 register_rule(_with_in_place(_COMPARISONS), ComparisonRule(_elementwise_rule(_no_partial)))
 register_rule([aten.log_sigmoid_forward.default, aten.frexp.Tensor], _two_outputs)

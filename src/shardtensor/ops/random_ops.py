@@ -20,30 +20,26 @@ from ..layout import Layout
 from ..placement import REDUCE_OPS, Partial, Replicate, Shard
 from ..propagation import OpCall, Row, ShardingRule
 from ..random import next_random_call, random_shard
+from .common import on_shards
 from .registry import pointwise, register_rule
 
 aten = torch.ops.aten
 
 
 def _draw(kind: str, layout: Layout, coordinate: Sequence[int], parameters: tuple = ()):
-    """A function `(mesh, dtype) -> this coordinate's box of the next global random tensor`."""
+    """A function `(mesh, dtype, out=None) -> this coordinate's box of the next global random tensor`.
+
+    With `out` (the shard itself, for in-place ops) the values are written into it, so filling a
+    shard needs no second shard.
+    """
     shape, offset, local_shape = layout.shape, layout.local_offset(coordinate), layout.local_shape(coordinate)
 
-    def draw(mesh, dtype: torch.dtype) -> torch.Tensor:
+    def draw(mesh, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
         seed, counter = next_random_call(mesh)
         return random_shard(kind, shape, offset, local_shape, seed=seed, counter=counter, dtype=dtype,
-                            parameters=parameters)
+                            parameters=parameters, out=out)
 
     return draw
-
-
-def _on_shards(op, function):
-    """The local op: `function` on real shards; on meta tensors (mesh None: shapes only) `op` itself."""
-
-    def run(mesh, *args, **kwargs):
-        return op(*args, **kwargs) if mesh is None else function(mesh, *args, **kwargs)
-
-    return run
 
 
 def _layout_rows(call: OpCall, partial_output) -> list[Row]:
@@ -73,9 +69,9 @@ class InPlaceRandom(ShardingRule):
         draw = _draw(self.kind, input_layouts[0], coordinate, self.parameters(call))
 
         def fill(mesh, tensor, *args, **kwargs):
-            return tensor.copy_(draw(mesh, tensor.dtype))
+            return draw(mesh, tensor.dtype, out=tensor)
 
-        return _on_shards(call.op, fill)
+        return on_shards(call.op, fill)
 
 
 class LikeRandom(ShardingRule):
@@ -95,9 +91,9 @@ class LikeRandom(ShardingRule):
 
         def like(mesh, *args, **kwargs):
             result = call.op(*args, **kwargs)  # the right dtype, device and local shape
-            return result.copy_(draw(mesh, result.dtype))
+            return draw(mesh, result.dtype, out=result)
 
-        return _on_shards(call.op, like)
+        return on_shards(call.op, like)
 
 
 class ThresholdRandom(ShardingRule):
@@ -124,7 +120,7 @@ class ThresholdRandom(ShardingRule):
                 return tensor.copy_(values)
             return values.to(tensor.dtype)
 
-        return _on_shards(call.op, bernoulli)
+        return on_shards(call.op, bernoulli)
 
 
 def _output_layout(call: OpCall, input_layouts: Sequence[Layout]) -> Layout:
@@ -162,7 +158,7 @@ class NativeDropout(ShardingRule):
             scale = 0.0 if probability >= 1 else 1 / (1 - probability)
             return tensor * keep * scale, keep
 
-        return _on_shards(call.op, dropout)
+        return on_shards(call.op, dropout)
 
 
 class NormalWithTensorMean(ShardingRule):
@@ -179,18 +175,15 @@ class NormalWithTensorMean(ShardingRule):
         def normal(mesh, mean, std=1.0, **kwargs):
             return mean + std * draw(mesh, mean.dtype)
 
-        return _on_shards(call.op, normal)
+        return on_shards(call.op, normal)
 
 
 def _arguments(*names_and_defaults):
-    """`parameters(call)`: the op's arguments after `self`, by position, with defaults."""
+    """`parameters(call)`: the op's arguments of these names, each default where the call has None."""
 
     def parameters(call: OpCall) -> tuple:
-        values = []
-        for position, (name, default) in enumerate(names_and_defaults, start=1):
-            value = call.args[position] if position < len(call.args) else call.kwarg(name, default)
-            values.append(default if value is None else value)
-        return tuple(values)
+        values = [call.argument(name) for name, _ in names_and_defaults]
+        return tuple(default if value is None else value for value, (_, default) in zip(values, names_and_defaults))
 
     return parameters
 
@@ -198,19 +191,18 @@ def _arguments(*names_and_defaults):
 def _random_range(call: OpCall) -> tuple:
     """`random_.from(from, to)`, `random_.to(to)`, `random_()`: torch's own `random_` arguments."""
     if call.op == aten.random_.to:
-        return (call.args[1] if len(call.args) > 1 else call.kwarg("to"),)
+        return (call.argument("to"),)
     if call.op == aten.random_.default:
         return ()
-    low = call.args[1] if len(call.args) > 1 else call.kwarg("from")
-    high = call.args[2] if len(call.args) > 2 else call.kwarg("to")
+    low, high = call.argument("from"), call.argument("to")
     return (low,) if high is None else (low, high)
 
 
 def _randint_range(call: OpCall) -> tuple:
     """`randint_like(self, high)` or `randint_like(self, low, high)` as `random_(low, high)`."""
     if call.op == aten.randint_like.low_dtype:
-        return (call.args[1], call.args[2])
-    return (0, call.args[1])
+        return (call.argument("low"), call.argument("high"))
+    return (0, call.argument("high"))
 
 
 _IN_PLACE = {

@@ -23,44 +23,18 @@ import torch
 from .. import comm
 from ..layout import Layout
 from ..placement import Partial, Replicate, Shard
-from ..propagation import OpCall, Row, ShardingRule, TensorMeta
+from ..propagation import LocalCollective, OpCall, Row, ShardingRule, TensorMeta
+from .common import dim_argument, normalized_dim
 from .registry import pointwise, register_rule
 from .tensor_ops import TensorOpRule
 
-__all__ = ["ReductionRule", "VectorNormRule", "ScanRule", "tensor_argument_names"]
+__all__ = ["ReductionRule", "VectorNormRule", "ScanRule"]
 
 aten = torch.ops.aten
 
 
-def tensor_argument_names(call: OpCall) -> list[str]:
-    """The schema name of each DTensor input, in the order `call.inputs` lists them (a tensor list
-    argument such as `indices` names each of its DTensors)."""
-    names = []
-    for schema_argument in call.op._schema.arguments:
-        value = call.argument(schema_argument.name)
-        values = value if isinstance(value, (list, tuple)) else [value]
-        names += [schema_argument.name for item in values if isinstance(item, TensorMeta)]
-    return names
-
-
 def _tensor_outputs(call: OpCall) -> int:
     return len(call.op._schema.returns)
-
-
-def _normalized_dim(dim: int, ndim: int) -> int:
-    return dim % max(ndim, 1)
-
-
-def _fill_value(kind: str, dtype: torch.dtype):
-    """An input value whose reduction is the identity of the output's reduce op."""
-    if kind == "zero":
-        return 0
-    highest = kind == "highest"
-    if dtype == torch.bool:
-        return highest
-    if dtype.is_floating_point:
-        return math.inf if highest else -math.inf
-    return torch.iinfo(dtype).max if highest else torch.iinfo(dtype).min
 
 
 def _reduce_empty_as_identity(op, dims: tuple[int, ...], fill, mesh, tensor, *args, **kwargs):
@@ -83,9 +57,10 @@ class ReductionRule(ShardingRule):
     `sharded_gives`: the Partial reduce op of the outputs when a reduced dim is sharded (a tuple:
     one per output, as aminmax's (min, max)), or None when shards cannot be combined (that dim is
     gathered). `partial_passes`: the Partial input reduce op the output keeps (the reduction
-    commutes with it), or None. `empty_fill`: for a reduction without identity (amax...), the value
-    ("lowest", "highest", "zero") an empty shard is read as. `mean`: the local op is `sum / global
-    count`.
+    commutes with it), or None. `empty_fill`: for a reduction that refuses an empty input (amax...),
+    the reduce op whose identity (`Partial.identity`) an empty shard is read as: "max" (the lowest
+    value), "min" (the highest), "sum" (0, the identity of a max of absolute values). `mean`: the
+    local op is `sum / global count`.
     """
 
     sharded_gives: str | tuple[str, ...] | None = None
@@ -103,7 +78,7 @@ class ReductionRule(ShardingRule):
         if dims is None or dims == ():
             return tuple(range(ndim))
         dims = (dims,) if isinstance(dims, int) else dims
-        return tuple(sorted({_normalized_dim(dim, ndim) for dim in dims}))
+        return tuple(sorted({normalized_dim(dim, ndim) for dim in dims}))
 
     def combine(self, call: OpCall) -> tuple[str | None, str | None]:
         """(Partial of a sharded reduced dim, fill of an empty shard) for this call."""
@@ -141,11 +116,12 @@ class ReductionRule(ShardingRule):
         _, fill = self.combine(call)
         if fill is None:
             return None
-        return functools.partial(_reduce_empty_as_identity, call.op, sharded, _fill_value(fill, call.inputs[0].dtype))
+        return functools.partial(_reduce_empty_as_identity, call.op, sharded, Partial(fill).identity(call.inputs[0].dtype))
 
 
-# The vector norm of a sharded dim combines exactly for these orders (|x| >= 0, so 0 fills an empty max).
-_NORM_COMBINE = {math.inf: ("max", "zero"), -math.inf: ("min", "highest"), 0: ("sum", None), 1: ("sum", None)}
+# The vector norm of a sharded dim combines exactly for these orders, and an empty shard reads as the
+# identity of this reduce op (|x| >= 0, so the sum's 0 is the identity of their max).
+_NORM_COMBINE = {math.inf: ("max", "sum"), -math.inf: ("min", "min"), 0: ("sum", None), 1: ("sum", None)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,12 +141,12 @@ class VectorNormRule(ReductionRule):
 
 def _aminmax_empty_as_identity(mesh, tensor, *, dim=None, keepdim=False):
     """aminmax of a shard whose reduced dim may be empty: +inf-like minimum, -inf-like maximum."""
-    dims = tuple(range(tensor.ndim)) if dim is None else (_normalized_dim(dim, tensor.ndim),)
+    dims = tuple(range(tensor.ndim)) if dim is None else (normalized_dim(dim, tensor.ndim),)
     if not any(tensor.shape[reduced] == 0 for reduced in dims):
         return aten.aminmax.default(tensor, dim=dim, keepdim=keepdim)
     shape = [1 if reduced in dims and size == 0 else size for reduced, size in enumerate(tensor.shape)]
-    highest = tensor.new_full(shape, _fill_value("highest", tensor.dtype))
-    lowest = tensor.new_full(shape, _fill_value("lowest", tensor.dtype))
+    highest = tensor.new_full(shape, Partial("min").identity(tensor.dtype))
+    lowest = tensor.new_full(shape, Partial("max").identity(tensor.dtype))
     minimum = aten.aminmax.default(highest, dim=dim, keepdim=keepdim)[0]
     return minimum, aten.aminmax.default(lowest, dim=dim, keepdim=keepdim)[1]
 
@@ -191,14 +167,12 @@ class AminmaxRule(ReductionRule):
         return None
 
 
-# dist(a, b, p) = vector norm of a - b over every dim: a shard's share combines like the norm's.
-_DIST_IDENTITY = {math.inf: 0.0, -math.inf: math.inf}
-
-
-def _local_dist(identity: float, mesh, self, other, p=2):
-    """dist of two shards whose broadcast difference may be empty: the identity of the norm's max/min."""
+def _local_dist(identity_of: str, mesh, self, other, p=2):
+    """dist of two shards whose broadcast difference may be empty: then the identity of
+    `identity_of` (dist(a, b, p) = vector norm of a - b over every dim: shards combine like the norm's)."""
     if math.prod(torch.broadcast_shapes(self.shape, other.shape)) == 0:
-        return self.new_full((), identity, dtype=torch.promote_types(self.dtype, other.dtype))
+        dtype = torch.promote_types(self.dtype, other.dtype)
+        return self.new_full((), Partial(identity_of).identity(dtype), dtype=dtype)
     return aten.dist.default(self, other, p)
 
 
@@ -216,8 +190,8 @@ class DistRule(ShardingRule):
         return rows[:1] + [Row((Partial(combined),), row.inputs) for row in rows[1:]]
 
     def local_op(self, call: OpCall, input_layouts: Sequence[Layout], coordinate: Sequence[int]):
-        identity = _DIST_IDENTITY.get(call.argument("p"))
-        return None if identity is None else functools.partial(_local_dist, identity)
+        _, identity_of = _NORM_COMBINE.get(call.argument("p"), (None, None))
+        return None if identity_of is None else functools.partial(_local_dist, identity_of)
 
 
 def _agreed_on_every_shard(op, mesh_dims: tuple[int, ...], mesh, *args, **kwargs) -> bool:
@@ -240,7 +214,10 @@ class AllElementsRule(ShardingRule):
     __name__ = "all_elements"
 
     def rows(self, call: OpCall) -> Sequence[Row]:
-        return [Row((), row.inputs) for row in pointwise(call)]
+        # A sharded row ANDs every shard's answer: one all_reduce of a bool (declared per mesh dim;
+        # the local op makes it one collective over all sharded mesh dims).
+        agreement = (LocalCollective("all_reduce", 1),)
+        return [Row((), row.inputs, agreement if index else ()) for index, row in enumerate(pointwise(call))]
 
     def rows_for_layouts(self, call: OpCall, layouts: Sequence[Layout]) -> Sequence[Row]:
         if not self._unequal_shapes(call):
@@ -291,7 +268,7 @@ class HistogramRule(ShardingRule):
     accepts_plain_tensors = True  # a plain bins tensor is the same edges on every rank
 
     def rows(self, call: OpCall) -> Sequence[Row]:
-        names = tensor_argument_names(call)
+        names = call.input_names()
         rows = [Row((Replicate(), Replicate()), (Replicate(),) * len(names))]
         edges_known = isinstance(call.argument("bins"), TensorMeta) or call.argument("range") is not None
         if edges_known and not call.argument("density"):
@@ -316,7 +293,7 @@ def trace_rows(call: OpCall) -> list[Row]:
 def renorm_rows(call: OpCall) -> list[Row]:
     """renorm(self, p, dim, maxnorm) rescales each slice along `dim` by its own norm over the other
     dims: `dim` may stay sharded, the others must be whole."""
-    dim = _normalized_dim(call.argument("dim"), call.inputs[0].ndim)
+    dim = dim_argument(call)
     return _with_out(call, [Row((Replicate(),), (Replicate(),)), Row((Shard(dim),), (Shard(dim),))])
 
 
@@ -326,9 +303,9 @@ def segment_reduce_rows(call: OpCall) -> list[Row]:
     lengths/offsets (which span the dims up to `axis`) stay Replicate."""
     axis = call.argument("axis")
     data = call.inputs[0]
-    axis = _normalized_dim(axis, data.ndim)
+    axis = normalized_dim(axis, data.ndim)
     segments = {"lengths", "offsets", "indices"}
-    names = tensor_argument_names(call)
+    names = call.input_names()
     rows = [Row((Replicate(),), (Replicate(),) * len(names))]
     for dim in range(axis + 1, data.ndim):
         rows.append(Row((Shard(dim),), tuple(Replicate() if name in segments else Shard(dim) for name in names)))
@@ -347,7 +324,7 @@ class ScanRule(ShardingRule):
 
     def rows(self, call: OpCall) -> Sequence[Row]:
         ndim = call.inputs[0].ndim
-        scanned = _normalized_dim(call.argument("dim"), ndim)
+        scanned = normalized_dim(call.argument("dim"), ndim)
         outputs = _tensor_outputs(call)
         rows = [Row((Replicate(),) * outputs, (Replicate(),))]
         rows += [Row((Shard(dim),) * outputs, (Shard(dim),)) for dim in range(ndim) if dim != scanned]
@@ -358,8 +335,8 @@ class ScanRule(ShardingRule):
 
 _SUM = ReductionRule("sum", "sum")
 _PRODUCT = ReductionRule("product", "product")
-_MAX = ReductionRule("max", "max", empty_fill="lowest")
-_MIN = ReductionRule("min", "min", empty_fill="highest")
+_MAX = ReductionRule("max", "max", empty_fill="max")
+_MIN = ReductionRule("min", "min", empty_fill="min")
 _GATHER = ReductionRule()  # indices, variances, logsumexp: the shards' results do not combine exactly
 
 _REDUCTIONS = [

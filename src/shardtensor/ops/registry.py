@@ -19,6 +19,7 @@ from ..placement import REDUCE_OPS, Partial, Replicate, Shard
 from ..propagation import (
     OpCall, OutVariantRule, ResizesWritten, Row, RowsRule, ShardingRule, TensorMeta, clear_cache, run_on_meta,
 )
+from .common import one_input_row
 
 __all__ = [
     "RULES", "register_rule", "register_variants", "InPlaceVariantRule", "same_layout", "like_factory", "pointwise",
@@ -64,6 +65,10 @@ class InPlaceVariantRule(ShardingRule):
 
     def _functional(self, call: OpCall) -> tuple[ShardingRule, OpCall]:
         return self._rules[self.functional_op], dataclasses.replace(call, op=self.functional_op)
+
+    @property
+    def value_keys(self):
+        return self._rules[self.functional_op].value_keys
 
     def rows_for_layouts(self, call, layouts):
         rule, functional_call = self._functional(call)
@@ -142,17 +147,12 @@ def _returns_one_tensor(overload) -> bool:
     return len(returns) == 1 and str(returns[0].type) == "Tensor"
 
 
-def _row(output, first_input, inputs: int) -> Row:
-    """A row for a one-input op; an `out=` tensor (a second input) lies like the output."""
-    return Row((output,), (first_input,) + (output,) * (inputs - 1))
-
-
 def same_layout(call: OpCall) -> list[Row]:
     """The output lies exactly like the input: any placement, Partial included, passes through."""
     inputs = len(call.inputs)
     placements = [Replicate()] + [Shard(dim) for dim in range(call.inputs[0].ndim)]
     placements += [Partial(op) for op in REDUCE_OPS]
-    return [_row(placement, placement, inputs) for placement in placements]
+    return [one_input_row(placement, placement, inputs) for placement in placements]
 
 
 def like_factory(call: OpCall) -> list[Row]:
@@ -161,9 +161,9 @@ def like_factory(call: OpCall) -> list[Row]:
     `ones_like(P(sum))` must not stay Partial: every rank's ones would sum to the rank count.
     """
     inputs = len(call.inputs)
-    rows = [_row(Replicate(), Replicate(), inputs)]
-    rows += [_row(Shard(dim), Shard(dim), inputs) for dim in range(call.inputs[0].ndim)]
-    return rows + [_row(Replicate(), Partial(op), inputs) for op in REDUCE_OPS]
+    rows = [one_input_row(Replicate(), Replicate(), inputs)]
+    rows += [one_input_row(Shard(dim), Shard(dim), inputs) for dim in range(call.inputs[0].ndim)]
+    return rows + [one_input_row(Replicate(), Partial(op), inputs) for op in REDUCE_OPS]
 
 
 def pointwise(call: OpCall) -> list[Row]:

@@ -17,19 +17,12 @@ import torch
 from ..layout import Layout
 from ..placement import REDUCE_OPS, Partial, Replicate, Shard
 from ..propagation import OpCall, Row, ShardingRule, TensorMeta, run_on_meta
+from .common import dim_argument, normalized_dim
 from .registry import register_rule
 
 __all__ = ["DiagonalFillRule", "DiagonalScatterRule", "ConstantPadRule", "SpatialPadRule", "diagonal_piece"]
 
 aten = torch.ops.aten
-
-
-def _dim(dim: int, ndim: int) -> int:
-    return dim % ndim if ndim else 0
-
-
-def _argument(call: OpCall, position: int, name: str, default):
-    return call.args[position] if len(call.args) > position else call.kwarg(name, default)
 
 
 def _partial_rows(outputs: int, inputs: int, reduce_ops: Sequence[str] = REDUCE_OPS) -> list[Row]:
@@ -66,13 +59,8 @@ class DiagonalFillRule(ShardingRule):
     def _geometry(call: OpCall) -> tuple[tuple[int, ...], int, int, int]:
         """(global output shape, offset, dim1, dim2)."""
         shape = run_on_meta(call.op, call.args, dict(call.kwargs))[0].shape
-        if call.op == aten.diag_embed.default:
-            offset, dim1, dim2 = (_argument(call, 1, "offset", 0), _argument(call, 2, "dim1", -2),
-                                  _argument(call, 3, "dim2", -1))
-        else:
-            offset, dim1, dim2 = (_argument(call, position, name, None) for position, name in
-                                  ((2, "offset"), (3, "dim1"), (4, "dim2")))
-        return shape, offset, _dim(dim1, len(shape)), _dim(dim2, len(shape))
+        offset, dim1, dim2 = call.argument("offset"), call.argument("dim1"), call.argument("dim2")
+        return shape, offset, normalized_dim(dim1, len(shape)), normalized_dim(dim2, len(shape))
 
     def rows(self, call: OpCall) -> list[Row]:
         shape, _, dim1, dim2 = self._geometry(call)
@@ -92,6 +80,7 @@ class DiagonalFillRule(ShardingRule):
         others = [dim for dim in range(len(shape)) if dim not in (dim1, dim2)]
         for position, dim in enumerate(others):
             sizes[dim] = layout.local_shape(coordinate)[position]
+        # `local_op`'s own arguments; the vector's placeholder is the first argument of both ops.
         return (call.args[0], sizes, offset + rows_layout.local_offset(coordinate)[0], dim1, dim2), {}
 
     def local_op(self, call, input_layouts, coordinate):
@@ -114,8 +103,8 @@ class DiagonalScatterRule(ShardingRule):
     @staticmethod
     def _geometry(call: OpCall) -> tuple[int, int, int]:
         ndim = call.inputs[0].ndim
-        offset = _argument(call, 2, "offset", 0)
-        return offset, _dim(_argument(call, 3, "dim1", 0), ndim), _dim(_argument(call, 4, "dim2", 1), ndim)
+        offset = call.argument("offset")
+        return offset, normalized_dim(call.argument("dim1"), ndim), normalized_dim(call.argument("dim2"), ndim)
 
     def rows(self, call: OpCall) -> list[Row]:
         _, dim1, dim2 = self._geometry(call)
@@ -158,7 +147,7 @@ class ConstantPadRule(ShardingRule):
     __name__ = "constant_pad_nd"
 
     def rows(self, call: OpCall) -> list[Row]:
-        value = _argument(call, 2, "value", 0)
+        value = call.argument("value")
         rows = [Row((Replicate(),), (Replicate(),))]
         rows += [Row((Shard(dim),), (Shard(dim),)) for dim in range(call.inputs[0].ndim)]
         reduce_ops = ["avg", "max", "min"] + (["sum"] if value == 0 else []) + (["product"] if value in (0, 1) else [])
@@ -166,7 +155,7 @@ class ConstantPadRule(ShardingRule):
 
     def local_arguments(self, call, input_layouts, coordinate):
         layout = input_layouts[0]
-        pad = list(_argument(call, 1, "pad", ()))
+        pad = list(call.argument("pad"))
         if not any(layout.shard_order[layout.ndim - 1 - pair] for pair in range(len(pad) // 2)):
             return None
         offsets, local_shape = layout.local_offset(coordinate), layout.local_shape(coordinate)
@@ -185,7 +174,7 @@ class ConstantPadRule(ShardingRule):
                 pad[2 * pair + 1] = after if piece == last_piece else 0
             else:  # crop the part of this piece that lies in [size + after, size)
                 pad[2 * pair + 1] = -_overlap(start, end, size + after, size)
-        return (call.args[0], pad, _argument(call, 2, "value", 0)), {}
+        return call.with_arguments(pad=pad)
 
 
 class SpatialPadRule(ShardingRule):
@@ -235,8 +224,8 @@ def rot90_rows(call: OpCall) -> list[Row]:
     not reversed keeps its shard too (dims[0] -> dims[1] for k = 1, dims[1] -> dims[0] for k = 3;
     both stay for k = 0, none for k = 2)."""
     ndim = call.inputs[0].ndim
-    k = _argument(call, 1, "k", 1) % 4
-    first, second = (_dim(dim, ndim) for dim in _argument(call, 2, "dims", (0, 1)))
+    k = call.argument("k") % 4
+    first, second = (normalized_dim(dim, ndim) for dim in call.argument("dims"))
     kept = [(dim, dim) for dim in range(ndim) if dim not in (first, second)]
     kept += {0: [(first, first), (second, second)], 1: [(first, second)], 2: [], 3: [(second, first)]}[k]
     rows = [Row((Replicate(),), (Replicate(),))]
@@ -260,7 +249,7 @@ class ChunkCatRule(ShardingRule):
     __name__ = "_chunk_cat"
 
     def rows(self, call: OpCall) -> list[Row]:
-        dim = _dim(call.args[1], call.inputs[0].ndim)
+        dim = dim_argument(call)
         inputs = len(call.inputs)
         rows = [Row((Replicate(),), (Replicate(),) * inputs)]
         rows += [Row((Shard(leading),), (Shard(leading),) * inputs) for leading in range(dim)]
@@ -269,7 +258,7 @@ class ChunkCatRule(ShardingRule):
     def local_op(self, call, input_layouts, coordinate):
         def chunk_cat_or_empty(mesh, tensors, dim, num_chunks):
             first = tensors[0]
-            dim = _dim(dim, first.ndim)
+            dim = normalized_dim(dim, first.ndim)
             if all(first.shape[:dim]):  # only an empty shard of a leading dim is built here
                 return aten._chunk_cat(tensors, dim, num_chunks)
             width = sum(-(-tensor.shape[dim] // num_chunks) * math.prod(tensor.shape[dim + 1:]) for tensor in tensors)

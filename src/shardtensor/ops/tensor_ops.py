@@ -14,9 +14,10 @@ from collections.abc import Callable
 
 import torch
 
-from ..layout import Layout
+from ..layout import Layout, contiguous_stride
 from ..placement import REDUCE_OPS, Partial, Replicate, Shard
 from ..propagation import OpCall, Row, RowsRule
+from .common import dim_argument
 from .index_checks import IndexArgument, with_index_checks
 from .registry import pointwise, register_rule, same_layout
 
@@ -57,15 +58,6 @@ def only_matching_pieces(rows: list[Row], layouts) -> list[Row]:
     return [row for row in rows if sum(isinstance(p, Shard) for p in row.inputs) < 2]
 
 
-def _argument(call: OpCall, position: int, name: str, default):
-    return call.args[position] if len(call.args) > position else call.kwarg(name, default)
-
-
-def _dim_argument(call: OpCall, position: int = 1, default: int = 0) -> int:
-    ndim = call.inputs[0].ndim
-    return _argument(call, position, "dim", default) % ndim if ndim else 0
-
-
 def _partials(inputs: tuple, reduce_ops=REDUCE_OPS) -> list[Row]:
     """Pass-through Partial rows: `inputs` marks each input with True (Partial) or False (Replicate)."""
     return [Row((Partial(op),), tuple(Partial(op) if partial else R for partial in inputs)) for op in reduce_ops]
@@ -90,14 +82,14 @@ def fill_rows(call: OpCall) -> list[Row]:
     and for sum/product only when it is their identity-absorbing zero (zero_)."""
     extra = (R,) * (len(call.inputs) - 1)  # fill_.Tensor with a DTensor value
     rows = [Row((R,), (R,) + extra)] + [Row((Shard(d),), (Shard(d),) + extra) for d in range(call.inputs[0].ndim)]
-    value = 0 if call.op in (aten.zero_.default,) else _argument(call, 1, "value", None)
+    value = 0 if call.op in (aten.zero_.default,) else call.argument("value")
     reduce_ops = REDUCE_OPS if value == 0 and not extra else ("avg", "max", "min")
     return rows + [Row((Partial(op),), (Partial(op),) + extra) for op in reduce_ops]
 
 
 def index_select_rows(call: OpCall) -> list[Row]:
     """index_select(self, dim, index): shards of other dims stay; a sharded index shards `dim`."""
-    dim = _dim_argument(call)
+    dim = dim_argument(call)
     rows = [Row((R,), (R, R))]
     rows += [Row((Shard(d),), (Shard(d), R)) for d in range(call.inputs[0].ndim) if d != dim]
     if call.inputs[0].ndim and call.inputs[1].ndim:
@@ -107,7 +99,7 @@ def index_select_rows(call: OpCall) -> list[Row]:
 
 def index_add_rows(call: OpCall) -> list[Row]:
     """index_add(self, dim, index, source): linear in (self, source) jointly, so Partial(sum) stays."""
-    dim = _dim_argument(call)
+    dim = dim_argument(call)
     rows = [Row((R,), (R, R, R))]
     rows += [Row((Shard(d),), (Shard(d), R, Shard(d))) for d in range(call.inputs[0].ndim) if d != dim]
     return rows + _partials((True, False, True), ("sum",))
@@ -126,7 +118,7 @@ def gather_rows(call: OpCall) -> list[Row]:
     """gather(self, dim, index): out[i][j] = self[i][index[i][j]] (dim 1). Along `dim` the output
     follows the index with self whole; along another dim self must be sharded alike, since output
     row i reads self's global row i."""
-    dim = _dim_argument(call)
+    dim = dim_argument(call)
     rows = [Row((R,), (R, R))]
     rows += [Row((Shard(d),), (Shard(d), Shard(d))) for d in _spanning_dims(call, dim)]
     if dim < call.inputs[1].ndim:
@@ -139,7 +131,7 @@ def scatter_rows(call: OpCall) -> list[Row]:
 
     scatter_add is linear in (self, src): Partial(sum) stays when the index is replicated.
     """
-    dim = _dim_argument(call)
+    dim = dim_argument(call)
     inputs = len(call.inputs)
     rows = [Row((R,), (R,) * inputs)]
     rows += [Row((Shard(d),), (Shard(d),) * inputs) for d in _spanning_dims(call, dim)]
@@ -154,7 +146,7 @@ def _index_layout(call: OpCall) -> tuple[dict[int, int], int] | None:
     None for boolean masks (their result size depends on the data).
     """
     self_meta = call.inputs[0]
-    indices = call.args[1]
+    indices = call.argument("indices")
     index_metas = [index for index in indices if index is not None]
     if any(getattr(index, "dtype", None) in (torch.bool, torch.uint8) for index in index_metas):
         return None
@@ -205,18 +197,18 @@ def index_put_rows(call: OpCall) -> list[Row]:
 def masked_fill_rows(call: OpCall) -> list[Row]:
     """masked_fill: elementwise; a Partial stays where every rank writing the same value is exact."""
     rows = pointwise(call)
-    value = _argument(call, 2, "value", None)
+    value = call.argument("value")
     if len(call.inputs) == 2 and not isinstance(value, torch.Tensor) and value is not None:
         reduce_ops = ["avg", "max", "min"] + ["sum"] * (value == 0) + ["product"] * (value in (0, 1))
         rows += _partials((True, False), reduce_ops)
     return rows
 
 
-def _along_dim(dim_position: int, default_dim: int, outputs: int, removes_dim: Callable[[OpCall], bool]):
+def _along_dim(outputs: int, removes_dim: Callable[[OpCall], bool]):
     """sort/topk/kthvalue: each output keeps shards of the other dims (shifted if `dim` goes)."""
 
     def rows(call: OpCall) -> list[Row]:
-        dim = _dim_argument(call, dim_position, default_dim)
+        dim = dim_argument(call)
         shift = removes_dim(call)
         result = [Row((R,) * outputs, (R,))]
         for d in range(call.inputs[0].ndim):
@@ -231,8 +223,7 @@ def _along_dim(dim_position: int, default_dim: int, outputs: int, removes_dim: C
 def flip_roll_rows(call: OpCall) -> list[Row]:
     """flip(self, dims), roll(self, shifts, dims): dims moved along stay whole; roll with no dims
     rolls the flattened tensor, so everything stays whole."""
-    dims_position = 1 if call.op == aten.flip.default else 2
-    dims = list(_argument(call, dims_position, "dims", []))
+    dims = list(call.argument("dims"))
     ndim = call.inputs[0].ndim
     moved = {dim % ndim for dim in dims} if dims else set(range(ndim))
     rows = [Row((R,), (R,))] + [Row((Shard(d),), (Shard(d),)) for d in range(ndim) if d not in moved]
@@ -252,8 +243,7 @@ class TriangleRule(RowsRule):
 
     def local_arguments(self, call, input_layouts, coordinate):
         offsets = input_layouts[0].local_offset(coordinate)
-        diagonal = _argument(call, 1, "diagonal", 0) + offsets[-2] - offsets[-1]
-        return (call.args[0], diagonal), {}
+        return call.with_arguments(diagonal=call.argument("diagonal") + offsets[-2] - offsets[-1])
 
 
 class NewFactoryRule(RowsRule):
@@ -269,23 +259,18 @@ class NewFactoryRule(RowsRule):
 
     @staticmethod
     def _factory_rows(call: OpCall) -> list[Row]:
-        out_ndim = len(call.args[1])
+        out_ndim = len(call.argument("size"))
         rows = [Row((R,), (R,))]
         rows += [Row((Shard(d) if d < out_ndim else R,), (Shard(d),)) for d in range(call.inputs[0].ndim)]
         return rows + [Row((R,), (Partial(op),)) for op in REDUCE_OPS]
 
     def local_arguments(self, call, input_layouts, coordinate):
-        size = list(call.args[1])
+        size = list(call.argument("size"))
         placements = [p if isinstance(p, Shard) and p.dim < len(size) else R for p in input_layouts[0].placements]
-        local_size = Layout.create(input_layouts[0].mesh_shape, placements, size).local_shape(coordinate)
-        args = [call.args[0], list(local_size)] + list(call.args[2:])
+        local_size = list(Layout.create(input_layouts[0].mesh_shape, placements, size).local_shape(coordinate))
         if call.op == aten.new_empty_strided.default:
-            stride, step = [], 1
-            for length in reversed(local_size):
-                stride.append(step)
-                step *= max(length, 1)
-            args[2] = list(reversed(stride))
-        return tuple(args), dict(call.kwargs)
+            return call.with_arguments(size=local_size, stride=list(contiguous_stride(local_size)))
+        return call.with_arguments(size=local_size)
 
 
 # What the index arguments index, with the range the op accepts on one device.
@@ -307,9 +292,9 @@ TENSOR_OP_RULES: list[tuple[list, object]] = [
     ([aten.index_put.default, aten.index_put_.default], TensorOpRule(index_put_rows, _PER_POSITION)),
     ([aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.masked_fill_.Scalar, aten.masked_fill_.Tensor],
      TensorOpRule(masked_fill_rows)),
-    ([aten.sort.default, aten.sort.stable], _along_dim(1, -1, 2, lambda call: False)),
-    ([aten.topk.default], _along_dim(2, -1, 2, lambda call: False)),
-    ([aten.kthvalue.default], _along_dim(2, -1, 2, lambda call: not _argument(call, 3, "keepdim", False))),
+    ([aten.sort.default, aten.sort.stable], _along_dim(2, lambda call: False)),
+    ([aten.topk.default], _along_dim(2, lambda call: False)),
+    ([aten.kthvalue.default], _along_dim(2, lambda call: not call.argument("keepdim"))),
     ([aten.flip.default, aten.roll.default], TensorOpRule(flip_roll_rows)),
     ([aten.tril.default, aten.triu.default, aten.tril_.default, aten.triu_.default], TriangleRule()),
     ([aten.new_zeros.default, aten.new_empty.default, aten.new_ones.default, aten.new_full.default,

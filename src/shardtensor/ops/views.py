@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_map
 from ..layout import Layout
 from ..placement import REDUCE_OPS, Partial, Replicate, Shard
 from ..propagation import OpCall, Row, ShardingRule, run_on_meta
+from .common import normalized_dim
 from .registry import RULES, register_rule
 
 __all__ = ["KeptDim", "ViewRule", "CopyOfView", "view_dim_map"]
@@ -88,21 +89,17 @@ def _output_shape(call: OpCall) -> tuple[int, ...]:
     return run_on_meta(call.op, call.args, dict(call.kwargs))[0].shape
 
 
-def _dim(dim: int, ndim: int) -> int:
-    return dim % ndim if ndim else 0
-
-
 class ViewRule(ShardingRule):
     """Rows from a dimension map: Replicate, one Shard row per kept dim, and every Partial.
 
-    `size_argument` names the argument position that holds the output's global sizes (`view`,
-    `expand`, `slice_backward`); each coordinate gets its local sizes there. All tensor inputs
+    `size_argument` names the argument that holds the output's global sizes (`view`'s `size`,
+    `slice_backward`'s `input_sizes`); each coordinate gets its local sizes there. All tensor inputs
     (the list of `cat`) and all outputs (the list of `split`) share a row's placement. `partials`
     are the reduce ops that pass through: all of them for ops that only move elements or fill
     zeros, fewer for ops that add elements up (`unfold_backward`).
     """
 
-    def __init__(self, dim_map: DimMap, *, size_argument: int | None = None, name: str = "",
+    def __init__(self, dim_map: DimMap, *, size_argument: str | None = None, name: str = "",
                  partials: Sequence[str] = REDUCE_OPS):
         self.dim_map = dim_map
         self.size_argument = size_argument
@@ -139,9 +136,7 @@ class ViewRule(ShardingRule):
         for k in self.dim_map(call):
             if layout.shard_order[k.input_dim]:
                 sizes[k.output_dim] = k.local_size(local_shape[k.input_dim])
-        args = list(call.args)
-        args[self.size_argument] = sizes
-        return tuple(args), dict(call.kwargs)
+        return call.with_arguments(**{self.size_argument: sizes})
 
 
 def _whole_in_every_target(kept: KeptDim, layout: Layout, keepable: set[int]) -> bool:
@@ -173,13 +168,14 @@ def permuted(call: OpCall) -> tuple[KeptDim, ...]:
     """transpose, permute, t: output dim `o` is input dim `order[o]`."""
     ndim = call.inputs[0].ndim
     if call.op == aten.permute.default:
-        order = [_dim(dim, ndim) for dim in call.args[1]]
+        order = [normalized_dim(dim, ndim) for dim in call.argument("dims")]
     elif ndim == 0 or (call.op == aten.t.default and ndim < 2):  # transpose(scalar, 0, 0) is allowed
         order = list(range(ndim))
     else:
-        first, second = (call.args[1], call.args[2]) if call.op == aten.transpose.int else (0, 1)
+        first, second = (call.argument("dim0"), call.argument("dim1")) if call.op == aten.transpose.int else (0, 1)
         order = list(range(ndim))
-        order[_dim(first, ndim)], order[_dim(second, ndim)] = order[_dim(second, ndim)], order[_dim(first, ndim)]
+        first, second = normalized_dim(first, ndim), normalized_dim(second, ndim)
+        order[first], order[second] = order[second], order[first]
     return tuple(KeptDim(input_dim, output_dim) for output_dim, input_dim in enumerate(order))
 
 
@@ -195,7 +191,7 @@ def expanded(call: OpCall) -> tuple[KeptDim, ...]:
 
 def repeated(call: OpCall) -> tuple[KeptDim, ...]:
     """repeat: dims repeated once keep their shard (the local repeat is the global one)."""
-    repeats = call.args[1]
+    repeats = call.argument("repeats")
     offset = len(repeats) - call.inputs[0].ndim
     return tuple(KeptDim(dim, dim + offset) for dim in range(call.inputs[0].ndim) if repeats[dim + offset] == 1)
 
@@ -205,53 +201,49 @@ def _all_but(ndim: int, removed: int, *, shift: int = 0) -> tuple[KeptDim, ...]:
     return tuple(KeptDim(dim, dim + shift if dim > removed else dim) for dim in range(ndim) if dim != removed)
 
 
-def _argument(call: OpCall, position: int, name: str, default):
-    return call.args[position] if len(call.args) > position else call.kwarg(name, default)
-
-
 def split_along(call: OpCall) -> tuple[KeptDim, ...]:
     """split, split_with_sizes, cat: the dim cut or joined must be whole on every rank."""
     ndim = call.inputs[0].ndim
-    return _all_but(ndim, _dim(_argument(call, 2 if call.op != aten.cat.default else 1, "dim", 0), ndim))
+    return _all_but(ndim, normalized_dim(call.argument("dim"), ndim))
 
 
 def removed_dim(call: OpCall) -> tuple[KeptDim, ...]:
     """unbind, select: the dim disappears, later dims move up."""
     ndim = call.inputs[0].ndim
-    return _all_but(ndim, _dim(_argument(call, 1, "dim", 0), ndim), shift=-1)
+    return _all_but(ndim, normalized_dim(call.argument("dim"), ndim), shift=-1)
 
 
 def stacked(call: OpCall) -> tuple[KeptDim, ...]:
     """stack: a new dim at `dim`; input dims from `dim` on move down one."""
     ndim = call.inputs[0].ndim
-    new_dim = _dim(_argument(call, 1, "dim", 0), ndim + 1)
+    new_dim = normalized_dim(call.argument("dim"), ndim + 1)
     return tuple(KeptDim(dim, dim + 1 if dim >= new_dim else dim) for dim in range(ndim))
 
 
 def select_backward_map(call: OpCall) -> tuple[KeptDim, ...]:
     """select_backward(grad, input_sizes, dim, index): the selected dim comes back."""
-    new_dim = _dim(call.args[2], len(call.args[1]))
+    new_dim = normalized_dim(call.argument("dim"), len(call.argument("input_sizes")))
     return tuple(KeptDim(dim, dim + 1 if dim >= new_dim else dim) for dim in range(call.inputs[0].ndim))
 
 
 def slice_backward_map(call: OpCall) -> tuple[KeptDim, ...]:
     """slice_backward(grad, input_sizes, dim, ...): the sliced dim is rebuilt whole (Replicate)."""
     ndim = call.inputs[0].ndim
-    return _all_but(ndim, _dim(call.args[2], ndim))
+    return _all_but(ndim, normalized_dim(call.argument("dim"), ndim))
 
 
 def unfolded(call: OpCall) -> tuple[KeptDim, ...]:
     """unfold(self, dimension, size, step): windows of `dimension` overlap shards, so it is Replicate;
     the other dims keep their place (the window dim is a new last dim)."""
     ndim = call.inputs[0].ndim
-    return tuple(KeptDim(dim, dim) for dim in range(ndim) if dim != _dim(call.args[1], ndim))
+    return tuple(KeptDim(dim, dim) for dim in range(ndim) if dim != normalized_dim(call.argument("dimension"), ndim))
 
 
 def unfold_backward_map(call: OpCall) -> tuple[KeptDim, ...]:
     """unfold_backward(grad, input_sizes, dim, size, step): the unfolded dim and the window dim are
     summed back into the input's dim (Replicate); the other dims keep their place."""
-    ndim = len(call.args[1])
-    return tuple(KeptDim(dim, dim) for dim in range(ndim) if dim != _dim(call.args[2], ndim))
+    ndim = len(call.argument("input_sizes"))
+    return tuple(KeptDim(dim, dim) for dim in range(ndim) if dim != normalized_dim(call.argument("dim"), ndim))
 
 
 def nothing_kept(call: OpCall) -> tuple[KeptDim, ...]:
@@ -274,9 +266,8 @@ class SliceRule(ViewRule):
 
     def local_arguments(self, call, input_layouts, coordinate):
         layout = input_layouts[0]
-        dim = _dim(_argument(call, 1, "dim", 0), layout.ndim)
-        start, end, step = (_argument(call, 2, "start", None), _argument(call, 3, "end", None),
-                            _argument(call, 4, "step", 1))
+        dim = normalized_dim(call.argument("dim"), layout.ndim)
+        start, end, step = call.argument("start"), call.argument("end"), call.argument("step")
         if not layout.shard_order[dim]:
             return None
         start, end, step = slice(start, end, step).indices(layout.shape[dim])
@@ -286,7 +277,7 @@ class SliceRule(ViewRule):
         first = start + -(-max(offset - start, 0) // step) * step
         local_end = min(end, piece_end) - offset
         local_start = min(first - offset, max(local_end, 0))
-        return (call.args[0], dim, local_start, max(local_end, local_start), step), {}
+        return call.with_arguments(dim=dim, start=local_start, end=max(local_end, local_start), step=step)
 
 
 class SqueezeRule(ViewRule):
@@ -297,7 +288,8 @@ class SqueezeRule(ViewRule):
 
     def local_op(self, call, input_layouts, coordinate):
         shape = call.inputs[0].shape
-        requested = _argument(call, 1, "dim", range(len(shape)))
+        requested = call.argument("dim")
+        requested = range(len(shape)) if requested is None else requested
         requested = [requested] if isinstance(requested, int) else requested
         dims = [dim % len(shape) for dim in requested if shape[dim] == 1] if shape else []
         return lambda mesh, local, *arguments: aten.squeeze.dims(local, dims)
@@ -318,8 +310,8 @@ class DiagonalRule(ViewRule):
     @staticmethod
     def _diagonal_dims(call: OpCall) -> tuple[int, int, int]:
         ndim = call.inputs[0].ndim
-        offset = _argument(call, 1, "offset", 0)
-        return offset, _dim(_argument(call, 2, "dim1", 0), ndim), _dim(_argument(call, 3, "dim2", 1), ndim)
+        offset = call.argument("offset")
+        return offset, normalized_dim(call.argument("dim1"), ndim), normalized_dim(call.argument("dim2"), ndim)
 
     def _kept(self, call: OpCall) -> tuple[KeptDim, ...]:
         """The other dims in order, then dim1 (and dim2, see `rows_for_layouts`) onto the last dim."""
@@ -342,13 +334,13 @@ class DiagonalRule(ViewRule):
     def local_arguments(self, call, input_layouts, coordinate):
         offset, dim1, dim2 = self._diagonal_dims(call)
         offsets = input_layouts[0].local_offset(coordinate)
-        return (call.args[0], offset + offsets[dim1] - offsets[dim2], dim1, dim2), {}
+        return call.with_arguments(offset=offset + offsets[dim1] - offsets[dim2], dim1=dim1, dim2=dim2)
 
 
 class CopyOfView(ShardingRule):
     """A `*_copy` op (`view_copy`, `t_copy`, ...): the rule of its view, and a copy of the local view.
 
-    The view's rule sees the call as the view's (`to_view` rewrites arguments where the schemas
+    The view's rule sees the call as the view's (`to_view` rewrites the call where the schemas
     differ: `narrow_copy` is a `slice`); each rank runs the view on its shard and copies the result
     out contiguously, so the output never aliases the input.
     """
@@ -360,8 +352,9 @@ class CopyOfView(ShardingRule):
         self.__name__ = f"copy of {view_op}"
 
     def _view_call(self, call: OpCall) -> OpCall:
-        call = dataclasses.replace(call, op=self.view_op)
-        return call if self.to_view is None else self.to_view(call)
+        if self.to_view is not None:
+            return self.to_view(call)
+        return dataclasses.replace(call, op=self.view_op)
 
     def rows(self, call):
         return self.view_rule.rows(self._view_call(call))
@@ -389,17 +382,18 @@ class CopyOfView(ShardingRule):
 
 def narrow_as_slice(call: OpCall) -> OpCall:
     """narrow_copy(self, dim, start, length) is slice(self, dim, start, start + length)."""
-    _, dim, start, length = call.args
-    start = start % call.inputs[0].shape[_dim(dim, call.inputs[0].ndim)] if start < 0 else start
-    return dataclasses.replace(call, args=(call.args[0], dim, start, start + length, 1))
+    dim, start, length = call.argument("dim"), call.argument("start"), call.argument("length")
+    start = start % call.inputs[0].shape[normalized_dim(dim, call.inputs[0].ndim)] if start < 0 else start
+    return dataclasses.replace(call, op=aten.slice.Tensor, args=(call.argument("self"), dim, start, start + length, 1),
+                               kwargs=())
 
 
 VIEW_RULES: list[tuple[list, ShardingRule]] = [
-    ([aten.view.default, aten._unsafe_view.default], ViewRule(reshaped, size_argument=1)),
+    ([aten.view.default, aten._unsafe_view.default], ViewRule(reshaped, size_argument="size")),
     ([aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims], SqueezeRule()),
     ([aten.unsqueeze.default], ViewRule(reshaped)),
     ([aten.transpose.int, aten.permute.default, aten.t.default], ViewRule(permuted)),
-    ([aten.expand.default], ViewRule(expanded, size_argument=1)),
+    ([aten.expand.default], ViewRule(expanded, size_argument="size")),
     ([aten.repeat.default], ViewRule(repeated)),
     (
         [aten.split.Tensor, aten.split_with_sizes.default, aten.cat.default, aten.unsafe_split.Tensor,
@@ -409,13 +403,13 @@ VIEW_RULES: list[tuple[list, ShardingRule]] = [
     ([aten.unbind.int, aten.select.int], ViewRule(removed_dim)),
     ([aten.stack.default], ViewRule(stacked)),
     ([aten.slice.Tensor], SliceRule()),
-    ([aten.select_backward.default], ViewRule(select_backward_map, size_argument=1)),
-    ([aten.slice_backward.default], ViewRule(slice_backward_map, size_argument=1)),
+    ([aten.select_backward.default], ViewRule(select_backward_map, size_argument="input_sizes")),
+    ([aten.slice_backward.default], ViewRule(slice_backward_map, size_argument="input_sizes")),
     ([aten.as_strided.default], ViewRule(nothing_kept)),
     ([aten.diagonal.default], DiagonalRule()),
     ([aten.unfold.default], ViewRule(unfolded)),
     # Overlapping windows add up in the backward: only the Partials that commute with a sum.
-    ([aten.unfold_backward.default], ViewRule(unfold_backward_map, size_argument=1, partials=("sum", "avg"))),
+    ([aten.unfold_backward.default], ViewRule(unfold_backward_map, size_argument="input_sizes", partials=("sum", "avg"))),
 ]
 
 for view_ops, view_rule in VIEW_RULES:

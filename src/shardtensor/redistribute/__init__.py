@@ -16,7 +16,7 @@ import torch
 from ..layout import Layout
 from .cross_mesh import HandOff, empty_shard, hand_off, redistribute_across_meshes
 from .executor import PendingRedistribute, execute
-from .planner import DEFAULT_COST_MODEL, CostModel, Plan, Step, plan
+from .planner import DEFAULT_COST_MODEL, CostModel, Plan, Step, explain_plan, plan
 
 __all__ = [
     "redistribute_local_tensor", "redistribute_between", "explain", "execute", "plan", "hand_off",
@@ -49,5 +49,6 @@ def redistribute_between(local: torch.Tensor, source: Layout, source_mesh, targe
 
 
 def explain(source: Layout, target: Layout, itemsize: int, cost_model: CostModel = DEFAULT_COST_MODEL) -> str:
-    """The plan from `source` to `target` in words: steps, collectives, bytes, cost, lower bound."""
-    return str(plan(source, target, itemsize, cost_model))
+    """The plan from `source` to `target` in words: steps, collectives, bytes, cost, lower bound (and
+    the fewest-bytes plan when this one moves more than the bound)."""
+    return explain_plan(plan(source, target, itemsize, cost_model), cost_model)

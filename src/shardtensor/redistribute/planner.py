@@ -46,6 +46,8 @@ __all__ = [
     "Plan",
     "Step",
     "plan",
+    "fewest_bytes_plan",
+    "explain_plan",
     "lower_bound_bytes",
     "received_bytes",
     "LOCAL_STEPS",
@@ -336,44 +338,47 @@ def _exchange_allowed(state: Layout, target: Layout) -> bool:
 def lower_bound_bytes(source: Layout, target: Layout, itemsize: int) -> int:
     """Bytes that the busiest rank must receive in any plan from `source` to `target`.
 
-    For every rank with source box S and target box T (sets of global indices, Partial mesh dims
-    splitting nothing), and G the product of the sizes of the source's Partial mesh dims that the
-    target does not keep:
-      - G = 1: `|T| - |T ∩ S|`, the target elements the rank does not hold yet;
-      - G > 1: with U the union of the targets of the G ranks that differ from this one only on
-        those Partial mesh dims (their boxes are equal or disjoint), `(G-1)/G * |U|` (its share of
-        combining G operands of U, a bandwidth-optimal reduce_scatter) plus `|T| - min(|T|, |U|/G)`
-        (after that reduction a rank holds at most 1/G of U reduced). This gives the classic bounds:
-        `2(G-1)/G * |T|` for an all_reduce and `(G-1) * |T|` for a reduce_scatter.
-    The bound is the maximum over ranks times `itemsize`, rounded down. A plan's `total_bytes` sums
-    the busiest rank of each step, so it is never below this bound.
+    Without a reduction (no Partial mesh dim of the source changes): the most target elements a
+    rank does not hold yet. With one, let G be the number of operands each element combines (the
+    product of the sizes of the source's Partial mesh dims that change) and K the number of
+    separate reductions (the product of the sizes of the source's Partial mesh dims that the target
+    keeps; a Partial the target adds is made from a reduced value, which every rank holds). Per
+    element and kept coordinate, any plan receives at least `G - 1` values to combine the operands
+    (each lies on a different rank) plus `N - 1` copies of the result, N being the ranks whose
+    target shard holds the element: the first rank to hold the result needs one message from each
+    other operand, every other holder one message after that. Summed: `K * numel * (G - 2) +
+    sum over ranks of |target shard|`; the busiest rank receives at least the average over all
+    ranks, and at least one value per element of its own target shard. A plan's `total_bytes`
+    sums the busiest rank of each step, so it is never below this bound; an all_reduce
+    (`2(G-1)/G` of the tensor per rank) and a reduce_scatter (`G - 1` pieces) are exactly at it.
     """
-    reduced = tuple(
+    reduced = _reduced_mesh_dims(source, target)
+    group = math.prod(source.mesh_shape[mesh_dim] for mesh_dim in reduced)
+    if group == 1:
+        return _most_missing(source, target) * itemsize
+    kept = math.prod(
+        size for size, before, after in zip(source.mesh_shape, source.placements, target.placements)
+        if isinstance(before, Partial) and before == after
+    )
+    return _reduction_bound(target, group, kept) * itemsize // math.prod(target.mesh_shape)
+
+
+def _reduced_mesh_dims(source: Layout, target: Layout) -> tuple[int, ...]:
+    """The source's Partial mesh dims that the target does not keep (their operands are combined)."""
+    return tuple(
         mesh_dim
         for mesh_dim, placement in enumerate(source.placements)
         if isinstance(placement, Partial) and target.placements[mesh_dim] != placement
     )
-    group = math.prod(source.mesh_shape[mesh_dim] for mesh_dim in reduced)
-    if group == 1:
-        return _most_missing(source, target) * itemsize
-    return _reduction_bound(target, reduced) * itemsize // group
 
 
 @functools.lru_cache(maxsize=65536)
-def _reduction_bound(target: Layout, reduced: tuple[int, ...]) -> int:
-    """`lower_bound_bytes` in elements times the group size G, when the mesh dims `reduced` (G > 1
-    ranks) are reduced: it depends on the target alone, so a search prices it once per set."""
-    group = math.prod(target.mesh_shape[mesh_dim] for mesh_dim in reduced)
-    kept = [mesh_dim for mesh_dim in range(target.mesh_ndim) if mesh_dim not in reduced]
-    keys = [tuple(coordinate[mesh_dim] for mesh_dim in kept) for coordinate in _coordinates(target.mesh_shape)]
+def _reduction_bound(target: Layout, group: int, kept: int) -> int:
+    """`lower_bound_bytes` in elements times the number of ranks, for `kept` separate reductions
+    of `group` operands per element: it depends on the target alone, so a search prices it once."""
     numels = [math.prod(shape) for shape in _shard_shapes(target)]
-    group_targets: dict[tuple, dict] = {}
-    for key, box, numel in zip(keys, _boxes(target), numels):
-        group_targets.setdefault(key, {})[box] = numel
-    unions = {key: sum(boxes.values()) for key, boxes in group_targets.items()}
-    return max(
-        (group - 1) * unions[key] + group * numel - min(group * numel, unions[key]) for key, numel in zip(keys, numels)
-    )
+    combine_and_copy = kept * target.numel * (group - 2) + sum(numels)
+    return max(combine_and_copy, math.prod(target.mesh_shape) * max(numels))
 
 
 # ---- search --------------------------------------------------------------------------------------
@@ -581,3 +586,30 @@ def _cached_plan(source: Layout, target: Layout, itemsize: int, cost_model: Cost
     if _logger.isEnabledFor(logging.DEBUG):
         _logger.debug("planned %s", result)
     return result
+
+
+# Prices bytes first (1 us per byte): among plans moving the fewest bytes, the fewest collectives,
+# then the fewest local steps.
+_BYTES_ONLY = CostModel(latency_us=1e-3, exchange_latency_us=1e-3, bytes_per_us=1.0, local_step_us=1e-5)
+
+
+def fewest_bytes_plan(source: Layout, target: Layout, itemsize: int) -> Plan:
+    """The plan moving the fewest bytes (latency ignored), to compare a plan with what bytes alone
+    would choose: for small tensors the cost model prefers fewer collectives over fewer bytes."""
+    return plan(source, target, itemsize, _BYTES_ONLY)
+
+
+def explain_plan(result: Plan, cost_model: CostModel = DEFAULT_COST_MODEL) -> str:
+    """`str(result)`, and when it moves more than its lower bound, the fewest-bytes plan beside it,
+    priced with the same `cost_model` (a plan above the bound then shows what fewer bytes would cost)."""
+    text = str(result)
+    if result.total_bytes <= result.lower_bound_bytes:
+        return text
+    fewest = fewest_bytes_plan(result.source, result.target, result.itemsize)
+    if fewest.total_bytes >= result.total_bytes:
+        return f"{text}\n  no plan of these steps moves fewer bytes"
+    cost = sum(cost_model.step_cost(step.collective, step.bytes_per_rank) for step in fewest.steps)
+    return (
+        f"{text}\n  fewest bytes: {fewest.total_bytes} bytes/rank in {len(fewest.collectives)} collective(s) "
+        f"({' + '.join(fewest.collectives)}) would cost {cost:.2f} us: latency per collective outweighs the bytes"
+    )

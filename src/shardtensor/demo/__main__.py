@@ -1,0 +1,5 @@
+"""`python -m shardtensor.demo --help`."""
+
+from .cli import main
+
+raise SystemExit(main())

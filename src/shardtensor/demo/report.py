@@ -1,0 +1,118 @@
+"""What the demo shows on rank 0: a progress bar (loss, tokens/s, the one-device loss with
+--compare), then the collectives of one training step, how one weight is laid out, and a sample
+of generated text (which every rank helps compute)."""
+
+from __future__ import annotations
+
+import collections
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+from rich.progress import Progress as RichProgress
+from rich.table import Table
+
+from ..debug import visualize_sharding
+from ..dtensor import DTensor
+from ..mesh import DeviceMesh
+from .data import Corpus
+
+__all__ = ["Progress", "generate", "LOSS_TOLERANCE"]
+
+# Losses of the parallel and the one-device run differ only by float32 rounding (sums in another order).
+LOSS_TOLERANCE = 1e-3
+TEMPERATURE = 0.8
+
+
+class ComparisonError(RuntimeError):
+    """The parallel training's losses left the one-device training's by more than float rounding."""
+
+
+def _mesh_dim_name(mesh: DeviceMesh, mesh_dim) -> str:
+    dims = mesh_dim if isinstance(mesh_dim, tuple) else (mesh_dim,)
+    return "+".join(mesh.mesh_dim_names[dim] if mesh.mesh_dim_names else str(dim) for dim in dims)
+
+
+def communication_table(phases) -> Table:
+    """The collectives of one step on this rank, by kind and mesh dim; `phases` pairs each list of
+    records with the mesh they were issued on (the model's on "tp", the gradients' on the world)."""
+    calls, sent = collections.Counter(), collections.Counter()
+    for mesh, records in phases:
+        for record in records:
+            key = (record.kind, _mesh_dim_name(mesh, record.mesh_dim))
+            calls[key] += 1
+            sent[key] += record.bytes_sent
+    table = Table(title="collectives of one training step (rank 0)", title_justify="left")
+    for column in ("collective", "mesh dim", "calls", "KiB sent"):
+        table.add_column(column, justify="right" if column in ("calls", "KiB sent") else "left")
+    for key in sorted(calls):
+        table.add_row(key[0], key[1], str(calls[key]), f"{sent[key] / 1024:.1f}")
+    table.add_row("total", "", str(sum(calls.values())), f"{sum(sent.values()) / 1024:.1f}", style="bold")
+    return table
+
+
+@torch.no_grad()
+def generate(model, corpus: Corpus, options, device: torch.device) -> str:
+    """Sample text from the model (every rank runs it; the same seed gives every rank the same text)."""
+    generator = torch.Generator().manual_seed(options.seed)
+    prompt = corpus.encode("def ") if options.data is None else corpus.tokens[:1]
+    tokens = prompt[None].to(device)
+    for _ in range(options.sample_length):
+        logits = model(tokens[:, -options.block_size :])[:, -1]
+        if isinstance(logits, DTensor):
+            logits = logits.full_tensor()
+        probabilities = torch.softmax(logits.float().cpu() / TEMPERATURE, dim=-1)
+        tokens = torch.cat([tokens, torch.multinomial(probabilities, 1, generator=generator).to(device)], dim=1)
+    return corpus.decode(tokens[0].tolist())
+
+
+def _global_parameters(model) -> int:
+    return sum(parameter.numel() for parameter in model.parameters())
+
+
+class Progress:
+    """Rank 0's view of the run, from the header to the verdict."""
+
+    def __init__(self, options, corpus: Corpus, start: int):
+        self.console = Console()
+        self.differences: list[float] = []
+        self.options = options
+        self.console.print(
+            f"[bold]shardtensor demo[/bold]: a GPT trained on {corpus.tokens.numel():,} characters of "
+            f"{corpus.name} (vocabulary {corpus.vocab_size}), mesh {options.mesh[0]}x{options.mesh[1]} "
+            f"(dp x tp){', checked against one device' if options.compare else ''}"
+        )
+        self.bar = RichProgress(
+            TextColumn("[bold]train[/bold]"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[status]}"),
+            TimeElapsedColumn(),
+            console=self.console,
+        )
+        self.task = self.bar.add_task("train", total=options.steps, completed=start, status="")
+        self.bar.start()
+
+    def update(self, step: int, loss: float, reference_loss: float | None, tokens_per_second: float) -> None:
+        status = f"loss {loss:.4f}  {tokens_per_second:,.0f} tok/s"
+        if reference_loss is not None:
+            status += f"  one device {reference_loss:.4f}"
+            self.differences.append(abs(loss - reference_loss))
+        self.bar.update(self.task, advance=1, status=status)
+
+    def finish(self, mesh: DeviceMesh, step_communication, model, sample: str) -> None:
+        self.bar.stop()
+        self.console.print(f"model: {_global_parameters(model):,} parameters")
+        if step_communication:
+            self.console.print(communication_table(step_communication))
+        weight = model.blocks[0].mlp.fc.weight
+        visualize_sharding(weight, header="blocks.0.mlp.fc.weight over tp (each dp row holds the same shards):", use_rich=True)
+        self.console.rule("sample")
+        self.console.print(sample, markup=False, highlight=False)
+        self.console.rule()
+        if self.differences:
+            worst = max(self.differences)
+            verdict = f"{len(self.differences)} steps, max |loss - one-device loss| = {worst:.2e}"
+            if worst > LOSS_TOLERANCE:
+                raise ComparisonError(f"the parallel losses left the one-device losses: {verdict} > {LOSS_TOLERANCE}")
+            self.console.print(f"[green]ok[/green]: losses agree with one device ({verdict})")

@@ -1,0 +1,150 @@
+"""One rank's part of the demo: data parallel x tensor parallel training of the GPT with AdamW.
+
+The model is laid out over the "tp" mesh dim by `model.parallelize`; data parallelism over "dp"
+gives each dp rank its slice of the global batch and averages gradients with one all_reduce of
+all of them (norm gradients, which sequence parallelism leaves Partial over "tp", are summed over
+the whole mesh in a second one). With `compare`, rank 0 also trains the same model on the whole
+batch on one device, step for step.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import time
+
+import torch
+import torch.nn.functional as F
+
+from .. import comm
+from ..dtensor import DTensor
+from ..mesh import DeviceMesh, init_device_mesh
+from ..placement import Replicate
+from ..parallel import loss_parallel
+from . import report
+from .checkpoint import load_checkpoint, save_checkpoint
+from .data import Corpus, batch_for_step, load_corpus
+from .model import GPT, GPTConfig, parallelize
+
+__all__ = ["Options", "average_gradients", "forward_backward", "train"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """Everything a run depends on (the command line's flags)."""
+
+    mesh: tuple[int, int] = (2, 2)
+    steps: int = 200
+    batch_size: int = 16
+    block_size: int = 64
+    layers: int = 2
+    heads: int = 4
+    width: int = 64
+    learning_rate: float = 3e-3
+    seed: int = 0
+    data: str | None = None
+    checkpoint: str | None = None
+    compare: bool = False
+    sample_length: int = 160
+    device_type: str = "cpu"
+
+
+def average_gradients(parameters: list[torch.nn.Parameter], mesh: DeviceMesh, loss: torch.Tensor) -> float:
+    """Data-parallel gradient averaging over mesh dim "dp" (0), in place; returns the global mean loss.
+
+    Each dp rank's loss is the mean over its equal share of the batch, so the global gradient is
+    the average of theirs. The loss rides along in the same buffer. Gradients that are Partial over
+    "tp" (norm weights under sequence parallelism) are summed over "tp" and averaged over "dp" in
+    one all_reduce over both mesh dims and become Replicate.
+    """
+    dp_size = mesh.size(0)
+    local_loss = loss.to_local() if isinstance(loss, DTensor) else loss
+    groups = {False: [], True: []}  # partial over tp -> parameters
+    for parameter in parameters:
+        groups[any(p.is_partial() for p in parameter.grad.placements)].append(parameter)
+    for partial, group in groups.items():
+        pieces = [parameter.grad.to_local().reshape(-1) for parameter in group]
+        if not partial:
+            pieces.insert(0, local_loss.detach().reshape(1))
+        if not pieces:
+            continue
+        flat = torch.cat(pieces)
+        if partial:
+            flat = comm.all_reduce(flat, mesh, (0, 1), reduce_op="sum") / dp_size
+        else:
+            flat = comm.all_reduce(flat, mesh, 0, reduce_op="avg")
+            global_loss, flat = flat[0].item(), flat[1:]
+        for parameter, piece in zip(group, flat.split([p.grad.to_local().numel() for p in group])):
+            local = piece.view_as(parameter.grad.to_local())
+            if partial:
+                parameter.grad = DTensor.from_local(local, parameter.device_mesh, [Replicate()], shape=parameter.shape)
+            else:
+                parameter.grad.to_local().copy_(local)
+    return global_loss
+
+
+def forward_backward(model, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The loss of a batch (vocab-parallel when the logits are sharded) and its gradients."""
+    logits = model(tokens)
+    with loss_parallel():
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))
+    loss.backward()
+    return loss
+
+
+def _step(optimizer: torch.optim.Optimizer) -> None:
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def build(options: Options, corpus: Corpus, device: torch.device) -> GPT:
+    torch.manual_seed(options.seed)
+    config = GPTConfig(corpus.vocab_size, options.block_size, options.layers, options.heads, options.width)
+    return GPT(config).to(device)
+
+
+def _optimizer(model: GPT, options: Options) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=options.learning_rate, weight_decay=0.01, foreach=True)
+
+
+def _dp_slice(tensor: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    return tensor.tensor_split(mesh.size(0))[mesh.get_coordinate()[0]]
+
+
+def train(options: Options) -> None:
+    """The demo on this rank (every rank of the world runs it)."""
+    mesh = init_device_mesh(options.device_type, options.mesh, mesh_dim_names=("dp", "tp"))
+    device = torch.device(options.device_type, torch.cuda.current_device()) if options.device_type == "cuda" else torch.device("cpu")
+    corpus = load_corpus(options.data, options.block_size)
+    model = build(options, corpus, device)
+    is_main = mesh.get_rank() == 0
+    reference = copy.deepcopy(model) if options.compare and is_main else None
+    parallelize(model, mesh["tp"])
+    optimizer = _optimizer(model, options)
+    reference_optimizer = _optimizer(reference, options) if reference is not None else None
+    start = 0
+    if options.checkpoint:
+        start = load_checkpoint(options.checkpoint, model, optimizer, reference, reference_optimizer)
+    progress = report.Progress(options, corpus, start) if is_main else None
+    parameters = list(model.parameters())
+    for step in range(start, options.steps):
+        tokens, targets = batch_for_step(corpus, step, options.batch_size, options.block_size, options.seed)
+        began = time.perf_counter()
+        with comm.observe() as model_records:
+            loss = forward_backward(model, _dp_slice(tokens, mesh).to(device), _dp_slice(targets, mesh).to(device))
+        with comm.observe() as gradient_records:
+            loss_value = average_gradients(parameters, mesh, loss)
+        _step(optimizer)
+        elapsed = time.perf_counter() - began
+        reference_loss = None
+        if reference is not None:
+            reference_loss = forward_backward(reference, tokens.to(device), targets.to(device)).item()
+            _step(reference_optimizer)
+        if progress is not None:
+            progress.update(step, loss_value, reference_loss, tokens.numel() / elapsed)
+    step_communication = [(mesh["tp"], model_records), (mesh, gradient_records)] if options.steps > start else []
+    if options.checkpoint:
+        save_checkpoint(options.checkpoint, model, optimizer, options.steps, reference, reference_optimizer)
+    sample = report.generate(model, corpus, options, device)
+    if progress is not None:
+        progress.finish(mesh, step_communication, model, sample)

@@ -1,0 +1,10 @@
+"""Sharded data parallel (FSDP2's `fully_shard`) on shardtensor DTensors, with exact uneven shards.
+
+Modules: `policies` (mixed precision, offload), `unit` (one unit's parameters and flat buffers),
+`hooks` (forward/backward hooks, prefetching), `api` (`fully_shard`, `FSDPModule`).
+"""
+
+from .api import FSDPModule, UnshardHandle, fully_shard
+from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+__all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy"]

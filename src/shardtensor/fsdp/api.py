@@ -1,0 +1,174 @@
+"""`fully_shard` and `FSDPModule`: PyTorch FSDP2's public names, on shardtensor DTensors.
+
+    >>> mesh = init_device_mesh("cpu", (4,))  # doctest: +SKIP
+    >>> for block in model.blocks:  # doctest: +SKIP
+    ...     fully_shard(block, mesh=mesh)
+    >>> fully_shard(model, mesh=mesh)  # doctest: +SKIP
+    >>> model.blocks[0].weight.placements  # doctest: +SKIP
+    (Shard(dim=0),)
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable, Sequence
+
+import torch.distributed as dist
+from torch import nn
+
+from ..mesh import DeviceMesh, init_device_mesh
+from ..placement import Placement
+from .hooks import post_forward, pre_forward
+from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from .unit import ParameterUnit
+
+__all__ = ["fully_shard", "FSDPModule", "UnshardHandle"]
+
+
+class UnshardHandle:
+    """What `FSDPModule.unshard(async_op=True)` returns: `wait()` finishes the gather."""
+
+    __slots__ = ("_unit",)
+
+    def __init__(self, unit: ParameterUnit):
+        self._unit = unit
+
+    def wait(self) -> None:
+        self._unit.wait_for_unshard()
+
+
+class FSDPModule:
+    """The methods `fully_shard` adds: its module's class becomes a subclass with `FSDPModule` first.
+
+    Outside its forward the module's parameters are the sharded DTensors (what optimizers,
+    `state_dict` and DCP see); during its forward they are the unsharded tensors.
+    """
+
+    _fsdp_unit: ParameterUnit
+
+    def _fsdp_modules(self, recurse: bool) -> list[FSDPModule]:
+        if not recurse:
+            return [self]
+        return [module for module in self.modules() if isinstance(module, FSDPModule)]
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """Gather this unit's parameters now (one collective); with `async_op`, return a handle to wait on.
+
+        The next forward then uses them without gathering (explicit prefetching).
+        """
+        self._fsdp_unit.unshard(async_op=async_op)
+        return UnshardHandle(self._fsdp_unit) if async_op else None
+
+    def reshard(self) -> None:
+        """Free this unit's unsharded parameters (the sharded ones are always kept)."""
+        self._fsdp_unit.reshard()
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """With False, backward accumulates unsharded gradients locally without communicating (gradient
+        accumulation); the next backward with True reduces the sum once."""
+        for module in self._fsdp_modules(recurse):
+            module._fsdp_unit.requires_gradient_sync = requires_gradient_sync
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
+        """Whether forward frees the unsharded parameters (backward then gathers them again)."""
+        for module in self._fsdp_modules(recurse):
+            module._fsdp_unit.reshard_after_forward = reshard_after_forward
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """Whether backward frees the unsharded parameters; False keeps them for the next forward (useful
+        between gradient-accumulation micro-batches, which do not change the parameters)."""
+        for module in self._fsdp_modules(recurse):
+            module._fsdp_unit.reshard_after_backward = reshard_after_backward
+
+    def set_modules_to_forward_prefetch(self, modules: Sequence[FSDPModule]) -> None:
+        """Gather these units asynchronously when this one's forward starts (instead of the next one run)."""
+        self._fsdp_unit.forward_prefetch = [_unit_of(module, "set_modules_to_forward_prefetch") for module in modules]
+
+    def set_modules_to_backward_prefetch(self, modules: Sequence[FSDPModule]) -> None:
+        """Gather these units asynchronously when this one's backward starts (instead of the one before it)."""
+        self._fsdp_unit.backward_prefetch = [_unit_of(module, "set_modules_to_backward_prefetch") for module in modules]
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide the summed gradients by `factor` instead of the number of data-parallel ranks."""
+        if not factor > 0:
+            raise ValueError(f"set_gradient_divide_factor: factor must be positive, got {factor!r}")
+        self._fsdp_unit.gradient_divide_factor = float(factor)
+
+
+def _unit_of(module, caller: str) -> ParameterUnit:
+    if not isinstance(module, FSDPModule):
+        raise TypeError(f"{caller}: {type(module).__name__} is not an FSDPModule; pass modules that fully_shard was applied to")
+    return module._fsdp_unit
+
+
+@functools.cache
+def _fsdp_class(cls: type) -> type:
+    return type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+
+
+def _argument_error(problem: str, allowed: str) -> TypeError:
+    return TypeError(f"fully_shard: {problem}; {allowed}")
+
+
+def _default_mesh(modules: Sequence[nn.Module]) -> DeviceMesh:
+    devices = {parameter.device.type for module in modules for parameter in module.parameters()}
+    device_type = "cuda" if "cuda" in devices else "cpu"
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return init_device_mesh(device_type, (world,))
+
+
+def fully_shard(
+    module: nn.Module | list[nn.Module],
+    *,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Placement | None] | None = None,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+    offload_policy: OffloadPolicy = OffloadPolicy(),
+    ignored_params: Iterable[nn.Parameter] | None = None,
+):
+    """Shard a module's parameters over the data-parallel `mesh` and gather them around its forward/backward.
+
+    Every parameter under `module` not managed by an earlier `fully_shard` (apply it to the blocks
+    first, then to the whole model) becomes an `nn.Parameter` holding a DTensor with `Shard(0)`
+    (or `shard_placement_fn(param)`) on `mesh`, in exact `torch.chunk` pieces with no padding; on
+    a 2-D mesh (HSDP) it is `(Replicate(), Shard(0))`. A parameter that is already a DTensor on
+    other mesh dims (tensor parallel, from `parallelize_module` on `mesh_2d["tp"]`) keeps its
+    placement there and is sharded further on `mesh_2d["dp"]`. Forward all-gathers the unit's
+    parameters with one collective (the next unit's gather overlaps this unit's compute); backward
+    reduce-scatters its gradients with one collective (sum, then division by the number of
+    data-parallel ranks). `reshard_after_forward=None` frees after forward everywhere but in the
+    root module. `module` may be a list of modules that are gathered as one unit. Returns `module`,
+    whose class now starts with `FSDPModule`.
+
+    >>> fully_shard(model, mesh=init_device_mesh("cpu", (2,)))  # doctest: +SKIP
+    """
+    modules = list(module) if isinstance(module, (list, tuple)) else [module]
+    if not modules or not all(isinstance(item, nn.Module) for item in modules):
+        raise _argument_error(f"got {type(module).__name__} {module!r:.80}", "pass an nn.Module or a non-empty list of them")
+    for item in modules:
+        if isinstance(item, FSDPModule):
+            raise ValueError(f"fully_shard: {type(item).__name__} is already sharded; apply fully_shard once per module")
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise _argument_error(f"mp_policy={mp_policy!r}", "pass a shardtensor.fsdp.MixedPrecisionPolicy")
+    if not isinstance(offload_policy, OffloadPolicy):
+        raise _argument_error(f"offload_policy={offload_policy!r}", "pass OffloadPolicy() or CPUOffloadPolicy()")
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+        raise _argument_error(f"reshard_after_forward={reshard_after_forward!r}",
+                              "pass True, False or None (True except for the root module); int values are not supported")
+    mesh = mesh if mesh is not None else _default_mesh(modules)
+    if isinstance(offload_policy, CPUOffloadPolicy) and mesh.device_type != "cpu":
+        raise NotImplementedError(
+            f"fully_shard: CPUOffloadPolicy on a {mesh.device_type!r} mesh is not implemented; on CPU meshes it is a "
+            f"no-op, elsewhere use OffloadPolicy()"
+        )
+    ignored = {id(parameter) for parameter in ignored_params or ()}
+    unit = ParameterUnit(modules, mesh, shard_placement_fn=shard_placement_fn, mp_policy=mp_policy,
+                         ignored_params=ignored, reshard_after_forward=reshard_after_forward,
+                         is_managed=lambda candidate: isinstance(candidate, FSDPModule))
+    for item in modules:
+        item.__class__ = _fsdp_class(type(item))
+        item._fsdp_unit = unit
+        item.register_forward_pre_hook(functools.partial(pre_forward, unit), prepend=True, with_kwargs=True)
+        item.register_forward_hook(functools.partial(post_forward, unit))
+    return module

@@ -1,0 +1,137 @@
+"""Crossing a style's boundary: plain local tensors to DTensors and back, with exact global shapes.
+
+A style turns a module's plain inputs into DTensors with `DTensor.from_local(..., shape=...)`, which
+costs no collective only when the global shape is known. It is known for a Replicate input (the
+local shape), for a dim the module defines (a Linear's input features), and for a local tensor that
+came straight out of another style (`use_local_output=True`): such a tensor carries its DTensor's
+layout (`_LAYOUT_ATTRIBUTE`), so uneven shards (a sequence of 7 over 4 ranks) stay exact. For
+anything else the size along a sharded dim cannot be known without asking every rank, and the style
+raises instead of paying a hidden collective.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from ..dtensor import DTensor
+from ..mesh import DeviceMesh
+from ..placement import Partial, Placement, Shard, normalize_placements
+
+__all__ = ["check_tp_mesh", "redistribute_to", "to_dtensor", "to_output"]
+
+# Set on the plain tensor a style returns: (mesh, layout) of the DTensor it was the local shard of.
+_LAYOUT_ATTRIBUTE = "_shardtensor_layout"
+
+
+def check_tp_mesh(mesh: DeviceMesh, where: str) -> None:
+    """Parallel styles lay out tensors along one mesh dim: the mesh must be 1-D."""
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"{where} needs a shardtensor DeviceMesh, got {type(mesh).__name__}")
+    if mesh.ndim != 1:
+        names = mesh.mesh_dim_names or ()
+        hint = f"mesh[{names[-1]!r}]" if names else "a 1-D mesh (init_device_mesh(..., mesh_dim_names=(...)) and mesh['tp'])"
+        raise ValueError(
+            f"{where} takes a 1-D device mesh (the tensor-parallel mesh dim), got the {mesh.ndim}-D {mesh!r}; "
+            f"pass the sub-mesh of the tensor-parallel dim, e.g. {hint}"
+        )
+
+
+def _unknown_size_error(where: str, local: torch.Tensor, placement: Shard, mesh: DeviceMesh) -> ValueError:
+    return ValueError(
+        f"{where} got a plain torch.Tensor of local shape {tuple(local.shape)} to read as {placement!r} over "
+        f"{mesh!r}, but its global size along dim {placement.dim} is unknown: it did not come straight out "
+        f"of a parallel style (for example it is the sum of a residual connection), and learning the size "
+        f"would take a collective. Keep the activations DTensors between styles: give the style that "
+        f"produced it use_local_output=False (e.g. RowwiseParallel(output_layouts=Shard(1), "
+        f"use_local_output=False)), or pass a DTensor"
+    )
+
+
+def _tag_mismatch_error(where: str, given: Sequence[Placement], tag_placements, tag_mesh) -> ValueError:
+    return ValueError(
+        f"{where} was told its input is laid out as {tuple(given)!r}, but the tensor is the local shard "
+        f"of a DTensor laid out as {tuple(tag_placements)!r} on {tag_mesh!r} (the output of another "
+        f"style); make the plan's input_layouts agree with the producing style's output_layouts"
+    )
+
+
+def _tagged_layout(local: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...], where: str):
+    """The layout a style stored on `local`, if it still describes it (same shape, this mesh)."""
+    tag = local.__dict__.get(_LAYOUT_ATTRIBUTE)
+    if tag is None:
+        return None
+    tag_mesh, layout = tag
+    coordinate = mesh.get_coordinate()
+    if tag_mesh != mesh or coordinate is None or layout.local_shape(coordinate) != tuple(local.shape):
+        return None
+    if layout.placements != placements:
+        raise _tag_mismatch_error(where, placements, layout.placements, tag_mesh)
+    return layout
+
+
+def to_dtensor(
+    value,
+    mesh: DeviceMesh,
+    placements: Sequence[Placement],
+    where: str,
+    *,
+    known_sizes: Mapping[int, int] | None = None,
+):
+    """`value` as a DTensor on `mesh` with `placements` (a plain local tensor) or as it is (a DTensor).
+
+    `known_sizes` maps a tensor dim (negative allowed) to its global size where the module defines
+    it. Anything that is not a tensor passes through unchanged.
+    """
+    if isinstance(value, DTensor):
+        if value.device_mesh != mesh:
+            raise ValueError(
+                f"{where} got a DTensor on {value.device_mesh!r}, but the style lays out tensors on "
+                f"{mesh!r}; redistribute it to that mesh first, or pass its local tensor"
+            )
+        return value
+    if not isinstance(value, torch.Tensor):
+        return value
+    placements = normalize_placements(placements, value.ndim, mesh.ndim)
+    layout = _tagged_layout(value, mesh, placements, where)
+    if layout is not None:
+        sizes = {mesh_dim: layout.pieces[p.dim] for mesh_dim, p in enumerate(placements) if isinstance(p, Shard)}
+        return DTensor.from_local(value, mesh, placements, shape=layout.shape, shard_sizes=sizes or None)
+    shape = list(value.shape)
+    known = {dim % max(value.ndim, 1): size for dim, size in (known_sizes or {}).items()}
+    for placement in placements:
+        if isinstance(placement, Shard):
+            if placement.dim not in known:
+                raise _unknown_size_error(where, value, placement, mesh)
+            shape[placement.dim] = known[placement.dim]
+    return DTensor.from_local(value, mesh, placements, shape=tuple(shape))
+
+
+def redistribute_to(value, placements: Sequence[Placement]):
+    """A DTensor moved to `placements` (a Partial target keeps the value's Partial); other values as they are."""
+    if not isinstance(value, DTensor):
+        return value
+    target = tuple(
+        old if isinstance(new, Partial) and old == new else new
+        for old, new in zip(value.placements, normalize_placements(placements, value.ndim, value.device_mesh.ndim))
+    )
+    if target == value.placements:
+        return value
+    return value.redistribute(value.device_mesh, target)
+
+
+def to_output(value, placements: Sequence[Placement] | None, use_local_output: bool):
+    """A module's output moved to `placements` (None: as it is), then its local tensor if asked.
+
+    The local tensor remembers its DTensor's layout, so the next style reads it exactly.
+    """
+    if not isinstance(value, DTensor):
+        return value
+    if placements is not None:
+        value = redistribute_to(value, placements)
+    if not use_local_output:
+        return value
+    local = value.to_local()
+    local.__dict__[_LAYOUT_ATTRIBUTE] = (value.device_mesh, value.sharding)
+    return local

@@ -1,0 +1,112 @@
+"""The demo: its model's tensor-parallel plan trains exactly like one device (1, 2, 4 ranks and the
+tp dim of 2x2) with the collectives of hand-written Megatron sequence parallelism, and the command
+itself runs (spawned ranks with --compare, and under torchrun) and exits 0."""
+
+import collections
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from parallel_helpers import train_and_compare
+from spmd import spmd
+
+from shardtensor import comm
+from shardtensor.demo.cli import parse_options
+from shardtensor.demo.data import standard_library_text
+from shardtensor.demo.model import GPT, GPTConfig, parallelize, tensor_parallel_plan
+from shardtensor.parallel import loss_parallel
+
+MESHES = [(1,), (2,), (4,), (2, 2)]
+CONFIG = GPTConfig(vocab_size=13, block_size=16, layers=2, heads=4, width=16)
+
+
+def _tokens(generator):
+    return [torch.randint(0, CONFIG.vocab_size, (2, 7), generator=generator)]  # a sequence of 7 over 4 ranks
+
+
+def _gpt():
+    """The key projection's bias has a gradient of zero up to rounding (softmax ignores a constant per
+    row), which Adam turns into +-lr steps of noise: it is frozen so parameters can be compared."""
+    model = GPT(CONFIG)
+    for block in model.blocks:
+        block.attention.key.bias.requires_grad_(False)
+    return model
+
+
+@spmd(meshes=MESHES, timeout=120)
+def test_the_gpt_plan_trains_like_one_device(mesh):
+    model = train_and_compare(mesh, _gpt, tensor_parallel_plan(), _tokens,
+                              tolerance=dict(rtol=1e-4, atol=1e-5))
+    assert model.head.weight.placements[0].is_shard(0)
+
+
+@spmd(meshes=[(2,), (4,)], timeout=120)
+def test_one_step_has_the_collectives_of_megatron_sequence_parallelism(mesh):
+    torch.manual_seed(0)
+    model = parallelize(GPT(CONFIG), mesh)
+    tokens = torch.randint(0, CONFIG.vocab_size, (2, 7))
+    with comm.observe() as forward:
+        logits = model(tokens)
+        with loss_parallel():
+            loss = F.cross_entropy(logits.flatten(0, 1), tokens.flatten(0, 1))
+    with comm.observe() as backward:
+        loss.backward()
+    layers = CONFIG.layers
+    # Forward: the two embeddings and each attention/MLP reduce-scatter onto the sequence; each
+    # attention/MLP and the head all-gather it; the loss takes three small all_reduces.
+    assert collections.Counter(r.kind for r in forward) == {"reduce_scatter": 2 + 2 * layers, "all_gather": 2 * layers + 1, "all_reduce": 3}
+    # Backward mirrors it (each all-gather's gradient is a reduce-scatter and back); the loss's
+    # backward is local.
+    assert collections.Counter(r.kind for r in backward) == {"all_gather": 2 + 2 * layers, "reduce_scatter": 2 * layers + 1}
+
+
+def test_options_check_the_mesh_against_the_ranks():
+    options, size = parse_options(["--nproc", "2"])
+    assert options.mesh == (1, 2) and size == 2
+    options, size = parse_options([])
+    assert options.mesh == (2, 2) and size == 4
+    for wrong in (["--nproc", "2", "--mesh", "2x2"], ["--mesh", "1x3"], ["--mesh", "4x1", "--batch-size", "6"]):
+        with pytest.raises(SystemExit):
+            parse_options(wrong)
+
+
+def test_the_default_corpus_is_a_few_hundred_kilobytes_of_python():
+    text = standard_library_text()
+    assert len(text) == 400_000 and "def " in text and all(c == "\n" or " " <= c <= "~" for c in text[:5000])
+
+
+SMALL = ["--steps", "3", "--layers", "1", "--width", "16", "--heads", "2", "--batch-size", "4",
+         "--block-size", "16", "--sample-length", "8"]
+
+
+def _run(command, timeout=300):
+    finished = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
+    return finished
+
+
+def test_the_demo_exits_cleanly_under_torchrun(tmp_path):
+    text = tmp_path / "text.txt"
+    text.write_text("abcdefgh\n" * 100)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               "-m", "shardtensor.demo", *SMALL, "--data", str(text)]
+    finished = _run(command)
+    assert "mesh 1x2" in finished.stdout
+
+
+def test_the_demo_trains_on_a_2x2_mesh_like_one_device_and_resumes_on_another_mesh(tmp_path):
+    """Two steps on 2x2 with --compare, saved; resumed to four steps on 1x2: the one-device model
+    resumes from its own copy, so the losses agreeing after the resume means the sharded model and
+    AdamW states came back exactly."""
+    text = tmp_path / "text.txt"
+    text.write_text("class Point:\n    def __init__(self, x):\n        self.x = x * 2\n" * 40)
+    common = [sys.executable, "-m", "shardtensor.demo", *SMALL, "--compare", "--data", str(text), "--checkpoint", str(tmp_path / "run")]
+    first = _run([*common, "--steps", "2"])
+    assert "losses agree with one device (2 steps" in first.stdout and "mesh 2x2" in first.stdout
+    assert "collectives of one training step" in first.stdout
+    for warning in ("Failed to initialize NumPy", "leaked"):
+        assert warning not in first.stderr
+    resumed = _run([*common, "--steps", "4", "--mesh", "1x2"])
+    assert "4/4" in resumed.stdout and "losses agree with one device (2 steps" in resumed.stdout

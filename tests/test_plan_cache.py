@@ -1,0 +1,120 @@
+"""The plan and decision caches are keyed on what decides, bounded, and counted per op.
+
+A scalar whose value does not change the rule's decision (`mul`'s factor apart from its sign,
+`add(alpha=)`, `addcdiv(value=)`, `lerp(weight=)`) does not make a new decision per value; values
+that decide (a factor's sign next to a Partial(max), view sizes, dims) and every scalar's type still
+do. Every result is compared with the single-device one, so a decision reused for the wrong call
+shows up as a wrong number or layout.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from spmd import spmd
+
+from shardtensor import DTensor, Partial, Replicate, Shard, distribute_tensor, plan_cache, propagation
+from shardtensor.debug import CacheCounts, plan_cache_counts
+
+aten = torch.ops.aten
+
+
+def _counts(op) -> CacheCounts:
+    return plan_cache_counts().get(str(op), CacheCounts(0, 0, 0, 0))
+
+
+def _new_decisions(op, before: CacheCounts) -> int:
+    return _counts(op).decisions - before.decisions
+
+
+@spmd(meshes=[(1,), (2,), (2, 2)])
+def test_a_loop_of_scalar_products_makes_one_decision(mesh):
+    full = torch.randn(7, 4)  # uneven over 2 and 4 ranks
+    x = distribute_tensor(full, mesh, [Shard(0)] * mesh.ndim)
+    before = _counts(aten.mul.Tensor)
+    for step in range(20):
+        assert torch.equal((x * float(step)).full_tensor(), full * float(step))
+    assert _new_decisions(aten.mul.Tensor, before) <= 1  # one (none if an earlier test made it)
+    after = _counts(aten.mul.Tensor)
+    assert after.hits - before.hits >= 18 and after.misses - before.misses <= 2  # 0.0 and 1.0: other signs
+
+
+@spmd(meshes=[(1,), (2,)])
+def test_alpha_value_and_weight_pass_through_without_a_new_decision(mesh):
+    fulls = [torch.randn(6, 4) for _ in range(3)]
+    a, b, c = (distribute_tensor(full, mesh, [Shard(1)]) for full in fulls)
+    calls = {
+        aten.add.Tensor: (lambda s, a, b, c: torch.add(a, b, alpha=s)),
+        aten.addcdiv.default: (lambda s, a, b, c: torch.addcdiv(a, b, c.abs() + 1, value=s)),
+        aten.lerp.Scalar: (lambda s, a, b, c: torch.lerp(a, b, s)),
+        aten.sub.Tensor: (lambda s, a, b, c: a - s),
+    }
+    for op, call in calls.items():
+        call(0.25, a, b, c)
+        before = _counts(op)
+        for step in range(1, 8):
+            scalar = step / 3
+            assert torch.allclose(call(scalar, a, b, c).full_tensor(), call(scalar, *fulls))
+        assert _new_decisions(op, before) == 0, op
+        assert _counts(op).misses == before.misses, op
+
+
+@spmd(meshes=[(2,), (2, 2)])
+def test_values_that_decide_stay_in_the_key(mesh):
+    """A negative factor turns P(max) into P(min); 2, 2.0 and True give other dtypes; sizes and
+    dims give other layouts."""
+    operands = torch.randn(5)
+    high = DTensor.from_local(operands + mesh.get_coordinate()[0], mesh, [Partial("max")] * mesh.ndim)
+    value = high.full_tensor()
+    for factor, kept in ((2.0, "max"), (-2.0, "min"), (3.0, "max"), (-0.5, "min")):
+        result = high * factor
+        assert result.placements == (Partial(kept),) * mesh.ndim
+        assert torch.equal(result.full_tensor(), value * factor)
+    integers = distribute_tensor(torch.arange(8).reshape(4, 2), mesh, [Shard(0)] * mesh.ndim)
+    for scalar in (2, 2.0, True, 3, 0.5, False):
+        assert (integers * scalar).dtype == (torch.arange(8) * scalar).dtype
+        assert (integers + scalar).dtype == (torch.arange(8) + scalar).dtype
+    full = torch.randn(4, 6)
+    x = distribute_tensor(full, mesh, [Shard(1)] * mesh.ndim)
+    for shape in ((24,), (2, 12), (8, 3)):
+        assert torch.equal(x.view(shape).full_tensor(), full.view(shape))
+    for dim in (0, 1, 0):
+        summed = x.sum(dim)
+        assert torch.allclose(summed.full_tensor(), full.sum(dim))
+        assert summed.placements == ((Shard(0),) if dim == 0 else (Partial(),)) * mesh.ndim
+
+
+@spmd(meshes=[(2,)])
+def test_caches_are_bounded_and_drop_the_least_recently_used(mesh):
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setattr(plan_cache, "MAX_PLANS", 3)
+        monkeypatch.setattr(propagation, "MAX_DECISIONS", 3)
+        plan_cache.clear_plans()
+        fulls = [torch.randn(rows, 3) for rows in range(2, 9)]
+        tensors = [distribute_tensor(full, mesh, [Shard(0)]) for full in fulls]
+        kept = tensors[0].exp()  # used again after every other call: never the least recent
+        for full, tensor in zip(fulls[1:], tensors[1:]):
+            assert torch.equal(tensor.exp().full_tensor(), full.exp())
+            assert torch.equal(tensors[0].exp().full_tensor(), kept.full_tensor())
+            assert len(plan_cache.plans) <= 3 and len(plan_cache.function_plans) <= 3
+            assert len(propagation._cache) <= 3
+        before = _counts(aten.exp.default)
+        tensors[0].exp()
+        assert _counts(aten.exp.default).misses == before.misses  # still cached
+        tensors[1].exp()
+        assert _counts(aten.exp.default).misses == before.misses + 1  # dropped long ago
+        plan_cache.clear_plans()
+
+
+def test_counts_print_per_op():
+    counts = CacheCounts(hits=5, misses=2, decisions=1, decision_hits=1)
+    assert str(counts) == "5 hits, 2 misses, 1 decisions, 1 decision hits"
+
+
+@spmd(meshes=[(1,)])
+def test_replicate_inputs_of_a_scaled_sum_keep_their_values(mesh):
+    """The first call decides; later calls with other values run with their own values."""
+    full = torch.randn(3, 3)
+    x = distribute_tensor(full, mesh, [Replicate()])
+    results = [(x * (step + 0.5)).full_tensor() for step in range(4)]
+    assert all(torch.equal(result, full * (step + 0.5)) for step, result in enumerate(results))
