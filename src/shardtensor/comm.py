@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .mesh import DeviceMesh
+from .mesh import DeviceMesh, local_group, on_new_world
 
 __all__ = [
     "CommRecord", "CommHandle", "PointToPoint", "observe", "call_counts",
@@ -150,11 +150,11 @@ class _Peers:
 
 
 _peers_cache: dict[tuple[DeviceMesh, MeshDims], _Peers] = {}
-# Groups over flattened sub-meshes, created by their members alone (c10d names them by their ranks).
-_flattened_groups: dict[tuple[int, ...], Any] = {}
+on_new_world(_peers_cache.clear)  # peers hold the groups of the world they were made in
 
 
 def _peers(mesh: DeviceMesh, mesh_dim: MeshDims) -> _Peers:
+    mesh.check_world("a collective")
     key = (mesh, mesh_dim)
     peers = _peers_cache.get(key)
     if peers is None:
@@ -189,13 +189,7 @@ def _flattened_peers(mesh: DeviceMesh, mesh_dims: tuple) -> _Peers:
     ranks = tuple(sub_mesh.flatten().tolist())
     group = None
     if len(ranks) > 1:
-        key = tuple(sorted(ranks))
-        if len(key) == dist.get_world_size():
-            group = dist.group.WORLD
-        else:
-            if key not in _flattened_groups:
-                _flattened_groups[key] = dist.new_group(list(key), use_local_synchronization=True)
-            group = _flattened_groups[key]
+        group = dist.group.WORLD if len(ranks) == dist.get_world_size() else local_group(ranks)
     return _make_peers(indices, ranks, ranks.index(mesh.get_rank()), group)
 
 

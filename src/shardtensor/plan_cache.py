@@ -15,6 +15,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import propagation
+from .mesh import on_new_world
 from .modes import implicit_communication_error, is_explicit
 from .propagation import Decision, PlainTensor, TensorMeta
 from .redistribute import redistribute_local_tensor
@@ -50,6 +51,9 @@ def clear_plans() -> None:
     """Forget every cached plan: the aten ones and the public functions learnt from them."""
     plans.clear()
     function_plans.clear()
+
+
+on_new_world(clear_plans)  # plans hold specs of the old world's meshes
 
 
 def _key_value(dtensor_class: type, value, key: list) -> bool:
