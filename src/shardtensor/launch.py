@@ -258,13 +258,13 @@ class LocalWorkers:
         self._processes, self._task_queues, self._results = [], [], None
         self._ready = False
 
-    def close(self) -> list[int | None]:
-        """Stop the workers (politely, then by force after a few seconds); returns their exit codes."""
+    def close(self, timeout: float = 5.0) -> list[int | None]:
+        """Stop the workers (politely, then by force after `timeout` seconds); returns their exit codes."""
         for process, task_queue in zip(self._processes, self._task_queues):
             if process.is_alive():
                 task_queue.put(None)
         for process in self._processes:
-            process.join(timeout=5.0)
+            process.join(timeout=timeout)
             if process.is_alive():
                 process.kill()
                 process.join()

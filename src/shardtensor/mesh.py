@@ -278,7 +278,7 @@ class DeviceMesh:
             self._groups_by_dim[mesh_dim] = local_group([self._rank])
         return self._groups_by_dim[mesh_dim]
 
-    def check_world(self, what: str) -> None:
+    def check_world(self, what: object) -> None:
         """Raise a clear error when the world this mesh was built in has been destroyed since."""
         if self._generation != world_generation():
             raise _old_world_error(self, what)
@@ -439,7 +439,7 @@ def _unknown_name_error(mesh: DeviceMesh, name: str) -> KeyError:
     return KeyError(f"mesh dim name {name!r} is not in {mesh!r}; {hint}")
 
 
-def _old_world_error(mesh: DeviceMesh, what: str) -> RuntimeError:
+def _old_world_error(mesh: DeviceMesh, what: object) -> RuntimeError:
     return RuntimeError(
         f"{what}: {mesh!r} belongs to a process-group world that was destroyed (destroy_process_group); "
         "its groups are gone. Build a new mesh in the current world (init_device_mesh) and distribute "
