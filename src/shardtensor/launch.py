@@ -108,6 +108,14 @@ def _worker_main(rank, world_size, backend, port, timeout, tasks, results, paren
         results.put(pickle.dumps((None, rank, False, traceback.format_exc())))
         return
     results.put(pickle.dumps((None, rank, True, "ready")))
+    _serve(rank, tasks, results, parent_pid)
+    _release_world()
+
+
+def _serve(rank, tasks, results, parent_pid) -> None:
+    """Run tasks until told to stop (or until the parent dies)."""
+    import torch
+
     while True:
         try:
             payload = tasks.get(timeout=1.0)
@@ -129,6 +137,18 @@ def _worker_main(rank, world_size, backend, port, timeout, tasks, results, paren
         except BaseException:
             answer = pickle.dumps((task_id, rank, False, traceback.format_exc()))
         results.put(answer)
+
+
+def _release_world() -> None:
+    """Destroy the library's groups, then the world this worker made, while Python is fully alive
+    (a gloo group left to interpreter exit can abort the process)."""
+    import torch.distributed as dist
+
+    from .mesh import release_process_groups
+
+    release_process_groups()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 class LocalWorkers:
@@ -239,17 +259,19 @@ class LocalWorkers:
         self._processes, self._task_queues, self._results = [], [], None
         self._ready = False
 
-    def close(self) -> None:
-        """Stop the workers (politely, then by force after a few seconds)."""
+    def close(self, timeout: float = 5.0) -> list[int | None]:
+        """Stop the workers (politely, then by force after `timeout` seconds); returns their exit codes."""
         for process, task_queue in zip(self._processes, self._task_queues):
             if process.is_alive():
                 task_queue.put(None)
         for process in self._processes:
-            process.join(timeout=5.0)
+            process.join(timeout=timeout)
             if process.is_alive():
                 process.kill()
                 process.join()
+        exit_codes = [process.exitcode for process in self._processes]
         self._discard_queues()
+        return exit_codes
 
     def __enter__(self) -> LocalWorkers:
         return self
