@@ -29,7 +29,9 @@ from typing import Any
 
 __all__ = ["LocalWorkers", "RankFailure", "RegisteredFunction", "register", "spawn"]
 
-_STARTUP_TIMEOUT = 120.0
+# Starting a pool only waits on imports and the rendezvous; a dead worker is noticed at once, so this
+# bound is only against a stuck rendezvous and is generous for many ranks on a loaded machine.
+_STARTUP_TIMEOUT = 600.0
 _POLL_INTERVAL = 0.05
 
 # Functions registered by name, so that a worker can find a function that its module replaces
@@ -182,8 +184,13 @@ class LocalWorkers:
         self._ready = True
 
     def run(self, function: Callable | RegisteredFunction, *args: Any, timeout: float | None = None, **kwargs: Any) -> list:
-        """Run `function(*args, **kwargs)` on every rank; return the results in rank order."""
+        """Run `function(*args, **kwargs)` on every rank; return the results in rank order.
+
+        A pool with a dead worker (killed by a signal, `os._exit`) is restarted before the task runs.
+        """
         payload = pickle.dumps((self._task_id + 1, function, args, kwargs, list(sys.path)))
+        if any(not process.is_alive() for process in self._processes):
+            self._kill()
         self._wait_ready()
         self._task_id += 1
         for task_queue in self._task_queues:
@@ -216,8 +223,8 @@ class LocalWorkers:
                 deadline = min(deadline, time.monotonic() + self.grace)
         answered = sorted([*results, *failures])
         timed_out = [rank for rank in range(self.world_size) if rank not in answered]
-        if timed_out:
-            self._kill()
+        if timed_out or any(not process.is_alive() for process in self._processes):
+            self._kill()  # the next run restarts the pool
         if failures or timed_out:
             raise RankFailure(failures, timed_out, answered)
         return [results[rank] for rank in range(self.world_size)]
