@@ -16,6 +16,7 @@ import datetime
 import math
 import os
 import socket
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -27,8 +28,16 @@ _DEVICE_BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
 
 # One process group per distinct set of global ranks (sorted), shared by every mesh.
 _groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
-# The `with mesh:` stack; `current_mesh()` returns its innermost entry.
-_mesh_stack: list[DeviceMesh] = []
+
+
+class _MeshStack(threading.local):
+    """The `with mesh:` stack of the current thread; `current_mesh()` returns its innermost entry."""
+
+    def __init__(self):
+        self.meshes: list[DeviceMesh] = []
+
+
+_mesh_stack = _MeshStack()
 
 
 def _timeout() -> datetime.timedelta:
@@ -222,11 +231,11 @@ class DeviceMesh:
 
     # --- current-mesh stack, identity ------------------------------------------------------------
     def __enter__(self) -> DeviceMesh:
-        _mesh_stack.append(self)
+        _mesh_stack.meshes.append(self)
         return self
 
     def __exit__(self, *exc_info) -> None:
-        _mesh_stack.pop()
+        _mesh_stack.meshes.pop()
 
     def __eq__(self, other) -> bool:
         if self is other:
@@ -369,8 +378,8 @@ def init_device_mesh(
 
 
 def current_mesh() -> DeviceMesh:
-    """The innermost mesh entered with `with mesh:`."""
-    if not _mesh_stack:
+    """The innermost mesh entered with `with mesh:` in this thread (each thread has its own stack)."""
+    if not _mesh_stack.meshes:
         raise RuntimeError("no current mesh: enter one with `with mesh:` or pass a mesh explicitly")
-    return _mesh_stack[-1]
+    return _mesh_stack.meshes[-1]
 
