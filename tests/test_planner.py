@@ -273,7 +273,7 @@ def layout_pairs(draw):
     return source, source.with_placements(target_placements)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=150, deadline=None, derandomize=True, database=None)
 @given(layout_pairs(), st.sampled_from([1, 4]))
 def test_every_plan_reaches_its_target_above_the_lower_bound(pair, itemsize):
     source, target = pair

@@ -4,9 +4,8 @@ import math
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from spmd import spmd
+from spmd import draw_examples, example_note, spmd
 
 from shardtensor import comm
 from shardtensor.layout import Layout
@@ -296,26 +295,13 @@ def _chains(draw, mesh_shape):
     return shape, placements
 
 
-def _draw_chains(mesh_shape, count):
-    """Examples drawn on the pytest side with hypothesis, sent to the ranks as plain data."""
-    drawn = []
-
-    @settings(max_examples=count, database=None, deadline=None, suppress_health_check=list(HealthCheck))
-    @given(_chains(mesh_shape))
-    def collect(chain):
-        drawn.append(chain)
-
-    collect()
-    return drawn
-
-
-@pytest.mark.parametrize("chains", [_draw_chains((4,), 40)], ids=["random-chains"])
+@pytest.mark.parametrize("chains", [draw_examples(_chains((4,)), 40)], ids=["random-chains"])
 @spmd(meshes=[(4,)])
 def test_random_chains_on_four_ranks(mesh, chains):
     _run_chains(mesh, chains)
 
 
-@pytest.mark.parametrize("chains", [_draw_chains((2, 2), 40)], ids=["random-chains"])
+@pytest.mark.parametrize("chains", [draw_examples(_chains((2, 2)), 40)], ids=["random-chains"])
 @spmd(meshes=[(2, 2)])
 def test_random_chains_on_a_two_by_two_mesh(mesh, chains):
     _run_chains(mesh, chains)
@@ -323,16 +309,17 @@ def test_random_chains_on_a_two_by_two_mesh(mesh, chains):
 
 def _run_chains(mesh, chains):
     for number, (shape, placements_chain) in enumerate(chains):
-        full = _full(shape, seed=number)
-        coordinate = tuple(mesh.get_coordinate())
-        layout = Layout.create(mesh.shape, placements_chain[0], shape)
-        local = _operand(full, layout, coordinate)
-        for placements in placements_chain[1:]:
-            target = layout.with_placements(placements)
-            local = redistribute_local_tensor(local, layout, target, mesh)
-            layout = target
-        local = redistribute_local_tensor(local, layout, layout.with_placements([R] * mesh.ndim), mesh)
-        assert torch.equal(local, full), (shape, [list(map(str, p)) for p in placements_chain])
+        with example_note(mesh, (shape, placements_chain)):
+            full = _full(shape, seed=number)
+            coordinate = tuple(mesh.get_coordinate())
+            layout = Layout.create(mesh.shape, placements_chain[0], shape)
+            local = _operand(full, layout, coordinate)
+            for placements in placements_chain[1:]:
+                target = layout.with_placements(placements)
+                local = redistribute_local_tensor(local, layout, target, mesh)
+                layout = target
+            local = redistribute_local_tensor(local, layout, layout.with_placements([R] * mesh.ndim), mesh)
+            assert torch.equal(local, full), (shape, [list(map(str, p)) for p in placements_chain])
 
 
 # ---- flattened reductions over several mesh dims ---------------------------------------------------
