@@ -14,7 +14,6 @@ from shardtensor.redistribute import CostModel, execute, plan, redistribute_loca
 from shardtensor.redistribute.planner import received_bytes
 
 R = Replicate()
-MESHES = [(1,), (2,), (4,), (2, 2)]
 
 
 def _full(shape, seed=0):
@@ -108,7 +107,7 @@ def _on_every_mesh_dim(mesh, source_placement, target_placement, others=R):
     ],
 )
 @pytest.mark.parametrize("shape", [(8, 4), (5, 7), (0, 3)])
-@spmd(meshes=MESHES)
+@spmd()
 def test_single_mesh_dim_transitions(mesh, shape, source_placement, target_placement, collective):
     full = _full(shape)
     for mesh_dim, source, target in _on_every_mesh_dim(mesh, source_placement, target_placement):

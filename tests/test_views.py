@@ -12,8 +12,6 @@ from shardtensor import DTensor, Partial, Replicate, Shard, comm, distribute_ten
 from shardtensor.layout import Layout
 from shardtensor.ops.views import KeptDim, view_dim_map
 
-MESHES = [(1,), (2,), (4,), (2, 2)]
-
 
 def make(full, mesh, placements, shard_sizes=None):
     """A DTensor of `full` (a non-leaf, so that torch.autograd.grad can differentiate w.r.t. it)."""
@@ -85,7 +83,7 @@ RESHAPES = [
 ]
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_reshapes(mesh):
     for shape, function, dims in RESHAPES:
         full = torch.arange(float(torch.Size(shape).numel())).reshape(shape)
@@ -133,7 +131,7 @@ PERMUTES = [
 ]
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_permutes_expands_repeats(mesh):
     full = torch.arange(60.0).reshape(5, 3, 4)
     for function in PERMUTES:
@@ -153,7 +151,7 @@ SPLITS = [
 ]
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_splits_and_joins(mesh):
     full = torch.arange(20.0).reshape(5, 4)
     for function in SPLITS:
@@ -175,7 +173,7 @@ SLICES = [
 ]
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_slices_and_selects(mesh):
     full = torch.arange(28.0).reshape(7, 4)
     for function in SLICES:
@@ -232,7 +230,7 @@ COPIES = [
 ]
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_copy_variants_reuse_their_views_rule(mesh):
     full = torch.arange(60.0).reshape(5, 3, 4)
     for function in COPIES:
