@@ -32,3 +32,12 @@ def local_piece(full: torch.Tensor, mesh_shape, placements, coordinate) -> torch
         index = coordinate[mesh_dim]
         piece = chunks[index] if index < len(chunks) else piece.narrow(dim, piece.size(dim), 0)
     return piece
+
+
+def layout_box(full: torch.Tensor, layout, coordinate) -> torch.Tensor:
+    """The box of `full` that `layout` (a shardtensor Layout, any shard sizes) gives `coordinate`:
+    a view narrowed to the layout's offset and local shape."""
+    local = full
+    for dim, (start, length) in enumerate(zip(layout.local_offset(coordinate), layout.local_shape(coordinate))):
+        local = local.narrow(dim, start, length)
+    return local

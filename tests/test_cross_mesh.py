@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 from hypothesis import strategies as st
+from helpers import layout_box
 from spmd import draw_examples, example_note, spmd
 
 from shardtensor import DeviceMesh, DTensor, Partial, Replicate, Shard, comm
@@ -31,9 +32,7 @@ def _full(shape):
 
 
 def _box(tensor, layout, coordinate):
-    for dim, (start, length) in enumerate(zip(layout.local_offset(coordinate), layout.local_shape(coordinate))):
-        tensor = tensor.narrow(dim, start, length)
-    return tensor.clone()
+    return layout_box(tensor, layout, coordinate).clone()
 
 
 def _placement_lists(mesh_ndim, shape_ndim, *, partial=False):

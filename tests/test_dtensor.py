@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from helpers import layout_box
 from spmd import spmd
 
 from shardtensor import DTensor, DeviceMesh, Partial, Replicate, Shard, comm, distribute_tensor
@@ -16,11 +17,7 @@ def _placement_lists(mesh):
 
 def _expected_local(full, mesh, placements):
     layout = Layout.create(mesh.shape, placements, full.shape)
-    local = full
-    coordinate = mesh.get_coordinate()
-    for dim, (start, length) in enumerate(zip(layout.local_offset(coordinate), layout.local_shape(coordinate))):
-        local = local.narrow(dim, start, length)
-    return local
+    return layout_box(full, layout, mesh.get_coordinate())
 
 
 def _rank():

@@ -9,7 +9,6 @@ The default run is a small slice; SHARDTENSOR_TEST_EIGHT_RANKS_EXAMPLES=N runs N
 import os
 import random
 
-import pytest
 import torch
 from helpers import exact_full, local_piece
 from spmd import spmd

@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 from hypothesis import strategies as st
+from helpers import layout_box
 from spmd import draw_examples, example_note, spmd
 
 from shardtensor import comm
@@ -23,10 +24,7 @@ def _full(shape, seed=0):
 
 
 def _box(full, layout, coordinate):
-    local = full
-    for dim, (start, length) in enumerate(zip(layout.local_offset(coordinate), layout.local_shape(coordinate))):
-        local = local.narrow(dim, start, length)
-    return local
+    return layout_box(full, layout, coordinate)
 
 
 def _partial_index(layout, coordinate):

@@ -5,6 +5,7 @@ shards, including explicit `shard_sizes`, and compares values and gradients with
 """
 
 import torch
+from helpers import layout_box
 from spmd import spmd
 
 import shardtensor
@@ -16,11 +17,7 @@ from shardtensor.ops.views import KeptDim, view_dim_map
 def make(full, mesh, placements, shard_sizes=None):
     """A DTensor of `full` (a non-leaf, so that torch.autograd.grad can differentiate w.r.t. it)."""
     layout = Layout.create(tuple(mesh.shape), placements, full.shape, shard_sizes=shard_sizes)
-    coordinate = mesh.get_coordinate()
-    local = full
-    for dim, (start, length) in enumerate(zip(layout.local_offset(coordinate), layout.local_shape(coordinate))):
-        local = local.narrow(dim, start, length)
-    local = local.clone().requires_grad_()
+    local = layout_box(full, layout, mesh.get_coordinate()).clone().requires_grad_()
     return DTensor.from_local(local, mesh, placements, shape=full.shape, shard_sizes=shard_sizes)
 
 
