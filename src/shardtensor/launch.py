@@ -29,7 +29,9 @@ from typing import Any
 
 __all__ = ["LocalWorkers", "RankFailure", "RegisteredFunction", "register", "spawn"]
 
-_STARTUP_TIMEOUT = 120.0
+# Starting a pool only waits on imports and the rendezvous; a dead worker is noticed at once, so this
+# bound is only against a stuck rendezvous and is generous for many ranks on a loaded machine.
+_STARTUP_TIMEOUT = 600.0
 _POLL_INTERVAL = 0.05
 
 # Functions registered by name, so that a worker can find a function that its module replaces
@@ -123,8 +125,7 @@ def _serve(rank, tasks, results, parent_pid) -> None:
             if os.getppid() != parent_pid:  # the parent died: do not linger
                 return
             continue
-        if payload is None:
-            dist.destroy_process_group()  # tear down before exit: a live group can abort the interpreter's exit
+        if payload is None:  # the caller releases the world (`_release_world`) after this returns
             return
         task_id, function, args, kwargs, parent_path = pickle.loads(payload)
         if sys.path != parent_path:
@@ -203,8 +204,13 @@ class LocalWorkers:
         self._ready = True
 
     def run(self, function: Callable | RegisteredFunction, *args: Any, timeout: float | None = None, **kwargs: Any) -> list:
-        """Run `function(*args, **kwargs)` on every rank; return the results in rank order."""
+        """Run `function(*args, **kwargs)` on every rank; return the results in rank order.
+
+        A pool with a dead worker (killed by a signal, `os._exit`) is restarted before the task runs.
+        """
         payload = pickle.dumps((self._task_id + 1, function, args, kwargs, list(sys.path)))
+        if any(not process.is_alive() for process in self._processes):
+            self._kill()
         self._wait_ready()
         self._task_id += 1
         for task_queue in self._task_queues:
@@ -237,8 +243,8 @@ class LocalWorkers:
                 deadline = min(deadline, time.monotonic() + self.grace)
         answered = sorted([*results, *failures])
         timed_out = [rank for rank in range(self.world_size) if rank not in answered]
-        if timed_out:
-            self._kill()
+        if timed_out or any(not process.is_alive() for process in self._processes):
+            self._kill()  # the next run restarts the pool
         if failures or timed_out:
             raise RankFailure(failures, timed_out, answered)
         return [results[rank] for rank in range(self.world_size)]

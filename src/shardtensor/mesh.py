@@ -22,6 +22,7 @@ import datetime
 import math
 import os
 import socket
+import threading
 from collections.abc import Callable, Sequence
 
 import torch
@@ -37,14 +38,22 @@ _groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
 _local_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
 # Every group this library created in the current world, oldest first (destroyed at exit).
 _created_groups: list[dist.ProcessGroup] = []
-# The `with mesh:` stack; `current_mesh()` returns its innermost entry.
-_mesh_stack: list[DeviceMesh] = []
 # The default group the caches above belong to, and a count of the worlds seen in this process.
 _world_group: dist.ProcessGroup | None = None
 _generation = 0
 _library_default_group: dist.ProcessGroup | None = None  # the default group `_ensure_default_group` made
 _forget_callbacks: list[Callable[[], None]] = []
 _exit_handler_registered = False
+
+
+class _MeshStack(threading.local):
+    """The `with mesh:` stack of the current thread; `current_mesh()` returns its innermost entry."""
+
+    def __init__(self):
+        self.meshes: list[DeviceMesh] = []
+
+
+_mesh_stack = _MeshStack()
 
 
 def _timeout() -> datetime.timedelta:
@@ -322,11 +331,11 @@ class DeviceMesh:
 
     # --- current-mesh stack, identity ------------------------------------------------------------
     def __enter__(self) -> DeviceMesh:
-        _mesh_stack.append(self)
+        _mesh_stack.meshes.append(self)
         return self
 
     def __exit__(self, *exc_info) -> None:
-        _mesh_stack.pop()
+        _mesh_stack.meshes.pop()
 
     def __eq__(self, other) -> bool:
         if self is other:
@@ -479,8 +488,8 @@ def init_device_mesh(
 
 
 def current_mesh() -> DeviceMesh:
-    """The innermost mesh entered with `with mesh:`."""
-    if not _mesh_stack:
+    """The innermost mesh entered with `with mesh:` in this thread (each thread has its own stack)."""
+    if not _mesh_stack.meshes:
         raise RuntimeError("no current mesh: enter one with `with mesh:` or pass a mesh explicitly")
-    return _mesh_stack[-1]
+    return _mesh_stack.meshes[-1]
 
