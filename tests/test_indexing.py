@@ -2,7 +2,6 @@
 masked-index pair, linalg_cross, bucketize/searchsorted/isin): single-device results forward and
 backward with rules only (strict mode), even and uneven shards, and no collective where local."""
 
-import pytest
 import torch
 from spmd import spmd
 from test_tensor_ops import moving_data

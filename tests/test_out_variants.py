@@ -8,7 +8,6 @@ themselves, and that their layouts did not change.
 
 import random
 
-import pytest
 import torch
 from spmd import spmd
 
