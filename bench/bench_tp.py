@@ -5,8 +5,10 @@
 
 Both libraries run the same model (same weights), the same plan (ours converted style by style
 to torch's classes of the same names: a user's switch of imports), the same data-parallel
-gradient averaging (one all_reduce over "dp", one over the whole mesh for the norm gradients that
-sequence parallelism leaves Partial) and AdamW, in the same worker processes, alternating step by
+gradient averaging and AdamW (the norm gradients that sequence parallelism leaves Partial over "tp":
+ours sums them over "tp" in one all_reduce at the end of backward, then averages everything in one
+all_reduce over "dp"; torch's stay Partial, so its averaging takes one all_reduce over "dp" and one
+over the whole mesh for them), in the same worker processes, alternating step by
 step so both see the same machine load. Reported per step: the slowest rank's median wall time,
 the ratio ours/torch, the collectives (ours from `comm.observe()`, torch's from its
 `CommDebugMode`, which also sees c10d calls: gradient averaging included in both), and per rank the bytes of parameters,
@@ -57,7 +59,8 @@ def torch_plan(value):
 
 
 def torch_average_gradients(parameters, dp_group, dp_size, tp_mesh) -> None:
-    """The same averaging as `train.average_gradients`, with c10d and torch's DTensor."""
+    """The averaging torch's DTensor needs: one all_reduce over dp, one over the whole mesh for the
+    gradients it leaves Partial over tp (ours reduces those over tp in backward instead)."""
     from torch.distributed.tensor import DTensor as TorchDTensor
     from torch.distributed.tensor import Replicate as TorchReplicate
 

@@ -9,13 +9,14 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from parallel_helpers import train_and_compare
+from parallel_helpers import tp_mesh, train_and_compare
 from spmd import spmd
 
 from shardtensor import comm
 from shardtensor.demo.cli import parse_options
 from shardtensor.demo.data import standard_library_text
 from shardtensor.demo.model import GPT, GPTConfig, parallelize, tensor_parallel_plan
+from shardtensor.demo.train import average_gradients
 from shardtensor.parallel import loss_parallel
 
 MESHES = [(1,), (2,), (4,), (2, 2)]
@@ -42,24 +43,39 @@ def test_the_gpt_plan_trains_like_one_device(mesh):
     assert model.head.weight.placements[0].is_shard(0)
 
 
-@spmd(meshes=[(2,), (4,)], timeout=120)
+@spmd(meshes=[(2,), (4,), (2, 2)], timeout=120)
 def test_one_step_has_the_collectives_of_megatron_sequence_parallelism(mesh):
+    """Exact collectives of one demo step (L = layers), on tp alone and on dp x tp.
+
+    Forward: the two embeddings (RowwiseParallel onto the sequence) and each attention/MLP output
+    reduce-scatter (2 + 2L); each attention/MLP input and the head all-gather the sequence (2L + 1);
+    loss_parallel's cross entropy takes three small all_reduces (max, sum of exponentials, target logit).
+    Backward mirrors it, each all_gather's gradient a reduce_scatter and back (2L + 1 and 2 + 2L),
+    plus ONE all_reduce over tp at its end: the Partial gradients of the Replicate parameters fed by
+    the sequence-sharded stream (LayerNorm weights and biases, the row-parallel biases) reduced
+    together in one bucket. Gradient averaging is then one all_reduce over dp (none without dp):
+    gradients arrive reduced over tp, so it never reduces them there again.
+    """
     torch.manual_seed(0)
-    model = parallelize(GPT(CONFIG), mesh)
-    tokens = torch.randint(0, CONFIG.vocab_size, (2, 7))
+    model = parallelize(GPT(CONFIG), tp_mesh(mesh))
+    dp, dp_rank = (mesh.size(0), mesh.get_coordinate()[0]) if mesh.ndim == 2 else (1, 0)
+    tokens = torch.randint(0, CONFIG.vocab_size, (2 * dp, 7)).tensor_split(dp)[dp_rank]
     with comm.observe() as forward:
         logits = model(tokens)
         with loss_parallel():
             loss = F.cross_entropy(logits.flatten(0, 1), tokens.flatten(0, 1))
     with comm.observe() as backward:
         loss.backward()
+    with comm.observe() as averaging:
+        if mesh.ndim == 2:
+            average_gradients(list(model.parameters()), mesh, loss)
     layers = CONFIG.layers
-    # Forward: the two embeddings and each attention/MLP reduce-scatter onto the sequence; each
-    # attention/MLP and the head all-gather it; the loss takes three small all_reduces.
-    assert collections.Counter(r.kind for r in forward) == {"reduce_scatter": 2 + 2 * layers, "all_gather": 2 * layers + 1, "all_reduce": 3}
-    # Backward mirrors it (each all-gather's gradient is a reduce-scatter and back); the loss's
-    # backward is local.
-    assert collections.Counter(r.kind for r in backward) == {"all_gather": 2 + 2 * layers, "reduce_scatter": 2 * layers + 1}
+    assert collections.Counter((r.kind, r.mesh_dim) for r in forward) == {
+        ("reduce_scatter", 0): 2 + 2 * layers, ("all_gather", 0): 2 * layers + 1, ("all_reduce", 0): 3}
+    assert collections.Counter((r.kind, r.mesh_dim) for r in backward) == {
+        ("all_gather", 0): 2 + 2 * layers, ("reduce_scatter", 0): 2 * layers + 1, ("all_reduce", 0): 1}
+    assert [(r.kind, r.mesh_dim) for r in averaging] == [("all_reduce", 0)] * (mesh.ndim - 1)
+    assert all(parameter.grad.placements == parameter.placements for parameter in model.parameters())
 
 
 def test_options_check_the_mesh_against_the_ranks():

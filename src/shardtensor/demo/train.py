@@ -2,8 +2,8 @@
 
 The model is laid out over the "tp" mesh dim by `model.parallelize`; data parallelism over "dp"
 gives each dp rank its slice of the global batch and averages gradients with one all_reduce of
-all of them (norm gradients, which sequence parallelism leaves Partial over "tp", are summed over
-the whole mesh in a second one). With `compare`, rank 0 also trains the same model on the whole
+all of them (backward has already summed the norm gradients that sequence parallelism leaves
+Partial over "tp", in one all_reduce over "tp"). With `compare`, rank 0 also trains the same model on the whole
 batch on one device, step for step.
 """
 
@@ -19,7 +19,6 @@ import torch.nn.functional as F
 from .. import comm
 from ..dtensor import DTensor
 from ..mesh import DeviceMesh, init_device_mesh
-from ..placement import Replicate
 from ..parallel import loss_parallel
 from . import report
 from .checkpoint import load_checkpoint, save_checkpoint
@@ -53,34 +52,28 @@ def average_gradients(parameters: list[torch.nn.Parameter], mesh: DeviceMesh, lo
     """Data-parallel gradient averaging over mesh dim "dp" (0), in place; returns the global mean loss.
 
     Each dp rank's loss is the mean over its equal share of the batch, so the global gradient is
-    the average of theirs. The loss rides along in the same buffer. Gradients that are Partial over
-    "tp" (norm weights under sequence parallelism) are summed over "tp" and averaged over "dp" in
-    one all_reduce over both mesh dims and become Replicate.
+    the average of theirs: one all_reduce of every gradient's local shard, the loss riding along in
+    the same buffer. Backward already left each gradient in its parameter's layout over "tp" (the
+    norm weights' Partial gradients are summed over "tp" in one all_reduce at its end), so "tp"
+    needs nothing here.
     """
-    dp_size = mesh.size(0)
+    misplaced = [index for index, parameter in enumerate(parameters) if parameter.grad.placements != parameter.placements]
+    if misplaced:
+        raise _gradient_layout_error(misplaced)
+    locals_ = [parameter.grad.to_local() for parameter in parameters]
     local_loss = loss.to_local() if isinstance(loss, DTensor) else loss
-    groups = {False: [], True: []}  # partial over tp -> parameters
-    for parameter in parameters:
-        groups[any(p.is_partial() for p in parameter.grad.placements)].append(parameter)
-    for partial, group in groups.items():
-        pieces = [parameter.grad.to_local().reshape(-1) for parameter in group]
-        if not partial:
-            pieces.insert(0, local_loss.detach().reshape(1))
-        if not pieces:
-            continue
-        flat = torch.cat(pieces)
-        if partial:
-            flat = comm.all_reduce(flat, mesh, (0, 1), reduce_op="sum") / dp_size
-        else:
-            flat = comm.all_reduce(flat, mesh, 0, reduce_op="avg")
-            global_loss, flat = flat[0].item(), flat[1:]
-        for parameter, piece in zip(group, flat.split([p.grad.to_local().numel() for p in group])):
-            local = piece.view_as(parameter.grad.to_local())
-            if partial:
-                parameter.grad = DTensor.from_local(local, parameter.device_mesh, [Replicate()], shape=parameter.shape)
-            else:
-                parameter.grad.to_local().copy_(local)
-    return global_loss
+    flat = torch.cat([local_loss.detach().reshape(1), *(local.reshape(-1) for local in locals_)])
+    flat = comm.all_reduce(flat, mesh, 0, reduce_op="avg")
+    for local, piece in zip(locals_, flat[1:].split([local.numel() for local in locals_])):
+        local.copy_(piece.view_as(local))
+    return flat[0].item()
+
+
+def _gradient_layout_error(indices: list[int]) -> ValueError:
+    return ValueError(
+        f"average_gradients averages each gradient's local shard over dp, so every gradient must be laid "
+        f"out like its parameter (as backward leaves them); parameters at positions {indices} are not"
+    )
 
 
 def forward_backward(model, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
