@@ -333,9 +333,12 @@ def test_collectives_inside_a_rule_count_for_the_module_running_it(mesh):
     assert_close(output.full_tensor(), reference(ids))
     assert_close(model[0].weight.grad.full_tensor(), reference[0].weight.grad)
     check = {"all_reduce": 1}
+    # the weight's Partial gradient (rows summed per rank) is reduced to its Replicate layout when
+    # the backward pass ends, outside every module and op
+    assert model[0].weight.grad.placements == (Replicate(),)
     assert mode.get_comm_module_counts() == {
-        "Global": {"forward": check, "backward": {}},
+        "Global": {"forward": check, "backward": {"all_reduce": 1}},
         "Sequential": {"forward": check, "backward": {}},
         "Sequential.0": {"forward": check, "backward": {}},
     }
-    assert mode.get_comm_counts_by_op() == {"aten.embedding.default": check}
+    assert mode.get_comm_counts_by_op() == {"aten.embedding.default": check, OUTSIDE_OPS: {"all_reduce": 1}}

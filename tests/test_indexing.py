@@ -125,12 +125,20 @@ def test_partial_inputs_pass_where_exact(mesh):
     ]
     ones = distribute_tensor(torch.ones(5, 3, dtype=torch.float64), mesh, [Replicate()] * mesh.ndim)
     for function, placement in cases:
+        fresh = DTensor.from_local(operand, mesh, [Partial()] * mesh.ndim)  # no reduction kept from a case before
         with shardtensor.strict_mode(), comm.observe() as records:
-            result = function(partial)
+            result = function(fresh)
         if mesh.size() > 1 and placement is None:
             assert not any(p.is_partial() for p in result.placements) and list(records) != []
         elif mesh.size() > 1:
             assert result.placements == (placement,) * mesh.ndim and list(records) == []
+        torch.testing.assert_close(result.full_tensor(), function(full))
+    # once a Partial was reduced (index_fill with 2.0), the kept reduction is reused: Replicate, free
+    cases[1][0](partial)
+    for function, placement in cases:
+        with shardtensor.strict_mode(), comm.observe() as records:
+            result = function(partial)
+        assert all(p.is_replicate() for p in result.placements) and list(records) == []
         torch.testing.assert_close(result.full_tensor(), function(full))
 
 

@@ -160,5 +160,16 @@ def inplace_view(op, args: tuple, kwargs: dict):
     out_of_place = getattr(torch.ops.aten, op._schema.name.split("::")[1].rstrip("_"))
     view = out_of_place(*args, **kwargs)
     dtensor = args[0]
-    dtensor._take_value_of(view)
+    dtensor._take_value_of(_resharded_where_gathered(view, dtensor.placements))
     return return_and_correct_aliasing(op, args, kwargs, dtensor)
+
+
+def _resharded_where_gathered(view, placements: tuple):
+    """The view with each mesh dim it left Replicate sharded again as the DTensor was (where that
+    Shard fits the new shape): a local slice, so an in-place view keeps its tensor's sharding
+    (`out` of a vector matmul stays sharded through `unsqueeze_(0)`, `mm.out` and `squeeze_(0)`)."""
+    kept = tuple(
+        before if placement.is_replicate() and isinstance(before, Shard) and before.dim < view.ndim else placement
+        for placement, before in zip(view.placements, placements)
+    )
+    return view if kept == view.placements else view.redistribute(view.device_mesh, kept)

@@ -5,7 +5,8 @@ enters a module before its own pre-hooks run, and a forward hook registered on t
 (after any hooks a parallel style added) leaves it once those have run, so the collectives of a
 style's input and output hooks count for the module they belong to. Backward: an autograd hook on
 the module's outputs enters it when their gradient arrives, and one on its inputs leaves it when
-theirs is computed; the end of the backward pass clears what is left. Every hook is removed on exit.
+theirs is computed; the end of the backward pass clears what is left, and its callbacks (leaf
+gradients reduced together) count for Global's backward. Every hook is removed on exit.
 """
 
 from __future__ import annotations
@@ -143,7 +144,14 @@ class ModuleTracker:
             self._on_change(*self.current)
 
     def _end_backward(self) -> None:
-        self._backward, self._in_backward = [], False
+        """No module runs any more, but callbacks queued during the pass (the leaf gradients'
+        reduction) still belong to its backward: the phase ends after them, queued behind them."""
+        self._backward = []
+        self._on_change(*self.current)
+        torch.autograd.Variable._execution_engine.queue_callback(self._leave_backward_pass)
+
+    def _leave_backward_pass(self) -> None:
+        self._in_backward = False
         self._on_change(*self.current)
 
     def sharding_info(self) -> dict[str, tuple]:
