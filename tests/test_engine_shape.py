@@ -26,7 +26,8 @@ LAYERS = [
     ["mesh", "launch"],
     ["comm"],
     ["redistribute", "random", "log"],
-    ["modes", "log", "propagation", "ops"],  # rules, the switches they read, the logger of decisions
+    ["modes", "log", "rules", "row_costs", "propagation", "ops"],  # rules, their costs and the decisions made
+    # from them, the switches rules read, the logger of decisions
     ["spec", "plain_tensors", "write_back", "plan_cache", "list_plans", "dispatch", "torch_function", "tensor_methods",
      "from_local", "autograd", "checkpoint"],  # the engine below the class, and the mixins it inherits
     ["dtensor", "api"],

@@ -30,7 +30,7 @@ from . import propagation
 from .modes import implicit_communication_error, is_explicit
 from .input_moves import moved_local
 from .ops.registry import RULES
-from .propagation import SIGN, Decision, PlainTensor, TensorMeta
+from .rules import SIGN, Decision, PlainTensor, TensorMeta
 from .spec import DTensorSpec, interned_spec
 from .write_back import mark_views_of_copies, mutated, refuse_writes_into_views_of_copies, returns_view
 
