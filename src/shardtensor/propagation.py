@@ -78,7 +78,6 @@ def _decide_out_variant(call: OpCall, layouts: Sequence[Layout], rule: OutVarian
     return Decision(tuple(input_layouts), output_layouts, metas, inner.rows, local_arguments, local_op)
 
 
-
 def _contiguous_meta(shape: tuple[int, ...], dtype: torch.dtype) -> TensorMeta:
     stride, step = [], 1
     for size in reversed(shape):
@@ -181,7 +180,6 @@ def _aligned_pieces(layouts: Sequence[Layout], targets: tuple[Layout, ...]) -> t
         else:
             aligned.append(dataclasses.replace(target, shard_order=tuple(orders), pieces=tuple(pieces)))
     return tuple(aligned)
-
 
 
 # Decisions by cache key, least recently used first; at most MAX_DECISIONS (then the oldest goes).

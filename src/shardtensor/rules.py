@@ -272,7 +272,6 @@ class ComposedRule(ShardingRule):
         raise NotImplementedError(f"{self.__name__} is decided by its `decision`, not by rows")
 
 
-
 @dataclass(frozen=True, slots=True)
 class Decision:
     """Where each tensor input must be before the local op runs, and the layout of each output."""

@@ -97,7 +97,6 @@ def most_missing(held: Layout, wanted: Layout) -> int:
     return most
 
 
-
 @functools.lru_cache(maxsize=65536)
 def shard_shapes(layout: Layout) -> tuple[tuple[int, ...], ...]:
     """The local shard shape at every coordinate, in `itertools.product` order."""
@@ -149,4 +148,3 @@ def _reduction_bound(target: Layout, group: int, kept: int) -> int:
     numels = [math.prod(shape) for shape in shard_shapes(target)]
     combine_and_copy = kept * target.numel * (group - 2) + sum(numels)
     return max(combine_and_copy, math.prod(target.mesh_shape) * max(numels))
-

@@ -195,7 +195,6 @@ def _step_bytes(before: Layout, after: Layout, collective: str, group_size: int,
     return received_bytes(collective, group_size, largest, largest, itemsize)
 
 
-
 def _make_step(before: Layout, after: Layout, mesh_dim: int, itemsize: int, cost_model: CostModel) -> Step:
     source, target = before.placements[mesh_dim], after.placements[mesh_dim]
     group_size = before.mesh_shape[mesh_dim]
@@ -230,7 +229,6 @@ def _exchange_step(before: Layout, after: Layout, itemsize: int, cost_model: Cos
 def _exchange_allowed(state: Layout, target: Layout) -> bool:
     """An exchange moves elements, not operands: neither side may hold Partial mesh dims."""
     return math.prod(state.mesh_shape) > 1 and not state.partial_mesh_dims() and not target.partial_mesh_dims()
-
 
 
 # ---- search --------------------------------------------------------------------------------------
