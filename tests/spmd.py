@@ -11,10 +11,12 @@ and calls it with a mesh built by `init_device_mesh("cpu", shape)` (cached per s
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 
 import pytest
+from hypothesis import HealthCheck, given, settings
 
 from shardtensor import launch
 from shardtensor.mesh import DeviceMesh, init_device_mesh
@@ -55,6 +57,31 @@ class WorkerPools:
         for pool in self._pools.values():
             pool.close()
         self._pools.clear()
+
+
+def draw_examples(strategy, count: int) -> list:
+    """`count` examples of a hypothesis `strategy`, drawn on the pytest side and sent to the ranks as
+    plain data. Derandomized (the same examples on every run and machine), so a failure replays."""
+    drawn = []
+
+    @settings(max_examples=count, database=None, deadline=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(strategy)
+    def collect(example):
+        drawn.append(example)
+
+    collect()
+    return drawn
+
+
+@contextlib.contextmanager
+def example_note(mesh, example):
+    """Name the mesh and the drawn example on any exception raised inside (a note on the traceback)."""
+    try:
+        yield
+    except BaseException as error:
+        error.add_note(f"mesh {tuple(mesh.shape)} ranks {mesh.mesh.tolist()}, example {example!r}")
+        raise
 
 
 def spmd(meshes=DEFAULT_MESHES, *, timeout: float = DEFAULT_TIMEOUT):

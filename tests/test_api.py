@@ -8,7 +8,6 @@ import shardtensor
 from shardtensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from shardtensor.layout import Layout
 
-MESHES = [(1,), (2,), (4,), (2, 2)]
 PLACEMENTS_1D = [[Shard(0)], [Shard(1)], [Replicate()], [Partial()], [Partial("max")], [Partial("avg")]]
 PLACEMENTS_2D = [[Shard(0), Shard(1)], [Shard(0), Shard(0)], [Replicate(), Shard(1)], [Partial(), Shard(0)],
                  [Shard(1), Partial("product")]]
@@ -22,7 +21,7 @@ def _rank():
     return torch.distributed.get_rank()
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_every_rank_ends_with_the_source_ranks_data(mesh):
     source = torch.arange(7 * 6, dtype=torch.float64).reshape(7, 6)
     mine = source + 100 * _rank()  # every rank but rank 0 holds other data
@@ -58,7 +57,7 @@ def test_distribute_tensor_sends_each_rank_only_its_shard(mesh):
         assert records[0].bytes_received == dtensor.to_local().numel() * 4
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_distribute_tensor_keeps_requires_grad_and_makes_a_leaf(mesh):
     tensor = torch.ones(4, 4, requires_grad=True)
     dtensor = distribute_tensor(tensor, mesh, [Shard(0)] * mesh.ndim)
@@ -67,7 +66,7 @@ def test_distribute_tensor_keeps_requires_grad_and_makes_a_leaf(mesh):
         distribute_tensor(dtensor, mesh, [Shard(0)] * mesh.ndim)
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_distribute_module_replicates_parameters_and_runs_hooks(mesh):
     torch.manual_seed(0)
     reference = torch.nn.Linear(4, 3)
@@ -88,7 +87,7 @@ def test_distribute_module_replicates_parameters_and_runs_hooks(mesh):
         distribute_module(model, mesh)
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_factories_allocate_only_the_local_shard(mesh):
     coordinate = mesh.get_coordinate()
     for placements in _placement_lists(mesh):

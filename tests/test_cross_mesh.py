@@ -4,9 +4,9 @@ import math
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from spmd import spmd
+from helpers import layout_box
+from spmd import draw_examples, example_note, spmd
 
 from shardtensor import DeviceMesh, DTensor, Partial, Replicate, Shard, comm
 from shardtensor.spec import DTensorSpec, contiguous_stride
@@ -32,9 +32,7 @@ def _full(shape):
 
 
 def _box(tensor, layout, coordinate):
-    for dim, (start, length) in enumerate(zip(layout.local_offset(coordinate), layout.local_shape(coordinate))):
-        tensor = tensor.narrow(dim, start, length)
-    return tensor.clone()
+    return layout_box(tensor, layout, coordinate).clone()
 
 
 def _placement_lists(mesh_ndim, shape_ndim, *, partial=False):
@@ -198,24 +196,13 @@ def _cross_mesh_moves(draw):
     return shape, source_ranks, target_ranks, source_placements, target_placements
 
 
-def _draw_cross_mesh_moves(count):
-    """Examples drawn on the pytest side with hypothesis, sent to the ranks as plain data."""
-    drawn = []
-
-    @settings(max_examples=count, database=None, deadline=None, suppress_health_check=list(HealthCheck))
-    @given(_cross_mesh_moves())
-    def collect(move):
-        drawn.append(move)
-
-    collect()
-    return drawn
-
-
-@pytest.mark.parametrize("moves", [_draw_cross_mesh_moves(40)], ids=["random-moves"])
+@pytest.mark.parametrize("moves", [draw_examples(_cross_mesh_moves(), 40)], ids=["random-moves"])
 @spmd(meshes=[(4,)])
 def test_random_cross_mesh_moves_preserve_values_and_gradients(mesh, moves):
     meshes = {}
     for shape, source_ranks, target_ranks, source_placements, target_placements in moves:
         for ranks in (source_ranks, target_ranks):
             meshes.setdefault(str(ranks), DeviceMesh("cpu", ranks))
-        _check_move(meshes[str(source_ranks)], meshes[str(target_ranks)], source_placements, target_placements, shape)
+        move = (shape, source_ranks, target_ranks, source_placements, target_placements)
+        with example_note(mesh, move):
+            _check_move(meshes[str(source_ranks)], meshes[str(target_ranks)], source_placements, target_placements, shape)

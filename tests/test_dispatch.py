@@ -11,8 +11,6 @@ from shardtensor import DTensor, Partial, Replicate, Shard, comm, distribute_ten
 from shardtensor.dispatch import fallback_counts
 from shardtensor.ops.registry import RULES, register_rule, same_layout
 
-MESHES = [(1,), (2,), (4,), (2, 2)]
-
 
 # Ops without a sharding rule (and that no op family will ever give one): they exercise the fallback.
 @torch.library.custom_op("dispatch_test::product", mutates_args=())
@@ -40,7 +38,7 @@ def test_registering_an_op_twice_is_an_error():
         register_rule([torch.ops.aten.add.Tensor], same_layout)
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_pointwise_on_equal_layouts_is_local_and_exact(mesh):
     a_full = torch.linspace(-3, 3, 6 * 5).reshape(6, 5)
     b_full = torch.linspace(1, 2, 6 * 5).reshape(6, 5)
@@ -56,7 +54,7 @@ def test_pointwise_on_equal_layouts_is_local_and_exact(mesh):
         assert torch.equal(result.full_tensor(), reference)
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_partial_plus_scalar_adds_the_scalar_once(mesh):
     local = torch.ones(4)
     partial = shardtensor.DTensor.from_local(local, mesh, [Partial()] * mesh.ndim)
@@ -67,7 +65,7 @@ def test_partial_plus_scalar_adds_the_scalar_once(mesh):
     assert torch.equal(partial.clone().full_tensor(), torch.full((4,), float(mesh.size())))
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_broadcasting_and_mixed_layouts_give_single_device_results(mesh):
     matrix = torch.arange(24.0).reshape(6, 4)
     row = torch.arange(4.0) * 10
@@ -78,7 +76,7 @@ def test_broadcasting_and_mixed_layouts_give_single_device_results(mesh):
     assert torch.equal((a * c).full_tensor(), matrix * matrix)
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_fallback_equals_single_device_and_is_counted(mesh):
     x_full = torch.arange(20.0).reshape(4, 5)
     y_full = torch.linspace(0, 1, 15).reshape(5, 3)
@@ -94,7 +92,7 @@ def test_fallback_equals_single_device_and_is_counted(mesh):
     assert torch.equal(cumulative.full_tensor(), torch.cumsum(x_full, 0))
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_strict_mode_raises_naming_the_op(mesh):
     x = distribute_tensor(torch.ones(4, 4), mesh, _sharded(mesh))
     with shardtensor.strict_mode():
@@ -124,14 +122,14 @@ def test_cached_calls_reuse_one_plan_and_share_output_specs(mesh):
     assert (x * True).dtype == torch.float32 and (x > 1).dtype == torch.bool
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_plain_tensors_mixed_in_are_refused(mesh):
     x = distribute_tensor(torch.ones(4), mesh, [Shard(0)] * mesh.ndim)
     with pytest.raises(RuntimeError, match="plain torch.Tensor of shape \\(4,\\)"):
         x + torch.ones(4)
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_in_place_and_out_update_the_dtensor(mesh):
     full = torch.arange(12.0).reshape(4, 3)
     x = distribute_tensor(full, mesh, _sharded(mesh))
@@ -152,7 +150,7 @@ def test_in_place_and_out_update_the_dtensor(mesh):
     assert result is out and torch.equal(out.full_tensor(), 2 * x.full_tensor())
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_leaf_gradients_have_the_leaf_layout(mesh):
     full = torch.linspace(-1, 1, 12, dtype=torch.float64).reshape(4, 3)
     weight_full = torch.linspace(0, 2, 12, dtype=torch.float64).reshape(4, 3)
@@ -167,7 +165,7 @@ def test_leaf_gradients_have_the_leaf_layout(mesh):
     torch.testing.assert_close(leaf.grad.full_tensor(), reference.grad)
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_in_place_views_change_the_dtensor_shape(mesh):
     full = torch.arange(12.0).reshape(4, 3)
     x = distribute_tensor(full, mesh, _sharded(mesh))
@@ -186,7 +184,7 @@ def test_in_place_views_change_the_dtensor_shape(mesh):
 @pytest.mark.parametrize(
     "name", ["bfloat16_round_trip", "softmax_with_dtype", "quantile"],
 )
-@spmd(meshes=MESHES)
+@spmd()
 def test_ops_with_a_device_argument_propagate(mesh, name):
     """Ops whose aten form names a device (`_to_copy(..., device=cpu)`) must still run on meta tensors."""
     functions = {
@@ -206,7 +204,7 @@ def test_ops_with_a_device_argument_propagate(mesh, name):
     torch.testing.assert_close(x.grad.full_tensor(), reference.grad)
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_ops_whose_shapes_depend_on_data_take_the_fallback(mesh):
     """Boolean-mask indexing runs `nonzero`, which meta tensors cannot evaluate: correct via the fallback."""
     full = torch.randn(6, 3)

@@ -10,8 +10,6 @@ from spmd import spmd
 import shardtensor
 from shardtensor import Partial, Replicate, Shard, comm, distribute_tensor
 
-MESHES = [(1,), (2,), (4,), (2, 2)]
-
 
 def _placements(mesh, placement):
     return [placement] + [Replicate()] * (mesh.ndim - 1)
@@ -41,7 +39,7 @@ CDIST_CASES = [(Shard(1), Replicate()), (Replicate(), Shard(1)), (Shard(2), Shar
 
 
 @pytest.mark.parametrize("p", [0.0, 1.0, 2.0, math.inf])
-@spmd(meshes=MESHES)
+@spmd()
 def test_cdist_matches_one_device(mesh, p):
     x1, x2 = torch.randn(2, 5, 6), torch.randn(2, 3, 6)
     for placements in CDIST_CASES:
@@ -59,7 +57,7 @@ def test_cdist_over_features_leaves_a_partial_for_one_norms(mesh):
 
 
 @pytest.mark.parametrize("p", [1.0, 2.0, math.inf])
-@spmd(meshes=MESHES)
+@spmd()
 def test_pdist_matches_one_device(mesh, p):
     x = torch.randn(5, 6)
     for placement in (Replicate(), Shard(1), Shard(0)):

@@ -2,12 +2,11 @@
 
 import pytest
 import torch
+from helpers import layout_box
 from spmd import spmd
 
 from shardtensor import DTensor, DeviceMesh, Partial, Replicate, Shard, comm, distribute_tensor
 from shardtensor.layout import Layout
-
-MESHES = [(1,), (2,), (4,), (2, 2)]
 
 
 def _placement_lists(mesh):
@@ -18,18 +17,14 @@ def _placement_lists(mesh):
 
 def _expected_local(full, mesh, placements):
     layout = Layout.create(mesh.shape, placements, full.shape)
-    local = full
-    coordinate = mesh.get_coordinate()
-    for dim, (start, length) in enumerate(zip(layout.local_offset(coordinate), layout.local_shape(coordinate))):
-        local = local.narrow(dim, start, length)
-    return local
+    return layout_box(full, layout, mesh.get_coordinate())
 
 
 def _rank():
     return torch.distributed.get_rank()
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_from_local_even_shards_give_the_full_tensor(mesh):
     full = torch.arange(7 * 5, dtype=torch.float32).reshape(7, 5)
     for placements in _placement_lists(mesh):
@@ -40,7 +35,7 @@ def test_from_local_even_shards_give_the_full_tensor(mesh):
         assert torch.equal(dtensor.to_local(), local)
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_from_local_uneven_sizes_are_inferred_exactly(mesh):
     rows = mesh.get_coordinate()[0] + 1  # 1, 2, 3, ... rows: not torch.chunk's split
     total = sum(range(1, mesh.shape[0] + 1))
@@ -88,7 +83,7 @@ def test_run_check_broadcasts_replicate_data_and_agrees_on_errors(mesh):
         DTensor.from_local(torch.ones(rows, 3), mesh, placements, run_check=True)
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_bad_placements_are_refused(mesh):
     local = torch.ones(2, 2)
     with pytest.raises(ValueError, match="placements"):
@@ -111,7 +106,7 @@ def test_ops_on_other_meshes_are_refused_clearly(mesh):
         a + b
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_gradients_through_full_tensor_and_redistribute_match_single_device(mesh):
     full = torch.arange(6 * 5, dtype=torch.float64).reshape(6, 5) / 7
     weight = torch.linspace(-1, 1, 30, dtype=torch.float64).reshape(6, 5)
@@ -125,7 +120,7 @@ def test_gradients_through_full_tensor_and_redistribute_match_single_device(mesh
             assert torch.equal(leaf.grad.full_tensor(), weight)
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_from_local_and_to_local_gradients(mesh):
     weight = torch.linspace(-1, 1, 12).reshape(4, 3)
     for placements in _placement_lists(mesh):
@@ -143,7 +138,7 @@ def test_from_local_and_to_local_gradients(mesh):
     assert torch.equal(leaf.grad.full_tensor(), torch.full((4, 3), 2.0))
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_same_placements_move_nothing_and_async_waits_on_use(mesh):
     full = torch.arange(20.0).reshape(4, 5)
     placements = [Shard(0)] * mesh.ndim
@@ -158,7 +153,7 @@ def test_same_placements_move_nothing_and_async_waits_on_use(mesh):
     assert torch.equal((pending + 1).full_tensor(), full + 1)
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_repr_shows_layout(mesh):
     dtensor = distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)] * mesh.ndim)
     text = repr(dtensor)

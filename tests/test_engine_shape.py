@@ -26,18 +26,21 @@ LAYERS = [
     ["mesh", "launch"],
     ["comm"],
     ["redistribute", "random", "log"],
-    ["modes", "log", "rules", "row_costs", "propagation", "ops"],  # rules, their costs and the decisions made
-    # from them, the switches rules read, the logger of decisions
-    ["spec", "plain_tensors", "write_back", "plan_cache", "list_plans", "dispatch", "torch_function", "tensor_methods",
-     "from_local", "autograd", "checkpoint"],  # the engine below the class, and the mixins it inherits
+    ["modes", "rules", "row_costs", "propagation", "ops"],  # rules, their costs, the decisions made from them,
+    # and the switches rules read
+    ["spec", "plain_tensors", "write_back", "input_moves", "plan_cache", "list_plans", "dispatch", "gradients",
+     "torch_function", "tensor_methods", "from_local", "autograd", "checkpoint"],  # the engine below the class, and the mixins it inherits
     ["dtensor", "api"],
     ["debug", "experimental", "parallel", "fsdp", ""],  # "": the package's `__init__`, which exports it all
+    ["demo"],  # the main job, built on the public API
 ]
 
 
 def _module_names() -> dict[str, pathlib.Path]:
     names = {}
     for path in SOURCE.rglob("*.py"):
+        if path.name == "__main__.py":  # a program (`python -m shardtensor.demo`): importing it runs it
+            continue
         parts = list(path.relative_to(SOURCE.parent).with_suffix("").parts)
         if parts[-1] == "__init__":
             parts = parts[:-1]

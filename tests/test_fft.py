@@ -7,7 +7,6 @@ from torch.testing import assert_close
 import shardtensor
 from shardtensor import Replicate, Shard, comm, distribute_tensor
 
-MESHES = [(1,), (2,), (4,), (2, 2)]
 R = Replicate()
 
 # name -> (function of x, whether x is complex). Every transform acts on dims 1 and 2 (or the last
@@ -57,7 +56,7 @@ def _compare_forward_and_backward(function, full, placements, mesh, *, local: bo
     assert_close(x.grad.full_tensor(), reference.grad)
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_ffts_shard_untransformed_dims_locally_and_move_transformed_ones(mesh):
     for name, (function, is_complex) in FFTS.items():
         full = _input(is_complex)
@@ -98,7 +97,7 @@ def test_hermitian_ffts_of_the_opinfo_failures(mesh):
         assert_close(x.grad.full_tensor(), reference.grad)
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_complex_views_and_constructors_keep_shards(mesh):
     real, imag = torch.randn(5, 3, dtype=torch.float64), torch.rand(5, 3, dtype=torch.float64)
     pairs = torch.randn(5, 3, 2, dtype=torch.float64)
@@ -133,7 +132,7 @@ def test_complex_views_and_constructors_keep_shards(mesh):
             assert_close(leaf.grad.full_tensor(), reference.grad)
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_view_as_complex_needs_the_pair_dim_whole(mesh):
     pairs = torch.randn(4, 2, dtype=torch.float64)
     x = distribute_tensor(pairs, mesh, [Shard(1)] * mesh.ndim)
@@ -143,7 +142,7 @@ def test_view_as_complex_needs_the_pair_dim_whole(mesh):
     assert torch.equal(y.full_tensor(), torch.view_as_complex(pairs))
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_conjugate_views_redistribute_and_gather(mesh):
     """A shard with the conjugate bit: the DTensor reports it like a tensor on one device, and
     collectives send the conjugated values (c10d sends memory, which holds the unconjugated ones)."""

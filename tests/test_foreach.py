@@ -10,7 +10,6 @@ from torch.testing import assert_close
 from shardtensor import DTensor, Partial, Replicate, Shard, comm, distribute_tensor
 from shardtensor.ops.registry import RULES
 
-MESHES = [(1,), (2,), (4,), (2, 2)]
 R = Replicate()
 SHAPES = [(7, 5), (6, 9), (5, 3), (3, 4)]  # uneven over 2 and 4 ranks; (3, 4) leaves a rank an empty Shard(0)
 
@@ -67,7 +66,7 @@ ELEMENTWISE = {
 }
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_elementwise_foreach_ops_keep_each_tensors_layout_without_communication(mesh):
     for name, (function, count, positive) in ELEMENTWISE.items():
         fulls, dtensors = _lists(mesh, count, positive=positive)
@@ -90,7 +89,7 @@ IN_PLACE = {
 }
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_in_place_foreach_ops_write_every_shard(mesh):
     for name, function in IN_PLACE.items():
         fulls, dtensors = _lists(mesh, 2, seed=1)
@@ -101,7 +100,7 @@ def test_in_place_foreach_ops_write_every_shard(mesh):
         _assert_lists_close(dtensors[0], fulls[0], mesh)
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_foreach_norm_reduces_the_whole_list_in_one_all_reduce(mesh):
     """Orders 2, 1, 3 (sums of |x|^p), 0 (counts), inf/-inf (max/min; a rank's empty shard of the
     (3, 4) tensor counts as the identity)."""
@@ -116,7 +115,7 @@ def test_foreach_norm_reduces_the_whole_list_in_one_all_reduce(mesh):
         assert [record.kind for record in records] == ([] if mesh.size() == 1 else ["all_reduce"]), order
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_foreach_max_and_powsum_and_norm_dtype(mesh):
     fulls, dtensors = _lists(mesh, 1)
     for function in (torch._foreach_max, lambda tensors: torch.ops.aten._foreach_powsum.Scalar(tensors, 3.0),

@@ -20,8 +20,6 @@ from shardtensor.mesh import DeviceMesh
 from shardtensor.ops.registry import RULES, register_rule
 from shardtensor.rules import Row
 
-MESHES = [(1,), (2,), (4,), (2, 2)]
-
 
 def _placements(mesh, placement):
     return [placement] * mesh.ndim
@@ -56,7 +54,7 @@ VIEW_CALLS = {
 
 
 @pytest.mark.parametrize("name", sorted(VIEW_CALLS))
-@spmd(meshes=MESHES)
+@spmd()
 def test_view_ops_run_from_a_plan_without_communication(mesh, name):
     """Rules with per-coordinate local arguments (view, expand, slice) are planned like the others."""
     full = torch.randn(8, 4)
@@ -135,7 +133,7 @@ def test_meshes_of_one_shape_with_other_rank_orders_keep_their_own_local_argumen
                 assert torch.equal(x.view(27).full_tensor(), full.view(27))
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_planned_views_backward_match_one_device(mesh):
     """A tiny MLP with views and transposes, forward and backward, twice (second time: plans)."""
     inputs, weight, projection = torch.randn(8, 6), torch.randn(4, 6), torch.randn(3, 4)
@@ -219,7 +217,7 @@ def _same_dtensor(result, reference) -> None:
     assert torch.equal(local, expected)
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_function_fast_path_gives_exactly_the_aten_path_result(mesh):
     """Every call three times with the fast path off and on (learn, then serve): same results."""
     from shardtensor import torch_function

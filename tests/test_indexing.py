@@ -2,7 +2,6 @@
 masked-index pair, linalg_cross, bucketize/searchsorted/isin): single-device results forward and
 backward with rules only (strict mode), even and uneven shards, and no collective where local."""
 
-import pytest
 import torch
 from spmd import spmd
 from test_tensor_ops import moving_data
@@ -11,7 +10,6 @@ from test_views import check, check_both_shardings, placements_for
 import shardtensor
 from shardtensor import DTensor, Partial, Replicate, Shard, comm, distribute_tensor
 
-MESHES = [(1,), (2,), (4,), (2, 2)]
 aten = torch.ops.aten
 
 ROWS = torch.tensor([4, 0, 2])
@@ -51,7 +49,7 @@ CASES = [
 ]
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_indexing_forward_and_backward(mesh):
     full = torch.randn(5, 4)
     for case in CASES:
@@ -86,7 +84,7 @@ BOUNDARIES = torch.tensor([-1.0, 0.0, 0.5, 2.0], dtype=torch.float64)
 TEST_ELEMENTS = torch.tensor([0.0, 1.0, 2.0], dtype=torch.float64)
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_lookups_shard_the_values_and_keep_the_table_whole(mesh):
     full = torch.randn(4, 5, dtype=torch.float64).round(decimals=1)
     sequences = torch.randn(4, 6, dtype=torch.float64).sort(1).values
@@ -114,7 +112,7 @@ def test_lookups_shard_the_values_and_keep_the_table_whole(mesh):
                 assert torch.equal(result.full_tensor(), reference)
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_partial_inputs_pass_where_exact(mesh):
     operand = torch.randn(5, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(mesh.get_rank()))
     partial = DTensor.from_local(operand, mesh, [Partial()] * mesh.ndim)

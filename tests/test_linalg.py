@@ -14,7 +14,6 @@ from shardtensor import DTensor, Partial, Replicate, Shard, comm, distribute_ten
 from shardtensor.ops.linalg import BatchedLinalgRule
 from shardtensor.rules import OpCall, TensorMeta
 
-MESHES = [(1,), (2,), (4,), (2, 2)]
 R = Replicate()
 linalg = torch.linalg
 
@@ -54,7 +53,7 @@ CASES = {
 }
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_batch_sharded_linalg_is_local_and_matches_one_device(mesh):
     for name, (function, gathers_info) in CASES.items():
         try:
@@ -89,7 +88,7 @@ def _check_batch_sharded(mesh, function, gathers_info):
             assert_close(leaf.grad.full_tensor(), references[key].grad)
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_a_singular_matrix_raises_on_every_rank(mesh):
     """`linalg.inv` checks `info` after the local factorization: every rank sees all of it and raises
     the single-device error (naming the global batch element), none is left waiting."""
@@ -110,7 +109,7 @@ def test_a_singular_matrix_raises_on_every_rank(mesh):
     assert comm.all_reduce(torch.ones(1), mesh, 0, reduce_op="sum").item() == mesh.size(0)  # all ranks still in step
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_batch_dims_broadcast_and_uneven_nested_shards(mesh):
     """A's batch (2, 3) broadcasts against B's (3,) and C's (1, 3): each shards where it spans the
     output's batch dim, and is Replicate where it broadcasts."""
@@ -136,7 +135,7 @@ def test_batch_dims_broadcast_and_uneven_nested_shards(mesh):
         assert_close(leaf.grad.full_tensor(), reference.grad)
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_a_partial_right_hand_side_stays_partial(mesh):
     """Solves are linear in the right-hand side: a Partial(sum) one gives a Partial(sum) solution
     without reducing it first."""

@@ -12,7 +12,6 @@ from shardtensor import DTensor, Partial, Replicate, Shard, comm, distribute_ten
 from shardtensor.dispatch import fallback_counts
 from shardtensor.ops.matrix import einsum_rows
 
-MESHES = [(1,), (2,), (4,), (2, 2)]
 MATRIX_OPS = ("aten.mm.default", "aten.bmm.default", "aten.mv.default", "aten.dot.default",
               "aten.addmm.default", "aten.baddbmm.default")
 R, P = Replicate(), Partial()
@@ -49,7 +48,7 @@ MM_CASES = [  # (a, b, output placement, collectives in the op)
 
 
 @pytest.mark.parametrize("case", range(len(MM_CASES)))
-@spmd(meshes=MESHES)
+@spmd()
 def test_mm_rows_are_chosen_without_communication(mesh, case):
     a_placement, b_placement, expected, _ = MM_CASES[case]
     a_full, b_full = torch.randn(5, 7, dtype=torch.float64), torch.randn(7, 3, dtype=torch.float64)
@@ -100,7 +99,7 @@ BATCHED_CASES = [  # (batch1, batch2, output)
 
 
 @pytest.mark.parametrize("case", range(len(BATCHED_CASES)))
-@spmd(meshes=MESHES)
+@spmd()
 def test_bmm_and_baddbmm_forward_and_backward(mesh, case):
     first_placement, second_placement, expected = BATCHED_CASES[case]
     first_full, second_full = torch.randn(4, 5, 6, dtype=torch.float64), torch.randn(4, 6, 3, dtype=torch.float64)
@@ -135,7 +134,7 @@ ADDMM_CASES = [  # (bias shape, bias, a, b, output)
 
 
 @pytest.mark.parametrize("case", range(len(ADDMM_CASES)))
-@spmd(meshes=MESHES)
+@spmd()
 def test_addmm_adds_the_bias_once(mesh, case):
     bias_shape, bias_placement, a_placement, b_placement, expected = ADDMM_CASES[case]
     bias_full = torch.randn(bias_shape, dtype=torch.float64)
@@ -155,7 +154,7 @@ def test_addmm_adds_the_bias_once(mesh, case):
         torch.testing.assert_close(leaf.grad.full_tensor(), reference.grad)
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_mv_and_dot_shard_the_contraction_into_partial(mesh):
     matrix_full, vector_full, other_full = (torch.randn(shape, dtype=torch.float64) for shape in ((5, 7), (7,), (7,)))
     before = _fallbacks()
@@ -181,7 +180,7 @@ def test_mv_and_dot_shard_the_contraction_into_partial(mesh):
     assert _fallbacks() == before
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_matmul_linear_and_einsum_use_the_matrix_rules(mesh):
     inputs_full = torch.randn(4, 3, 6, dtype=torch.float64)
     weight_full, bias_full = torch.randn(5, 6, dtype=torch.float64), torch.randn(5, dtype=torch.float64)
@@ -238,7 +237,7 @@ ADDEND_CASES = [  # (op, shapes of (addend, first, second), their placements, ou
 ]
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_addmv_addr_addbmm_add_the_addend_once(mesh):
     for function, shapes, placements, expected in ADDEND_CASES:
         fulls = [torch.randn(shape, dtype=torch.float64) for shape in shapes]
@@ -258,7 +257,7 @@ def test_addmv_addr_addbmm_add_the_addend_once(mesh):
             torch.testing.assert_close(leaf.grad.full_tensor(), reference_leaf.grad)
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_vdot_and_vecdot_shard_the_contraction_into_partial(mesh):
     first_full, second_full = torch.randn(7, dtype=torch.float64), torch.randn(7, dtype=torch.float64)
     first, second = _leaf(first_full, mesh, Shard(0)), _leaf(second_full, mesh, Shard(0))

@@ -11,7 +11,6 @@ from torch.testing import assert_close
 import shardtensor
 from shardtensor import Partial, Replicate, Shard, comm, distribute_tensor
 
-MESHES = [(1,), (2,), (4,), (2, 2)]
 R = Replicate()
 
 
@@ -47,7 +46,7 @@ def _on(mesh, one_dim, two_dim):
     return one_dim if mesh.ndim == 1 else two_dim
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_softmax_and_log_softmax_keep_shards_and_reduce_a_sharded_dim(mesh):
     full = torch.randn(6, 10, dtype=torch.float64)
     grad = torch.randn(6, 10, dtype=torch.float64)
@@ -63,7 +62,7 @@ def test_softmax_and_log_softmax_keep_shards_and_reduce_a_sharded_dim(mesh):
             _compare_with_single_device(y, expected, grad, [(x, reference)])
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_layer_norm_on_batch_shards_is_local_and_parameter_grads_are_partial(mesh):
     full, weight_full, bias_full = (torch.randn(5, 3, 8, dtype=torch.float64), torch.randn(8, dtype=torch.float64),
                                     torch.randn(8, dtype=torch.float64))
@@ -80,7 +79,7 @@ def test_layer_norm_on_batch_shards_is_local_and_parameter_grads_are_partial(mes
             assert all(p.is_partial() for p in weight.grad.placements if not p.is_replicate())
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_group_norm_and_rms_norm_on_an_uneven_batch(mesh):
     full, weight_full, bias_full = (torch.randn(5, 6, 4, dtype=torch.float64), torch.randn(6, dtype=torch.float64),
                                     torch.randn(6, dtype=torch.float64))
@@ -105,7 +104,7 @@ def test_group_norm_and_rms_norm_on_an_uneven_batch(mesh):
     assert_close(_grad(weight), references[1].grad)
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_vocab_sharded_embedding_is_local_and_partial(mesh):
     table = torch.randn(11, 4, dtype=torch.float64)
     indices_full = torch.tensor([[0, 10, 3, 3, 7], [5, 1, 9, 2, 3], [8, 6, 4, 0, 10]])
@@ -131,7 +130,7 @@ def test_vocab_sharded_embedding_is_local_and_partial(mesh):
             assert weight.grad.placements == weight.placements  # each rank wrote only its rows
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_cross_entropy_on_an_uneven_batch_and_on_sharded_classes(mesh):
     logits_full = torch.randn(7, 5, dtype=torch.float64)
     target_full = torch.tensor([0, 4, 2, -100, 1, 3, 4])
@@ -184,7 +183,7 @@ def test_cross_entropy_with_batch_and_classes_sharded_over_different_mesh_dims(m
             _compare_with_single_device(loss, expected, torch.rand_like(expected), [(logits, reference)])
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_convolution_sharded_on_batch_and_channels(mesh):
     for function, spatial in ((F.conv1d, (9,)), (F.conv2d, (5, 6))):
         input_full = torch.randn(5, 4, *spatial, dtype=torch.float64)
@@ -209,7 +208,7 @@ def test_convolution_sharded_on_batch_and_channels(mesh):
             _compare_with_single_device(y, expected, torch.randn_like(expected), zip(tensors, references))
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_transposed_convolution_on_an_uneven_batch_with_groups(mesh):
     """Regression: the bias gradient's local size came from the weight's dim 0 (the input channels of
     a transposed convolution), so ranks with a batch shard raised and the others hung."""
@@ -231,7 +230,7 @@ def test_transposed_convolution_on_an_uneven_batch_with_groups(mesh):
             _compare_with_single_device(y, expected, torch.randn_like(expected), zip(tensors, references))
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_scaled_dot_product_attention_on_batch_or_heads_is_local(mesh):
     shape = (4, 4, 5, 3)
     fulls = [torch.randn(shape, dtype=torch.float64) for _ in range(3)]

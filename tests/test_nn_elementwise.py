@@ -10,7 +10,6 @@ from torch.testing import assert_close
 import shardtensor
 from shardtensor import Replicate, Shard, comm, distribute_tensor
 
-MESHES = [(1,), (2,), (4,), (2, 2)]
 R = Replicate()
 
 # case -> (function of (input, target), whether the target is a probability)
@@ -31,7 +30,7 @@ def _placements(mesh):
 
 
 @pytest.mark.parametrize("case", list(LOSSES))
-@spmd(meshes=MESHES)
+@spmd()
 def test_elementwise_losses_are_local_and_partial(mesh, case):
     """'none' keeps the shards; 'sum' and 'mean' (over the global count) are Partial, no collective."""
     function, probability = LOSSES[case]
@@ -68,7 +67,7 @@ ACTIVATIONS = {
 }
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_activations_keep_shards_off_their_dim(mesh):
     full = torch.randn(5, 4, 3, dtype=torch.float64)
     full[0, :, 1] = -float("inf")  # a row of -inf: _safe_softmax gives zeros there
@@ -96,7 +95,7 @@ def test_activations_keep_shards_off_their_dim(mesh):
                 assert_close(weight.grad.full_tensor(), weight_reference.grad)
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_margin_losses_shard_the_batch(mesh):
     """The forwards are local (their backwards have no meta kernel: the replicate fallback)."""
     full, weight_full = torch.randn(5, 4, dtype=torch.float64), torch.rand(4, dtype=torch.float64)

@@ -10,7 +10,6 @@ from torch.testing import assert_close
 import shardtensor
 from shardtensor import Replicate, Shard, comm, distribute_tensor
 
-MESHES = [(1,), (2,), (4,), (2, 2)]
 R = Replicate()
 
 
@@ -80,7 +79,7 @@ def _compare_forward_and_backward(mesh, function, fulls, placements, local):
 
 
 @pytest.mark.parametrize("case", list(CASES))
-@spmd(meshes=MESHES)
+@spmd()
 def test_plane_ops_shard_batch_and_channels_without_communication(mesh, case):
     function, shapes = CASES[case]
     fulls = [torch.randn(shape, dtype=torch.float64) for shape in shapes]
@@ -94,7 +93,7 @@ def test_plane_ops_shard_batch_and_channels_without_communication(mesh, case):
         _compare_forward_and_backward(mesh, function, fulls, placements, local=local)
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_pooling_an_unbatched_input_shards_its_channels(mesh):
     full = torch.randn(5, 6, 6, dtype=torch.float64)
     for function in (lambda x: F.max_pool2d(x, 2), lambda x: F.interpolate(x, size=4, mode="linear")):
@@ -102,7 +101,7 @@ def test_pooling_an_unbatched_input_shards_its_channels(mesh):
 
 
 @pytest.mark.parametrize("running_placement", ["replicate", "shard", "mixed", "per_mesh_dim"])
-@spmd(meshes=MESHES)
+@spmd()
 def test_batch_norm_in_training_shards_channels_and_updates_running_statistics(mesh, running_placement):
     """A replicated running statistic costs one all_reduce (per mesh dim); a channel-sharded one none."""
     full = torch.randn(4, 5, 3, 2, dtype=torch.float64)
@@ -140,7 +139,7 @@ def test_batch_norm_in_training_shards_channels_and_updates_running_statistics(m
         assert_close(leaf.grad.full_tensor(), reference.grad)
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_batch_norm_without_training_and_instance_norm(mesh):
     full = torch.randn(3, 5, 4, dtype=torch.float64)
     weight_full, bias_full = torch.randn(5, dtype=torch.float64), torch.randn(5, dtype=torch.float64)

@@ -13,7 +13,6 @@ from torch.testing import assert_close
 
 from shardtensor import Replicate, Shard, comm, distribute_tensor
 
-MESHES = [(1,), (2,), (4,), (2, 2)]
 R = Replicate()
 STEPS = 3
 
@@ -75,20 +74,20 @@ def _check_optimizer(mesh, name):
             assert_close(dtensor.full_tensor(), reference.detach(), msg=lambda text: f"{name} {mode}: {text}")
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_sgd_with_momentum_matches_one_device(mesh):
     _check_optimizer(mesh, "sgd")
     _check_optimizer(mesh, "sgd_nesterov")
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_adam_and_adamw_match_one_device(mesh):
     _check_optimizer(mesh, "adam")
     _check_optimizer(mesh, "adam_amsgrad")
     _check_optimizer(mesh, "adamw")
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_adagrad_and_rmsprop_match_one_device(mesh):
     _check_optimizer(mesh, "adagrad")
     _check_optimizer(mesh, "rmsprop")
@@ -118,7 +117,7 @@ def _clip_inputs(mesh):
     return dtensors, references
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_clip_grad_norm_gives_the_one_device_norm_and_grads(mesh):
     for foreach in (True, False):
         for norm_type in (2.0, math.inf, 1.0):

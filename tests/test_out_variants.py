@@ -8,14 +8,12 @@ themselves, and that their layouts did not change.
 
 import random
 
-import pytest
 import torch
 from spmd import spmd
 
 import shardtensor
 from shardtensor import Replicate, Shard, distribute_tensor
 
-MESHES = [(1,), (2,), (4,), (2, 2)]
 GARBAGE = 1234.5
 LAYOUTS_PER_CASE = 3
 
@@ -73,7 +71,7 @@ def _garbage_like(mesh, result: torch.Tensor, chooser: random.Random):
     return _distribute(mesh, torch.full_like(result, GARBAGE), chooser)
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_out_variants_write_single_device_values(mesh):
     chooser = random.Random(0)
     for name, (shapes, call) in OUT_CASES.items():
@@ -96,7 +94,7 @@ def test_out_variants_write_single_device_values(mesh):
                 torch.testing.assert_close(written.full_tensor(), value, rtol=1e-12, atol=1e-12, msg=where)
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_inplace_variants_write_single_device_values(mesh):
     chooser = random.Random(1)
     for name, (shapes, call) in INPLACE_CASES.items():

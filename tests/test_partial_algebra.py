@@ -8,8 +8,6 @@ from spmd import spmd
 import shardtensor
 from shardtensor import DTensor, Partial, Replicate, Shard, comm, distribute_tensor
 
-MESHES = [(1,), (2,), (4,), (2, 2)]
-
 
 def _operand(rank: int, seed: int = 0, dtype=torch.float64) -> torch.Tensor:
     """What rank `rank` holds: different on every rank, so a wrong reduction shows."""
@@ -35,7 +33,7 @@ def _check(result, value, placements=None, *, exact=False):
     torch.testing.assert_close(result.full_tensor(), value, **tolerance)
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_partial_sum_plus_scalar_or_replicate_adds_it_once(mesh):
     partial, value = _partial(mesh)
     r_full = torch.arange(6.0, dtype=torch.float64).reshape(2, 3)
@@ -48,7 +46,7 @@ def test_partial_sum_plus_scalar_or_replicate_adds_it_once(mesh):
     # P(sum) + R may stay P(sum) by making R Partial too (R on one coordinate, zeros elsewhere): exact and local.
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_linear_ops_keep_partial_sum_without_communication(mesh):
     a, a_value = _partial(mesh, seed=0)
     b, b_value = _partial(mesh, seed=3)
@@ -66,7 +64,7 @@ def test_linear_ops_keep_partial_sum_without_communication(mesh):
         _check(result, reference, partial)
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_nonlinear_ops_reduce_partial_first(mesh):
     a, a_value = _partial(mesh, seed=0)
     b, b_value = _partial(mesh, seed=3)
@@ -80,7 +78,7 @@ def test_nonlinear_ops_reduce_partial_first(mesh):
         _check(result, reference)
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_max_and_min_partials(mesh):
     high, high_value = _partial(mesh, "max")
     low, low_value = _partial(mesh, "min", seed=2)
@@ -105,7 +103,7 @@ def test_max_and_min_partials(mesh):
     assert not any(p.is_partial() for result in reduced[:4] for p in result.placements)
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_partial_avg_commutes_with_adding_a_replicated_value(mesh):
     average, value = _partial(mesh, "avg")
     with shardtensor.strict_mode(), comm.observe() as records:
@@ -115,7 +113,7 @@ def test_partial_avg_commutes_with_adding_a_replicated_value(mesh):
         _check(result, reference, (Partial("avg"),) * mesh.ndim)
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_casts_keep_partial_only_when_widening_floats(mesh):
     single, value = _partial(mesh, dtype=torch.float32)
     with shardtensor.strict_mode(), comm.observe() as records:

@@ -21,7 +21,6 @@ from shardtensor import DeviceMesh, DTensor, Partial, Replicate, Shard, comm, di
 from shardtensor import mesh as mesh_module
 
 R = Replicate()
-MESHES = [(1,), (2,), (4,), (2, 2)]
 
 
 def _full(shape, seed=0):
@@ -60,7 +59,7 @@ ROUND_TRIPS = {
 }
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_dtensor_round_trips_keep_layout_and_values_without_communication(mesh):
     full = _full((7, 5))
     for placements in _layouts(mesh):

@@ -1,7 +1,6 @@
 """Redistribute planner without processes: costs by hand, paths, caching, pieces, Partial rules."""
 
 import itertools
-import time
 
 import pytest
 from hypothesis import given, settings
@@ -117,14 +116,12 @@ def test_plans_are_cached_per_layouts_and_itemsize():
     assert plan(layout, target, 2).total_bytes * 2 == plan(layout, target, 4).total_bytes
 
 
-def test_first_call_planning_is_fast_on_a_two_dim_mesh():
-    elapsed = []
+def test_first_call_plans_on_fresh_shapes_move_every_missing_element():
+    """Planning latency is measured in bench/bench_redistribute.py; here fresh shapes plan correctly."""
     for size in range(100, 110):  # new shapes, so nothing is cached
         source = Layout.create((2, 2), [Shard(0), Shard(1)], (size, size))
-        start = time.perf_counter()
-        plan(source, source.with_placements([Shard(1), Shard(0)]), 4)
-        elapsed.append(time.perf_counter() - start)
-    assert sorted(elapsed)[len(elapsed) // 2] < 2e-3  # typically ~0.4 ms; loose for busy machines
+        result = plan(source, source.with_placements([Shard(1), Shard(0)]), 4)
+        assert result.steps and result.total_bytes >= result.lower_bound_bytes > 0
 
 
 def test_explain_lists_steps_totals_and_lower_bound():
@@ -278,7 +275,7 @@ def layout_pairs(draw):
     return source, source.with_placements(target_placements)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=150, deadline=None, derandomize=True, database=None)
 @given(layout_pairs(), st.sampled_from([1, 4]))
 def test_every_plan_reaches_its_target_above_the_lower_bound(pair, itemsize):
     source, target = pair

@@ -8,7 +8,6 @@ import shardtensor
 from shardtensor import DTensor, Partial, Replicate, Shard, comm, distribute_tensor
 from shardtensor.ops.registry import RULES
 
-MESHES = [(1,), (2,), (4,), (2, 2)]
 aten = torch.ops.aten
 
 UNARY = [
@@ -41,7 +40,7 @@ def _full(seed: int, shape=(6, 5)) -> torch.Tensor:
     return torch.linspace(-2.5, 2.5, 30).reshape(shape).roll(seed, 1) + 0.1 * seed
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_elementwise_families_are_local_and_exact(mesh):
     a_full, b_full, c_full = _full(0), _full(1), _full(2)
     a, b, c = (distribute_tensor(t, mesh, _sharded(mesh)) for t in (a_full, b_full, c_full))
@@ -148,7 +147,7 @@ SPECIAL_POLYNOMIALS = [
 ]
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_special_functions_frexp_and_ldexp_are_local(mesh):
     x_full = _full(0).double().abs() + 0.1  # 6 x 5: uneven on 4 ranks
     degree_full = torch.arange(30).reshape(6, 5) % 5

@@ -7,8 +7,6 @@ import shardtensor
 from shardtensor import Replicate, Shard, comm
 from shardtensor.random import BLOCK_SIZE, random_shard
 
-MESHES = [(1,), (2,), (4,), (2, 2)]
-
 
 def test_a_box_of_the_random_tensor_equals_the_same_box_of_the_full_one():
     shape = (3, BLOCK_SIZE // 2 + 5)  # several blocks, rows crossing block edges
@@ -25,7 +23,7 @@ def _placement_lists(mesh):
     return [[Shard(0), Shard(1)], [Shard(1), Shard(1)], [Replicate(), Shard(0)]]
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_rand_and_randn_do_not_depend_on_mesh_or_placements(mesh):
     shape = (5, BLOCK_SIZE // 4 + 3)
     for kind, factory in [("rand", shardtensor.rand), ("randn", shardtensor.randn)]:

@@ -4,9 +4,9 @@ import math
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from spmd import spmd
+from helpers import layout_box
+from spmd import draw_examples, example_note, spmd
 
 from shardtensor import comm
 from shardtensor.layout import Layout
@@ -15,7 +15,6 @@ from shardtensor.redistribute import CostModel, execute, plan, redistribute_loca
 from shardtensor.redistribute.planner import received_bytes
 
 R = Replicate()
-MESHES = [(1,), (2,), (4,), (2, 2)]
 
 
 def _full(shape, seed=0):
@@ -25,10 +24,7 @@ def _full(shape, seed=0):
 
 
 def _box(full, layout, coordinate):
-    local = full
-    for dim, (start, length) in enumerate(zip(layout.local_offset(coordinate), layout.local_shape(coordinate))):
-        local = local.narrow(dim, start, length)
-    return local
+    return layout_box(full, layout, coordinate)
 
 
 def _partial_index(layout, coordinate):
@@ -109,7 +105,7 @@ def _on_every_mesh_dim(mesh, source_placement, target_placement, others=R):
     ],
 )
 @pytest.mark.parametrize("shape", [(8, 4), (5, 7), (0, 3)])
-@spmd(meshes=MESHES)
+@spmd()
 def test_single_mesh_dim_transitions(mesh, shape, source_placement, target_placement, collective):
     full = _full(shape)
     for mesh_dim, source, target in _on_every_mesh_dim(mesh, source_placement, target_placement):
@@ -296,26 +292,13 @@ def _chains(draw, mesh_shape):
     return shape, placements
 
 
-def _draw_chains(mesh_shape, count):
-    """Examples drawn on the pytest side with hypothesis, sent to the ranks as plain data."""
-    drawn = []
-
-    @settings(max_examples=count, database=None, deadline=None, suppress_health_check=list(HealthCheck))
-    @given(_chains(mesh_shape))
-    def collect(chain):
-        drawn.append(chain)
-
-    collect()
-    return drawn
-
-
-@pytest.mark.parametrize("chains", [_draw_chains((4,), 40)], ids=["random-chains"])
+@pytest.mark.parametrize("chains", [draw_examples(_chains((4,)), 40)], ids=["random-chains"])
 @spmd(meshes=[(4,)])
 def test_random_chains_on_four_ranks(mesh, chains):
     _run_chains(mesh, chains)
 
 
-@pytest.mark.parametrize("chains", [_draw_chains((2, 2), 40)], ids=["random-chains"])
+@pytest.mark.parametrize("chains", [draw_examples(_chains((2, 2)), 40)], ids=["random-chains"])
 @spmd(meshes=[(2, 2)])
 def test_random_chains_on_a_two_by_two_mesh(mesh, chains):
     _run_chains(mesh, chains)
@@ -323,16 +306,17 @@ def test_random_chains_on_a_two_by_two_mesh(mesh, chains):
 
 def _run_chains(mesh, chains):
     for number, (shape, placements_chain) in enumerate(chains):
-        full = _full(shape, seed=number)
-        coordinate = tuple(mesh.get_coordinate())
-        layout = Layout.create(mesh.shape, placements_chain[0], shape)
-        local = _operand(full, layout, coordinate)
-        for placements in placements_chain[1:]:
-            target = layout.with_placements(placements)
-            local = redistribute_local_tensor(local, layout, target, mesh)
-            layout = target
-        local = redistribute_local_tensor(local, layout, layout.with_placements([R] * mesh.ndim), mesh)
-        assert torch.equal(local, full), (shape, [list(map(str, p)) for p in placements_chain])
+        with example_note(mesh, (shape, placements_chain)):
+            full = _full(shape, seed=number)
+            coordinate = tuple(mesh.get_coordinate())
+            layout = Layout.create(mesh.shape, placements_chain[0], shape)
+            local = _operand(full, layout, coordinate)
+            for placements in placements_chain[1:]:
+                target = layout.with_placements(placements)
+                local = redistribute_local_tensor(local, layout, target, mesh)
+                layout = target
+            local = redistribute_local_tensor(local, layout, layout.with_placements([R] * mesh.ndim), mesh)
+            assert torch.equal(local, full), (shape, [list(map(str, p)) for p in placements_chain])
 
 
 # ---- flattened reductions over several mesh dims ---------------------------------------------------

@@ -8,7 +8,6 @@ from spmd import spmd
 import shardtensor
 from shardtensor import DTensor, Partial, Replicate, Shard, comm, distribute_tensor
 
-MESHES = [(1,), (2,), (4,), (2, 2)]
 
 # (reduction over dim 0 or all dims, Partial reduce op of its output when dim 0 is sharded)
 PARTIAL_CASES = [
@@ -30,7 +29,7 @@ PARTIAL_CASES = [
 
 
 @pytest.mark.parametrize("case", range(len(PARTIAL_CASES)))
-@spmd(meshes=MESHES)
+@spmd()
 def test_reducing_a_sharded_dim_gives_an_exact_partial(mesh, case):
     reduction, reduce_op = PARTIAL_CASES[case]
     full = torch.randn(5, 3, dtype=torch.float64)  # 5 rows on 4 ranks: pieces 2, 2, 1, 0 (one empty shard)
@@ -63,7 +62,7 @@ def _values(result):
 
 
 @pytest.mark.parametrize("case", range(len(GATHER_CASES)))
-@spmd(meshes=MESHES)
+@spmd()
 def test_reductions_that_need_the_whole_dim(mesh, case):
     reduction = GATHER_CASES[case]
     full = torch.randn(3, 4, dtype=torch.float64)  # 3 rows on 4 ranks: one empty shard (PyTorch hangs on max)
@@ -88,7 +87,7 @@ LOCAL_CASES = [
 ]
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_reducing_an_unsharded_dim_is_local_and_keeps_the_shard(mesh):
     full = torch.randn(6, 4, dtype=torch.float64)
     x = distribute_tensor(full, mesh, [Shard(0)] * mesh.ndim)
@@ -136,7 +135,7 @@ def test_partial_inputs(mesh):
     torch.testing.assert_close(largest.full_tensor(), maximum.full_tensor().amax(0))
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_scans_along_a_sharded_dim_gather_it(mesh):
     full = torch.rand(5, 3, dtype=torch.float64) + 0.5
     x = distribute_tensor(full, mesh, [Shard(0)] * mesh.ndim)
@@ -210,7 +209,7 @@ SEGMENT_LENGTHS = torch.tensor([2, 0, 3])
 SEGMENT_OFFSETS = torch.tensor([0, 2, 2, 5])
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_more_reductions_forward_and_backward(mesh):
     full = torch.rand(5, 4, dtype=torch.float64) + 0.5  # 5 rows on 4 ranks: one empty shard
     for loss_of in MORE_CASES:
@@ -228,7 +227,7 @@ def test_more_reductions_forward_and_backward(mesh):
                 torch.testing.assert_close(leaf.grad.full_tensor(), reference.grad)
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_sharded_reduced_dims_give_partials_without_communication(mesh):
     full = torch.randn(5, 3, dtype=torch.float64)
     x = distribute_tensor(full, mesh, [Shard(0)] * mesh.ndim)
@@ -258,7 +257,7 @@ def test_sharded_reduced_dims_give_partials_without_communication(mesh):
 EDGES = torch.tensor([-2.0, -0.5, 0.0, 0.1, 3.0], dtype=torch.float64)
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_equal_and_allclose_give_every_rank_the_same_answer(mesh):
     full = torch.randn(5, 3, dtype=torch.float64)
     different = full.clone()

@@ -7,7 +7,7 @@ shards and compares values and gradients with plain torch (the `check` helper of
 import torch
 import torch.nn.functional as F
 from spmd import spmd
-from test_views import MESHES, check, check_both_shardings, placements_for
+from test_views import check, check_both_shardings, placements_for
 
 import shardtensor
 from shardtensor import DTensor, Partial, Replicate, Shard, comm, distribute_tensor
@@ -40,7 +40,7 @@ DIAGONALS = [
 ]
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_diagonals(mesh):
     for shape, function, dims in DIAGONALS:
         full = torch.arange(float(torch.Size(shape).numel())).reshape(shape) / 7
@@ -66,7 +66,7 @@ PADS = [
 ]
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_constant_pad(mesh):
     full = torch.arange(42.0).reshape(7, 6)
     for function in PADS:
@@ -107,7 +107,7 @@ SPATIAL_PADS = [
 ]
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_reflection_and_replication_pads(mesh):
     for shape, function, dims in SPATIAL_PADS:
         full = torch.randn(shape)
@@ -123,7 +123,7 @@ ROTATIONS = [
 ]
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_rot90_block_diag_chunk_cat(mesh):
     full = torch.arange(60.0).reshape(5, 3, 4)
     for function in ROTATIONS:
@@ -146,7 +146,7 @@ def test_rotating_onto_a_kept_dim_is_local(mesh):
     assert list(records) == [] and rotated.placements == tuple(placements_for(mesh, 1, 2))
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_fill_and_item(mesh):
     full = torch.arange(12.0).reshape(4, 3)
     check(mesh, full, placements_for(mesh, 1, 0), lambda x: torch.fill(x, 2.5) + x)

@@ -9,7 +9,6 @@ import shardtensor
 from shardtensor import DTensor, Partial, Replicate, Shard, comm, distribute_tensor
 from shardtensor.dispatch import fallback_counts
 
-MESHES = [(1,), (2,), (4,), (2, 2)]
 
 ROWS = torch.tensor([4, 0, 2, 0])
 GATHER_INDEX = torch.tensor([[0, 3], [2, 2], [1, 0], [3, 1], [0, 0]])
@@ -43,7 +42,7 @@ CASES = [
 ]
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_tensor_ops_forward_and_backward(mesh):
     full = torch.randn(5, 4)
     for function in CASES:
@@ -84,7 +83,7 @@ def test_local_rules_issue_no_collective(mesh):
         assert torch.equal(result.full_tensor(), reference)
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_copy_moves_only_the_source(mesh):
     full = torch.randn(5, 4)
     destination = distribute_tensor(torch.zeros(5, 4), mesh, placements_for(mesh, 0, 1))
@@ -101,7 +100,7 @@ def test_copy_moves_only_the_source(mesh):
     assert torch.equal(destination.full_tensor(), full[0].expand(5, 4))
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_in_place_ops_peers_refuse(mesh):
     """PEER_BUGS: masked_fill_.Scalar (#152249), detach_ (#167917), select.int (#147724) have rules."""
     full = torch.randn(5, 4)

@@ -7,6 +7,7 @@ gradients are compared with the single-device computation.
 
 import pytest
 import torch
+from helpers import layout_box
 from spmd import spmd
 
 import shardtensor
@@ -31,10 +32,7 @@ def _integers(shape, seed):
 
 def _uneven(full, mesh, placements, shard_sizes, *, requires_grad=False):
     layout = Layout.create(mesh.shape, placements, full.shape, shard_sizes=shard_sizes)
-    local = full
-    coordinate = mesh.get_coordinate()
-    for dim, (start, length) in enumerate(zip(layout.local_offset(coordinate), layout.local_shape(coordinate))):
-        local = local.narrow(dim, start, length)
+    local = layout_box(full, layout, mesh.get_coordinate())
     dtensor = DTensor.from_local(local.clone().requires_grad_(requires_grad), mesh, placements, shape=full.shape,
                                  shard_sizes=shard_sizes)
     if requires_grad:

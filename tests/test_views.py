@@ -5,6 +5,7 @@ shards, including explicit `shard_sizes`, and compares values and gradients with
 """
 
 import torch
+from helpers import layout_box
 from spmd import spmd
 
 import shardtensor
@@ -12,17 +13,11 @@ from shardtensor import DTensor, Partial, Replicate, Shard, comm, distribute_ten
 from shardtensor.layout import Layout
 from shardtensor.ops.views import KeptDim, view_dim_map
 
-MESHES = [(1,), (2,), (4,), (2, 2)]
-
 
 def make(full, mesh, placements, shard_sizes=None):
     """A DTensor of `full` (a non-leaf, so that torch.autograd.grad can differentiate w.r.t. it)."""
     layout = Layout.create(tuple(mesh.shape), placements, full.shape, shard_sizes=shard_sizes)
-    coordinate = mesh.get_coordinate()
-    local = full
-    for dim, (start, length) in enumerate(zip(layout.local_offset(coordinate), layout.local_shape(coordinate))):
-        local = local.narrow(dim, start, length)
-    local = local.clone().requires_grad_()
+    local = layout_box(full, layout, mesh.get_coordinate()).clone().requires_grad_()
     return DTensor.from_local(local, mesh, placements, shape=full.shape, shard_sizes=shard_sizes)
 
 
@@ -85,7 +80,7 @@ RESHAPES = [
 ]
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_reshapes(mesh):
     for shape, function, dims in RESHAPES:
         full = torch.arange(float(torch.Size(shape).numel())).reshape(shape)
@@ -133,7 +128,7 @@ PERMUTES = [
 ]
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_permutes_expands_repeats(mesh):
     full = torch.arange(60.0).reshape(5, 3, 4)
     for function in PERMUTES:
@@ -153,7 +148,7 @@ SPLITS = [
 ]
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_splits_and_joins(mesh):
     full = torch.arange(20.0).reshape(5, 4)
     for function in SPLITS:
@@ -175,7 +170,7 @@ SLICES = [
 ]
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_slices_and_selects(mesh):
     full = torch.arange(28.0).reshape(7, 4)
     for function in SLICES:
@@ -232,7 +227,7 @@ COPIES = [
 ]
 
 
-@spmd(meshes=MESHES)
+@spmd()
 def test_copy_variants_reuse_their_views_rule(mesh):
     full = torch.arange(60.0).reshape(5, 3, 4)
     for function in COPIES:

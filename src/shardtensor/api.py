@@ -15,6 +15,7 @@ import torch
 
 from . import comm
 from .dtensor import DTensor
+from .from_local import check_dense
 from .layout import Layout
 from .mesh import DeviceMesh, current_mesh
 from .placement import Placement, Replicate, Shard
@@ -123,13 +124,14 @@ def distribute_tensor(
         raise TypeError(
             "distribute_tensor takes a plain torch.Tensor, got a DTensor; use dtensor.redistribute(mesh, placements)"
         )
+    check_dense(tensor, "distribute_tensor")
     mesh, placements = _mesh_and_placements(device_mesh, placements)
     layout = Layout.create(mesh.shape, placements, tensor.shape)
     coordinate = mesh.get_coordinate()
     data = tensor.detach()
     if coordinate is None:  # a rank outside the mesh takes no part and holds no elements
         local = data.new_empty((0,) * max(data.ndim, 1))
-    elif src_data_rank is None:
+    elif src_data_rank is None or data.is_meta:  # a meta tensor has no data to send: slice it here
         local = _box(data, layout.local_offset(coordinate), layout.local_shape(coordinate)).contiguous()
     else:
         if not all(0 <= src_data_rank < size for size in layout.mesh_shape):

@@ -31,7 +31,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .mesh import DeviceMesh
+from . import collective_check
+from .mesh import DeviceMesh, local_group, on_new_world
 
 __all__ = [
     "CommRecord", "CommHandle", "PointToPoint", "observe", "call_counts",
@@ -150,11 +151,11 @@ class _Peers:
 
 
 _peers_cache: dict[tuple[DeviceMesh, MeshDims], _Peers] = {}
-# Groups over flattened sub-meshes, created by their members alone (c10d names them by their ranks).
-_flattened_groups: dict[tuple[int, ...], Any] = {}
+on_new_world(_peers_cache.clear)  # peers hold the groups of the world they were made in
 
 
 def _peers(mesh: DeviceMesh, mesh_dim: MeshDims) -> _Peers:
+    mesh.check_world("a collective")
     key = (mesh, mesh_dim)
     peers = _peers_cache.get(key)
     if peers is None:
@@ -189,13 +190,7 @@ def _flattened_peers(mesh: DeviceMesh, mesh_dims: tuple) -> _Peers:
     ranks = tuple(sub_mesh.flatten().tolist())
     group = None
     if len(ranks) > 1:
-        key = tuple(sorted(ranks))
-        if len(key) == dist.get_world_size():
-            group = dist.group.WORLD
-        else:
-            if key not in _flattened_groups:
-                _flattened_groups[key] = dist.new_group(list(key), use_local_synchronization=True)
-            group = _flattened_groups[key]
+        group = dist.group.WORLD if len(ranks) == dist.get_world_size() else local_group(ranks)
     return _make_peers(indices, ranks, ranks.index(mesh.get_rank()), group)
 
 
@@ -286,6 +281,8 @@ def all_gather(tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: MeshDims, *, di
                            f"size sizes[{peers.coordinate}] = {sizes[peers.coordinate]} on dim {dim} (sizes {sizes})")
     if peers.size == 1:
         return _identity(tensor, async_op)
+    if collective_check.enabled:
+        collective_check.agree("all_gather", peers, tensor, (dim, tuple(sizes), tuple(_with_size(tensor.shape, dim, 0))))
     local = _wire(tensor).contiguous()
     others = [c for c in range(peers.size) if c != peers.coordinate]
     row = math.prod(_with_size(local.shape, dim, 1))
@@ -392,6 +389,9 @@ def all_to_all(tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: MeshDims, *, sp
                            f"concat_sizes[{me}] = {own_concat_size}, the size of the piece this rank keeps")
     if peers.size == 1:
         return _identity(tensor, async_op)
+    if collective_check.enabled:
+        others = _with_size(_with_size(tensor.shape, split_dim, 0), concat_dim, 0)
+        collective_check.agree("all_to_all", peers, tensor, (split_dim, concat_dim, tuple(others)))
     local = _wire(tensor)
     pieces = list(local.split(split_sizes, split_dim))
     kept = pieces[me]
@@ -415,6 +415,8 @@ def all_reduce(tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: MeshDims, *, re
     op = _reduce_op("all_reduce", reduce_op, tensor.dtype)
     if peers.size == 1:
         return _identity(tensor, async_op)
+    if collective_check.enabled:
+        collective_check.agree("all_reduce", peers, tensor, (tuple(tensor.shape), op))
     if tensor.dtype == torch.bool:
         buffer = tensor.to(torch.uint8, memory_format=torch.contiguous_format)
     else:
@@ -437,6 +439,8 @@ def reduce_scatter(tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: MeshDims, *
                            f"size sum(sizes) = {sum(sizes)} on dim {dim}")
     if peers.size == 1:
         return _identity(tensor, async_op)
+    if collective_check.enabled:
+        collective_check.agree("reduce_scatter", peers, tensor, (dim, tuple(sizes), tuple(tensor.shape), op))
     local = tensor.to(torch.uint8) if tensor.dtype == torch.bool else tensor
     pieces = local.split(sizes, dim)
     me = peers.coordinate
@@ -490,6 +494,8 @@ def broadcast(tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: MeshDims, *, src
         raise _sizes_error("broadcast", "src", src, peers, f"a coordinate in [0, {peers.size})")
     if peers.size == 1:
         return _identity(tensor, async_op)
+    if collective_check.enabled:
+        collective_check.agree("broadcast", peers, tensor, (tuple(tensor.shape), src))
     if peers.coordinate == src:
         buffer = tensor.clone(memory_format=torch.contiguous_format)
         _record("broadcast", peers.mesh_dim, peers.size, _nbytes(buffer) * (peers.size - 1), 0)
@@ -522,6 +528,9 @@ def scatter(pieces: Sequence[torch.Tensor] | None, mesh: DeviceMesh, mesh_dim: M
                                f"shape {tuple(shape)} and dtype {dtype}")
     if peers.size == 1:
         return _identity(pieces[0], async_op)
+    if collective_check.enabled:
+        template = _wire(pieces[me] if me == src else torch.empty(0, dtype=dtype, device=mesh.device_type))
+        collective_check.agree("scatter", peers, template, (src,))
     if me != src:
         buffer = torch.empty(shape, dtype=dtype, device=mesh.device_type)
         _record("scatter", peers.mesh_dim, peers.size, 0, _nbytes(buffer))

@@ -173,6 +173,7 @@ def _dispatch_slowly(dtensor_class: type, op, args: tuple, kwargs: dict, key: tu
     flat, tree = tree_flatten((args, kwargs))
     positions = [index for index, value in enumerate(flat) if isinstance(value, dtensor_class)]
     mesh = _common_mesh(op, [flat[index] for index in positions])
+    mesh.check_world(op)  # a DTensor of a destroyed world (plans are forgotten with the world)
     rule = RULES.get(op)
     written_ids = frozenset(id(value) for value in written(op, args, kwargs) if not isinstance(value, dtensor_class))
     if written_ids and not is_multi_tensor(op):  # a plan would run the op on the plain tensor itself, without

@@ -12,6 +12,8 @@ from __future__ import annotations
 import itertools
 from collections.abc import Mapping, Sequence
 
+import torch
+
 from . import comm
 from .layout import Layout
 from .placement import Shard
@@ -23,8 +25,24 @@ def _coordinates(mesh_shape: Sequence[int]) -> list[tuple[int, ...]]:
     return list(itertools.product(*(range(size) for size in mesh_shape)))
 
 
+def check_dense(tensor, function: str) -> None:
+    """Refuse, before any collective, a tensor whose data a DTensor cannot hold as a strided shard."""
+    if tensor.layout != torch.strided or tensor.is_nested or tensor.is_quantized:
+        raise TypeError(_not_dense_error(tensor, function))
+
+
+def _not_dense_error(tensor, function: str) -> str:
+    kind = "nested" if tensor.is_nested else "quantized" if tensor.is_quantized else f"layout {tensor.layout}"
+    return (
+        f"{function} takes a dense strided tensor, got a {kind} tensor of dtype {tensor.dtype}; "
+        f"sparse, nested and quantized tensors cannot be sharded: convert it first (tensor.to_dense(), "
+        f"tensor.dequantize(), or one DTensor per nested component)"
+    )
+
+
 def from_local_layout(local, mesh, placements, shape, shard_sizes, run_check: bool) -> Layout:
     """The layout of the DTensor made from this rank's `local` tensor (see `DTensor.from_local`)."""
+    check_dense(local, "DTensor.from_local")
     mesh_shape = tuple(mesh.shape)
     if len(placements) != len(mesh_shape):
         # Layout.create raises the full message; do it before any collective so that every rank fails alike.

@@ -29,7 +29,9 @@ from typing import Any
 
 __all__ = ["LocalWorkers", "RankFailure", "RegisteredFunction", "register", "spawn"]
 
-_STARTUP_TIMEOUT = 120.0
+# Starting a pool only waits on imports and the rendezvous; a dead worker is noticed at once, so this
+# bound is only against a stuck rendezvous and is generous for many ranks on a loaded machine.
+_STARTUP_TIMEOUT = 600.0
 _POLL_INTERVAL = 0.05
 
 # Functions registered by name, so that a worker can find a function that its module replaces
@@ -108,6 +110,14 @@ def _worker_main(rank, world_size, backend, port, timeout, tasks, results, paren
         results.put(pickle.dumps((None, rank, False, traceback.format_exc())))
         return
     results.put(pickle.dumps((None, rank, True, "ready")))
+    _serve(rank, tasks, results, parent_pid)
+    _release_world()
+
+
+def _serve(rank, tasks, results, parent_pid) -> None:
+    """Run tasks until told to stop (or until the parent dies)."""
+    import torch
+
     while True:
         try:
             payload = tasks.get(timeout=1.0)
@@ -115,8 +125,7 @@ def _worker_main(rank, world_size, backend, port, timeout, tasks, results, paren
             if os.getppid() != parent_pid:  # the parent died: do not linger
                 return
             continue
-        if payload is None:
-            dist.destroy_process_group()  # tear down before exit: a live group can abort the interpreter's exit
+        if payload is None:  # the caller releases the world (`_release_world`) after this returns
             return
         task_id, function, args, kwargs, parent_path = pickle.loads(payload)
         if sys.path != parent_path:
@@ -129,6 +138,18 @@ def _worker_main(rank, world_size, backend, port, timeout, tasks, results, paren
         except BaseException:
             answer = pickle.dumps((task_id, rank, False, traceback.format_exc()))
         results.put(answer)
+
+
+def _release_world() -> None:
+    """Destroy the library's groups, then the world this worker made, while Python is fully alive
+    (a gloo group left to interpreter exit can abort the process)."""
+    import torch.distributed as dist
+
+    from .mesh import release_process_groups
+
+    release_process_groups()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 class LocalWorkers:
@@ -183,8 +204,13 @@ class LocalWorkers:
         self._ready = True
 
     def run(self, function: Callable | RegisteredFunction, *args: Any, timeout: float | None = None, **kwargs: Any) -> list:
-        """Run `function(*args, **kwargs)` on every rank; return the results in rank order."""
+        """Run `function(*args, **kwargs)` on every rank; return the results in rank order.
+
+        A pool with a dead worker (killed by a signal, `os._exit`) is restarted before the task runs.
+        """
         payload = pickle.dumps((self._task_id + 1, function, args, kwargs, list(sys.path)))
+        if any(not process.is_alive() for process in self._processes):
+            self._kill()
         self._wait_ready()
         self._task_id += 1
         for task_queue in self._task_queues:
@@ -217,8 +243,8 @@ class LocalWorkers:
                 deadline = min(deadline, time.monotonic() + self.grace)
         answered = sorted([*results, *failures])
         timed_out = [rank for rank in range(self.world_size) if rank not in answered]
-        if timed_out:
-            self._kill()
+        if timed_out or any(not process.is_alive() for process in self._processes):
+            self._kill()  # the next run restarts the pool
         if failures or timed_out:
             raise RankFailure(failures, timed_out, answered)
         return [results[rank] for rank in range(self.world_size)]
@@ -239,17 +265,19 @@ class LocalWorkers:
         self._processes, self._task_queues, self._results = [], [], None
         self._ready = False
 
-    def close(self) -> None:
-        """Stop the workers (politely, then by force after a few seconds)."""
+    def close(self, timeout: float = 5.0) -> list[int | None]:
+        """Stop the workers (politely, then by force after `timeout` seconds); returns their exit codes."""
         for process, task_queue in zip(self._processes, self._task_queues):
             if process.is_alive():
                 task_queue.put(None)
         for process in self._processes:
-            process.join(timeout=5.0)
+            process.join(timeout=timeout)
             if process.is_alive():
                 process.kill()
                 process.join()
+        exit_codes = [process.exitcode for process in self._processes]
         self._discard_queues()
+        return exit_codes
 
     def __enter__(self) -> LocalWorkers:
         return self

@@ -5,6 +5,11 @@ position in it. For every mesh dim the mesh keeps the process group of the ranks
 rank's coordinate on the other mesh dims. Groups are created once per distinct rank set and shared
 by all meshes and sub-meshes (c10d needs every rank of the world to create groups in one order).
 
+A mesh belongs to the world (default process group) it was built in: after `destroy_process_group`
+and a new `init_process_group`, the library forgets the old world's groups, new meshes get new groups
+and an old mesh raises a clear error when used. At interpreter exit the library destroys the groups it
+created, then the default group if it initialized it (see `release_process_groups`).
+
     >>> mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))  # doctest: +SKIP
     >>> mesh["tp"].get_local_rank(), mesh.get_coordinate()  # doctest: +SKIP
     (0, [0])
@@ -12,11 +17,13 @@ by all meshes and sub-meshes (c10d needs every rank of the world to create group
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import math
 import os
 import socket
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -27,8 +34,26 @@ _DEVICE_BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
 
 # One process group per distinct set of global ranks (sorted), shared by every mesh.
 _groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
-# The `with mesh:` stack; `current_mesh()` returns its innermost entry.
-_mesh_stack: list[DeviceMesh] = []
+# Groups created by their members alone (`local_group`), by sorted global ranks.
+_local_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+# Every group this library created in the current world, oldest first (destroyed at exit).
+_created_groups: list[dist.ProcessGroup] = []
+# The default group the caches above belong to, and a count of the worlds seen in this process.
+_world_group: dist.ProcessGroup | None = None
+_generation = 0
+_library_default_group: dist.ProcessGroup | None = None  # the default group `_ensure_default_group` made
+_forget_callbacks: list[Callable[[], None]] = []
+_exit_handler_registered = False
+
+
+class _MeshStack(threading.local):
+    """The `with mesh:` stack of the current thread; `current_mesh()` returns its innermost entry."""
+
+    def __init__(self):
+        self.meshes: list[DeviceMesh] = []
+
+
+_mesh_stack = _MeshStack()
 
 
 def _timeout() -> datetime.timedelta:
@@ -44,14 +69,21 @@ def _device_type_error(device_type) -> ValueError:
 
 def _ensure_default_group(device_type: str) -> None:
     """Initialize the default process group if needed: env:// under torchrun, else a world of 1."""
+    global _library_default_group
     if dist.is_initialized():
         return
+    _register_exit_handler()
     backend = _DEVICE_BACKENDS[device_type]
     if device_type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if os.environ.get("RANK") and os.environ.get("WORLD_SIZE"):
         dist.init_process_group(backend, init_method="env://", timeout=_timeout())
-        return
+    else:
+        _init_world_of_one(backend)
+    _library_default_group = dist.GroupMember.WORLD
+
+
+def _init_world_of_one(backend: str) -> None:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -74,8 +106,81 @@ def _group_for(ranks: Sequence[int]) -> dist.ProcessGroup | None:
     elif len(key) == 1:
         return None
     else:
-        _groups[key] = dist.new_group(list(key), timeout=_timeout())
+        _groups[key] = _track(dist.new_group(list(key), timeout=_timeout()))
     return _groups[key]
+
+
+def local_group(ranks: Sequence[int]) -> dist.ProcessGroup:
+    """The cached group over `ranks`, created by its members alone on first use (other ranks need not call)."""
+    key = tuple(sorted(ranks))
+    if key not in _local_groups:
+        _local_groups[key] = _track(dist.new_group(list(key), timeout=_timeout(), use_local_synchronization=True))
+    return _local_groups[key]
+
+
+def _track(group):
+    """Remember a group this library created (this rank is in it), to destroy it at exit."""
+    _register_exit_handler()
+    if group is not None and group is not dist.GroupMember.NON_GROUP_MEMBER:
+        _created_groups.append(group)
+    return group
+
+
+# --- the world a mesh belongs to ------------------------------------------------------------------
+def world_generation() -> int:
+    """A number that changes whenever the default process group does (destroy, then init again).
+
+    On a change every cached group of the old world is forgotten, here and in the modules that
+    registered with `on_new_world`. Costs one attribute read when nothing changed.
+    """
+    global _world_group, _generation
+    world = dist.GroupMember.WORLD
+    if world is not _world_group:
+        if _world_group is not None:
+            _groups.clear()
+            _local_groups.clear()
+            _created_groups.clear()
+            for forget in _forget_callbacks:
+                forget()
+        _world_group = world
+        _generation += 1
+    return _generation
+
+
+def on_new_world(forget: Callable[[], None]) -> None:
+    """Call `forget()` whenever the default process group changes (to drop caches of the old world)."""
+    _forget_callbacks.append(forget)
+
+
+def release_process_groups() -> None:
+    """Destroy the groups this library created, newest first, then the default group if it made it.
+
+    Runs at interpreter exit (and when a `spawn` worker stops). Destroying a group is local, no
+    barrier, so ranks may exit in any order. Without it, gloo's worker threads may drop their last
+    tensors while Python finalizes, which aborts the process ("terminate called without an active
+    exception"). Groups the user made are left alone; so is a world that changed since.
+    """
+    world = dist.GroupMember.WORLD
+    if world is None or world is not _world_group:
+        return
+    for group in reversed(_created_groups):
+        try:
+            dist.destroy_process_group(group)
+        except ValueError:  # the user destroyed it already
+            pass
+    _groups.clear()
+    _local_groups.clear()
+    _created_groups.clear()
+    if world is _library_default_group:
+        dist.destroy_process_group()
+
+
+def _register_exit_handler() -> None:
+    """Register `release_process_groups` at exit once, when the library first creates a group."""
+    global _exit_handler_registered
+    if not _exit_handler_registered:
+        atexit.register(release_process_groups)
+        _exit_handler_registered = True
 
 
 def _rank_lines(mesh: torch.Tensor, mesh_dim: int) -> list[tuple[int, ...]]:
@@ -113,9 +218,10 @@ class DeviceMesh:
         self.mesh = ranks
         self.mesh_dim_names = names
         self._rank = dist.get_rank()
+        self._generation = world_generation()
         position = (ranks == self._rank).nonzero()
         self._coordinate = None if position.numel() == 0 else [int(c) for c in position[0].tolist()]
-        self._hash = hash((device_type, tuple(flat), tuple(ranks.shape), names))
+        self._hash = hash((device_type, tuple(flat), tuple(ranks.shape), names, self._generation))
         if _groups_by_dim is None:
             _groups_by_dim = [self._create_groups(mesh_dim) for mesh_dim in range(ranks.ndim)]
         self._groups_by_dim = list(_groups_by_dim)
@@ -176,12 +282,15 @@ class DeviceMesh:
         mesh_dim = self._mesh_dim_index(mesh_dim, needed_for="get_group")
         if self._coordinate is None:
             raise _not_in_mesh_error(self, "get_group")
+        self.check_world("get_group")
         if self._groups_by_dim[mesh_dim] is None:  # a one-rank group: only this rank takes part
-            key = (self._rank,)
-            if key not in _groups:
-                _groups[key] = dist.new_group([self._rank], timeout=_timeout(), use_local_synchronization=True)
-            self._groups_by_dim[mesh_dim] = _groups[key]
+            self._groups_by_dim[mesh_dim] = local_group([self._rank])
         return self._groups_by_dim[mesh_dim]
+
+    def check_world(self, what: object) -> None:
+        """Raise a clear error when the world this mesh was built in has been destroyed since."""
+        if self._generation != world_generation():
+            raise _old_world_error(self, what)
 
     def get_all_groups(self) -> list[dist.ProcessGroup]:
         """The process group of every mesh dim, in mesh-dim order."""
@@ -222,11 +331,11 @@ class DeviceMesh:
 
     # --- current-mesh stack, identity ------------------------------------------------------------
     def __enter__(self) -> DeviceMesh:
-        _mesh_stack.append(self)
+        _mesh_stack.meshes.append(self)
         return self
 
     def __exit__(self, *exc_info) -> None:
-        _mesh_stack.pop()
+        _mesh_stack.meshes.pop()
 
     def __eq__(self, other) -> bool:
         if self is other:
@@ -235,6 +344,7 @@ class DeviceMesh:
             return False
         return (
             self.device_type == other.device_type
+            and self._generation == other._generation
             and self.mesh_dim_names == other.mesh_dim_names
             and self.shape == other.shape
             and torch.equal(self.mesh, other.mesh)
@@ -274,6 +384,7 @@ def _rebuild_mesh(device_type: str, ranks: list, mesh_dim_names: tuple[str, ...]
     current_size = dist.get_world_size() if dist.is_initialized() else None
     if current_size != world_size:
         raise _other_world_error(ranks, world_size, current_size)
+    world_generation()  # forget the groups of a destroyed world before looking them up
     rank = dist.get_rank()
     mesh = torch.tensor(ranks, dtype=torch.int64)
     position = (mesh == rank).nonzero()
@@ -337,6 +448,14 @@ def _unknown_name_error(mesh: DeviceMesh, name: str) -> KeyError:
     return KeyError(f"mesh dim name {name!r} is not in {mesh!r}; {hint}")
 
 
+def _old_world_error(mesh: DeviceMesh, what: object) -> RuntimeError:
+    return RuntimeError(
+        f"{what}: {mesh!r} belongs to a process-group world that was destroyed (destroy_process_group); "
+        "its groups are gone. Build a new mesh in the current world (init_device_mesh) and distribute "
+        "the data again (distribute_tensor, or from_local of the local tensors saved before)"
+    )
+
+
 def _not_in_mesh_error(mesh: DeviceMesh, what: str) -> RuntimeError:
     return RuntimeError(
         f"{what} needs this rank ({mesh.get_rank()}) to be in the mesh, but {mesh!r} does not hold it; "
@@ -369,8 +488,8 @@ def init_device_mesh(
 
 
 def current_mesh() -> DeviceMesh:
-    """The innermost mesh entered with `with mesh:`."""
-    if not _mesh_stack:
+    """The innermost mesh entered with `with mesh:` in this thread (each thread has its own stack)."""
+    if not _mesh_stack.meshes:
         raise RuntimeError("no current mesh: enter one with `with mesh:` or pass a mesh explicitly")
-    return _mesh_stack[-1]
+    return _mesh_stack.meshes[-1]
 

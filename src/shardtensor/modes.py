@@ -8,12 +8,17 @@ re-reads them):
   implicitly (a rule moving an input, or the fallback gathering one) raises, naming the plan;
 - `trusted_indices()` / `SHARDTENSOR_TRUST_INDICES=1`: index arguments are not checked on every
   rank alike (no agreement collective per indexing op).
+
+Thread policy: a context manager affects only the thread that entered it (like
+`implicit_replication()`), so two threads may run under different modes at once; the environment
+variables apply to every thread.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from collections.abc import Iterator
 
 from .redistribute import explain
@@ -24,15 +29,23 @@ __all__ = [
 ]
 
 
-class _Switches:
-    """Depth of each context manager's blocks, and what the environment said at the last read."""
+class _Environment:
+    """What the environment said at the last read; shared by every thread."""
 
-    strict_environment = False
-    explicit_environment = False
-    trust_environment = False
-    strict_depth = 0
-    explicit_depth = 0
-    trust_depth = 0
+    strict = False
+    explicit = False
+    trust = False
+
+
+class _Depths(threading.local):
+    """Depth of each context manager's blocks in the current thread."""
+
+    strict = 0
+    explicit = 0
+    trust = 0
+
+
+_depths = _Depths()
 
 
 def _environment_flag(name: str) -> bool:
@@ -42,9 +55,9 @@ def _environment_flag(name: str) -> bool:
 def read_environment() -> None:
     """(Re-)read `SHARDTENSOR_STRICT`, `SHARDTENSOR_EXPLICIT_COMM` and `SHARDTENSOR_TRUST_INDICES`;
     done once at import."""
-    _Switches.strict_environment = _environment_flag("SHARDTENSOR_STRICT")
-    _Switches.explicit_environment = _environment_flag("SHARDTENSOR_EXPLICIT_COMM")
-    _Switches.trust_environment = _environment_flag("SHARDTENSOR_TRUST_INDICES")
+    _Environment.strict = _environment_flag("SHARDTENSOR_STRICT")
+    _Environment.explicit = _environment_flag("SHARDTENSOR_EXPLICIT_COMM")
+    _Environment.trust = _environment_flag("SHARDTENSOR_TRUST_INDICES")
 
 
 read_environment()
@@ -57,11 +70,11 @@ def strict_mode() -> Iterator[None]:
     >>> with shardtensor.strict_mode():  # doctest: +SKIP
     ...     torch.cumsum(x, 0)  # NotImplementedError if aten.cumsum has no rule
     """
-    _Switches.strict_depth += 1
+    _depths.strict += 1
     try:
         yield
     finally:
-        _Switches.strict_depth -= 1
+        _depths.strict -= 1
 
 
 @contextlib.contextmanager
@@ -78,11 +91,11 @@ def explicit_communication() -> Iterator[None]:
     >>> with shardtensor.explicit_communication():  # doctest: +SKIP
     ...     x_row_sharded + y_column_sharded  # RuntimeError naming aten.add.Tensor and the plan
     """
-    _Switches.explicit_depth += 1
+    _depths.explicit += 1
     try:
         yield
     finally:
-        _Switches.explicit_depth -= 1
+        _depths.explicit -= 1
 
 
 @contextlib.contextmanager
@@ -95,23 +108,23 @@ def trusted_indices() -> Iterator[None]:
     >>> with shardtensor.trusted_indices():  # doctest: +SKIP
     ...     embedding(batch_sharded_token_ids)  # no all_reduce of the index range
     """
-    _Switches.trust_depth += 1
+    _depths.trust += 1
     try:
         yield
     finally:
-        _Switches.trust_depth -= 1
+        _depths.trust -= 1
 
 
 def is_strict() -> bool:
-    return _Switches.strict_depth > 0 or _Switches.strict_environment
+    return _depths.strict > 0 or _Environment.strict
 
 
 def is_explicit() -> bool:
-    return _Switches.explicit_depth > 0 or _Switches.explicit_environment
+    return _depths.explicit > 0 or _Environment.explicit
 
 
 def indices_trusted() -> bool:
-    return _Switches.trust_depth > 0 or _Switches.trust_environment
+    return _depths.trust > 0 or _Environment.trust
 
 
 def describe(dtensors) -> str:

@@ -27,6 +27,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import propagation
+from .mesh import on_new_world
 from .modes import implicit_communication_error, is_explicit
 from .input_moves import moved_local
 from .ops.registry import RULES
@@ -215,6 +216,9 @@ def strip_values(values: tuple, named: tuple, modes: tuple, partial_input: bool)
 
 
 _STRIPPED = object()  # marks a value replaced by its type (and sign) in a decision cache key
+
+
+on_new_world(clear_plans)  # plans hold specs of the old world's meshes
 
 
 def _key_value(dtensor_class: type, value, key: list) -> bool:

@@ -12,6 +12,10 @@ DTensors (the `rand`/`randn` factories and random ops such as `uniform_`, `rand_
 same order), so call number `counter` after `manual_seed(seed)` always gives the same global
 tensor for a given global shape, dtype and distribution. Random ops on plain tensors use torch's
 own generator and neither read nor advance this counter.
+
+Thread policy: the seed and the counter are process-wide and a lock makes each random call take a
+distinct counter value. Calls from several threads take values in the order they reach the lock, so
+a program that draws random DTensors from several threads must order those calls alike on every rank.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import math
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -37,6 +42,7 @@ _ALIASES = {"rand": "uniform_", "randn": "normal_"}
 
 _seed: int | None = None
 _counter = 0
+_lock = threading.Lock()  # guards _seed and _counter
 
 
 def manual_seed(seed: int) -> None:
@@ -48,7 +54,8 @@ def manual_seed(seed: int) -> None:
     global _seed, _counter
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise TypeError(f"manual_seed takes an int, got {seed!r} ({type(seed).__name__})")
-    _seed, _counter = seed, 0
+    with _lock:
+        _seed, _counter = seed, 0
 
 
 def next_random_call(mesh) -> tuple[int, int]:
@@ -58,11 +65,12 @@ def next_random_call(mesh) -> tuple[int, int]:
     and shared with every rank of the mesh once.
     """
     global _seed, _counter
-    if _seed is None:
-        candidate = int(torch.randint(0, 2**62, ()).item())
-        _seed = comm.all_gather_object(candidate, mesh, None)[0]
-    call = (_seed, _counter)
-    _counter += 1
+    with _lock:
+        if _seed is None:
+            candidate = int(torch.randint(0, 2**62, ()).item())
+            _seed = comm.all_gather_object(candidate, mesh, None)[0]
+        call = (_seed, _counter)
+        _counter += 1
     return call
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .layout import Layout, contiguous_stride
-from .mesh import DeviceMesh
+from .mesh import DeviceMesh, on_new_world
 from .placement import Placement
 
 __all__ = ["DTensorSpec", "interned_spec", "contiguous_stride", "global_stride"]
@@ -37,6 +37,7 @@ class DTensorSpec:
 # (new specs are new ids), never wrong results (a plan keeps its specs alive, so ids are not reused).
 _interned_specs: dict[DTensorSpec, DTensorSpec] = {}
 _MAX_INTERNED_SPECS = 4096
+on_new_world(_interned_specs.clear)  # specs hold meshes, which hold the groups of their world
 
 
 def interned_spec(spec: DTensorSpec) -> DTensorSpec:

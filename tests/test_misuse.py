@@ -1,0 +1,73 @@
+"""API misuse raises a clear exception on every rank, before any collective, and never hangs.
+
+Sparse (COO, CSR), nested and quantized inputs are refused up front by distribute_tensor and
+from_local; meta tensors shard without communication; ranks that pass different dtypes or shapes to
+from_local(run_check=True) all raise. A hypothesis test draws wrong placements, shapes and dtypes
+(derandomized, so a failure replays) and checks each rank raises the same kind of error.
+"""
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from shardtensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from spmd import spmd
+
+
+def _dense_inputs_only(tensor, mesh):
+    for call in (lambda: distribute_tensor(tensor, mesh, [Replicate()] * mesh.ndim),
+                 lambda: DTensor.from_local(tensor, mesh, [Replicate()] * mesh.ndim)):
+        with pytest.raises(TypeError, match="takes a dense strided tensor"):
+            call()
+
+
+@spmd(meshes=[(2,), (2, 2)])
+def test_sparse_nested_and_quantized_inputs_are_refused_on_every_rank(mesh):
+    dense = torch.arange(12.0).reshape(3, 4)
+    _dense_inputs_only(dense.to_sparse(), mesh)
+    _dense_inputs_only(dense.to_sparse_csr(), mesh)
+    _dense_inputs_only(torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), mesh)
+    _dense_inputs_only(torch.quantize_per_tensor(dense, 0.5, 0, torch.quint8), mesh)
+    # the same data, dense, still works afterwards (no rank was left inside a collective)
+    x = distribute_tensor(dense, mesh, [Shard(0)] * mesh.ndim)
+    assert torch.equal(x.full_tensor(), dense)
+
+
+@spmd(meshes=[(2,), (2, 2)])
+def test_a_meta_tensor_shards_without_communication(mesh):
+    x = distribute_tensor(torch.empty(8, 4, device="meta"), mesh, [Shard(0)] * mesh.ndim)
+    assert x.to_local().is_meta and tuple(x.shape) == (8, 4)
+    assert tuple(x.to_local().shape) == (8 // mesh.size(), 4)
+
+
+@spmd(meshes=[(2,), (4,)])
+def test_from_local_with_rank_dependent_dtype_or_rank_raises_on_every_rank(mesh):
+    rank = mesh.get_local_rank()
+    dtype = torch.float64 if rank == 0 else torch.float32
+    with pytest.raises(ValueError, match="ranks disagree"):
+        DTensor.from_local(torch.ones(2, 3, dtype=dtype), mesh, [Shard(0)], run_check=True)
+    with pytest.raises(ValueError, match="ranks disagree"):
+        DTensor.from_local(torch.ones((2,) * (2 + (rank == 0))), mesh, [Shard(0)], run_check=True)
+
+
+_PLACEMENTS = st.sampled_from([Shard(0), Shard(1), Shard(2), Shard(-4), Replicate(), Partial()])
+
+
+@settings(max_examples=10, derandomize=True, deadline=None, database=None)
+@given(shape=st.lists(st.integers(0, 4), min_size=0, max_size=2), placements=st.lists(_PLACEMENTS, min_size=0, max_size=3))
+def _check_misuse(mesh, shape, placements):
+    """distribute_tensor with any placements either works (values exact) or raises a clear error."""
+    full = torch.arange(float(torch.Size(shape).numel())).reshape(shape)
+    context = f"shape {tuple(shape)}, placements {placements}, mesh {mesh.shape}"
+    try:
+        x = distribute_tensor(full, mesh, placements)
+    except (ValueError, IndexError, TypeError) as error:
+        message = str(error)
+        assert len(message) > 40 and any(word in message for word in ("dim", "mesh", "placement")), (context, message)
+        return
+    assert torch.equal(x.full_tensor(), full), context
+
+
+@spmd(meshes=[(2,), (2, 2)])
+def test_random_misuse_of_distribute_tensor_raises_clearly_on_every_rank(mesh):
+    _check_misuse(mesh)
