@@ -105,8 +105,9 @@ def _propagation_miss_us(mesh_shape) -> float:
     from shardtensor.layout import Layout
     from shardtensor.ops.registry import RULES
     from shardtensor.placement import Replicate, Shard
-    from shardtensor.propagation import OpCall, TensorMeta, clear_cache, decide
+    from shardtensor.propagation import clear_cache, decide
     from shardtensor.redistribute.planner import _cached_plan
+    from shardtensor.rules import OpCall, TensorMeta
 
     shape = (16, 16, 16)
     first = [Shard(0), Shard(1), Replicate()][: len(mesh_shape)]

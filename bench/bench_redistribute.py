@@ -115,11 +115,12 @@ def _first_call_ms(function, repeats: int = 5) -> float:
 
 def _clear_planner_caches() -> None:
     """Empty every cache of the planner (plans, per-layout geometry, bounds): a true first call."""
-    from shardtensor.redistribute import planner
+    from shardtensor.redistribute import bounds, planner
 
-    for value in vars(planner).values():
-        if hasattr(value, "cache_clear"):
-            value.cache_clear()
+    for module in (planner, bounds):
+        for value in vars(module).values():
+            if hasattr(value, "cache_clear"):
+                value.cache_clear()
 
 
 def _row(mesh_shape, source_names, target_names, shape, iterations, meshes):
@@ -129,7 +130,7 @@ def _row(mesh_shape, source_names, target_names, shape, iterations, meshes):
     from torch.distributed.tensor._redistribute import _gen_transform_infos_non_cached, clear_redistribute_planner_cache
 
     from shardtensor import comm
-    from shardtensor.redistribute import planner
+    from shardtensor.redistribute import bounds, planner
 
     our_mesh, their_mesh = meshes[mesh_shape]
     full = torch.randn(shape)
@@ -159,7 +160,7 @@ def _row(mesh_shape, source_names, target_names, shape, iterations, meshes):
         run_theirs()
     their_bytes = _most(counter.received)
     source, target = ours.sharding, ours.sharding.with_placements(our_target)
-    bound = planner.lower_bound_bytes(source, target, 4)
+    bound = bounds.lower_bound_bytes(source, target, 4)
     our_plan = planner.plan(source, target, 4)
 
     def plan_ours():

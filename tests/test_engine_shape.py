@@ -26,7 +26,8 @@ LAYERS = [
     ["mesh", "launch"],
     ["comm"],
     ["redistribute", "random", "log"],
-    ["modes", "propagation", "ops"],  # rules, and the switches they read
+    ["modes", "rules", "row_costs", "propagation", "ops"],  # rules, their costs, the decisions made from them,
+    # and the switches rules read
     ["spec", "plain_tensors", "write_back", "input_moves", "plan_cache", "list_plans", "dispatch", "gradients",
      "torch_function", "tensor_methods", "from_local", "autograd", "checkpoint"],  # the engine below the class, and the mixins it inherits
     ["dtensor", "api"],

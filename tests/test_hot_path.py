@@ -18,7 +18,7 @@ import shardtensor
 from shardtensor import DTensor, Replicate, Shard, comm, dispatch, distribute_tensor, plan_cache
 from shardtensor.mesh import DeviceMesh
 from shardtensor.ops.registry import RULES, register_rule
-from shardtensor.propagation import Row
+from shardtensor.rules import Row
 
 
 def _placements(mesh, placement):

@@ -12,7 +12,7 @@ from torch.testing import assert_close
 import shardtensor
 from shardtensor import DTensor, Partial, Replicate, Shard, comm, distribute_tensor
 from shardtensor.ops.linalg import BatchedLinalgRule
-from shardtensor.propagation import OpCall, TensorMeta
+from shardtensor.rules import OpCall, TensorMeta
 
 R = Replicate()
 linalg = torch.linalg

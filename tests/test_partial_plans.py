@@ -15,7 +15,7 @@ import shardtensor
 from shardtensor import DTensor, Partial, Replicate, Shard
 from shardtensor.layout import Layout
 from shardtensor.redistribute import execute, plan
-from shardtensor.redistribute.planner import fewest_bytes_plan
+from shardtensor.redistribute.explanation import fewest_bytes_plan
 
 P, R = Partial(), Replicate()
 

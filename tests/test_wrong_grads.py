@@ -171,14 +171,14 @@ def test_linear_cross_entropy_chunked_none_gradient(mesh, shapes):
         torch.testing.assert_close(gradient, expected_gradient, rtol=1e-5, atol=1e-5)
 
 
-class _FrexpOutRule(shardtensor.propagation.ShardingRule):
+class _FrexpOutRule(shardtensor.rules.ShardingRule):
     """frexp.Tensor_out elementwise: its two tensor keywords (`mantissa`, `exponent`) are not in sorted order."""
 
     def __init__(self, with_local_arguments: bool):
         self.with_local_arguments = with_local_arguments
 
     def rows(self, call):
-        from shardtensor.propagation import Row
+        from shardtensor.rules import Row
 
         dims = range(call.inputs[0].ndim)
         return [Row((Shard(dim),) * 2, (Shard(dim),) * 3) for dim in dims] + [Row((Replicate(),) * 2, (Replicate(),) * 3)]

@@ -30,9 +30,10 @@ from .ops.registry import RULES
 from .placement import Replicate
 from .plain_tensors import created_by_torch
 from .plan_cache import Plan, counts_of, fast_key, key_modes, plans, record, recording, strip_values, template
-from .propagation import DataDependentOutput, Decision, OpCall, PlainTensor, ResizesWritten, TensorMeta, decide
+from .propagation import decide
 from .propagation import key_modes as key_modes_by_op
 from .redistribute import redistribute_local_tensor
+from .rules import DataDependentOutput, Decision, OpCall, PlainTensor, ResizesWritten, TensorMeta
 from .spec import DTensorSpec
 from .write_back import (
     inplace_view, mark_views_of_copies, mutated, refuse_writes_into_views_of_copies, returns_view, write_back,

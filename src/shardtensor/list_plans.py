@@ -23,7 +23,7 @@ from torch.utils._pytree import tree_flatten
 
 from .ops.foreach import canonical_scalar
 from .plan_cache import CachedPlan, store_function_plan
-from .propagation import ComposedRule, Decision
+from .rules import ComposedRule, Decision
 from .spec import DTensorSpec, interned_spec
 
 __all__ = ["is_multi_tensor", "is_multi_tensor_function", "list_key", "ListPlan", "learn_function"]

@@ -31,7 +31,7 @@ from .mesh import on_new_world
 from .modes import implicit_communication_error, is_explicit
 from .input_moves import moved_local
 from .ops.registry import RULES
-from .propagation import SIGN, Decision, PlainTensor, TensorMeta
+from .rules import SIGN, Decision, PlainTensor, TensorMeta
 from .spec import DTensorSpec, interned_spec
 from .write_back import mark_views_of_copies, mutated, refuse_writes_into_views_of_copies, returns_view
 

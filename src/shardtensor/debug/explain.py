@@ -19,7 +19,8 @@ from ..dtensor import DTensor
 from ..layout import Layout
 from ..placement import Placement
 from ..redistribute import CostModel, HandOff, Plan, hand_off, plan
-from ..redistribute.planner import DEFAULT_COST_MODEL, explain_plan
+from ..redistribute.explanation import explain_plan
+from ..redistribute.planner import DEFAULT_COST_MODEL
 
 __all__ = ["explain_redistribute"]
 

@@ -17,7 +17,7 @@ import torch
 
 from ..ops.registry import register_rule
 from ..placement import Placement
-from ..propagation import OpCall, Row, ShardingRule, TensorMeta
+from ..rules import OpCall, Row, ShardingRule, TensorMeta
 
 __all__ = ["register_sharding"]
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 from torch.utils._pytree import tree_flatten, tree_map_only
 
-from ..propagation import OpCall, Row
+from ..rules import OpCall, Row
 
 __all__ = ["normalized_dim", "dim_argument", "one_input_row", "on_shards", "empty_shard_results"]
 

@@ -15,7 +15,7 @@ import math
 import torch
 
 from ..placement import Partial, Replicate, Shard
-from ..propagation import OpCall, Row, TensorMeta
+from ..rules import OpCall, Row, TensorMeta
 from .registry import register_rule
 
 __all__ = ["cdist_forward", "cdist_backward", "pdist_forward", "pdist_backward"]

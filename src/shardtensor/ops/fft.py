@@ -30,7 +30,7 @@ import torch
 
 from ..layout import Layout
 from ..placement import Partial, Replicate, Shard
-from ..propagation import OpCall, Row, ShardingRule
+from ..rules import OpCall, Row, ShardingRule
 from .pointwise import LINEAR_REDUCE_OPS
 from .common import empty_shard_results, one_input_row
 from .registry import pointwise, register_rule, same_layout

@@ -33,7 +33,8 @@ import torch
 from .. import comm
 from ..layout import Layout
 from ..placement import Replicate, Shard
-from ..propagation import ComposedRule, Decision, OpCall, ResizesWritten, TensorMeta, decide, run_on_meta
+from ..propagation import decide
+from ..rules import ComposedRule, Decision, OpCall, ResizesWritten, TensorMeta, run_on_meta
 from .registry import RULES, InPlaceVariantRule, register_rule
 
 __all__ = ["ForeachRule", "ListReductionRule", "FusedStepRule", "canonical_scalar", "canonical_arguments"]

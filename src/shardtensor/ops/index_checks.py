@@ -24,7 +24,7 @@ from .. import comm
 from ..layout import Layout
 from ..modes import indices_trusted
 from ..placement import Replicate
-from ..propagation import OpCall, TensorMeta
+from ..rules import OpCall, TensorMeta
 
 __all__ = ["IndexArgument", "with_index_checks"]
 

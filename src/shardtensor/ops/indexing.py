@@ -15,7 +15,7 @@ import numbers
 import torch
 
 from ..placement import REDUCE_OPS, Partial, Placement, Replicate, Shard
-from ..propagation import OpCall, Row
+from ..rules import OpCall, Row
 from .common import dim_argument
 from .index_checks import IndexArgument
 from .registry import pointwise, register_rule

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from ..placement import Partial, Placement, Replicate, Shard
-from ..propagation import OpCall, Row, ShardingRule, TensorMeta, run_on_meta
+from ..rules import OpCall, Row, ShardingRule, TensorMeta, run_on_meta
 from .registry import register_rule
 
 __all__ = ["BatchedLinalgRule"]

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from ..placement import Partial, Placement, Replicate, Shard
-from ..propagation import OpCall, PlainTensor, Row, ShardingRule
+from ..rules import OpCall, PlainTensor, Row, ShardingRule
 from .registry import register_rule
 
 __all__ = ["einsum_rows", "EinsumRule", "AddendEinsumRule", "AddmvRule"]

@@ -24,7 +24,7 @@ import torch
 from .. import comm
 from ..layout import Layout
 from ..placement import Partial, Replicate, Shard
-from ..propagation import LocalCollective, OpCall, Row, ShardingRule, TensorMeta
+from ..rules import LocalCollective, OpCall, Row, ShardingRule, TensorMeta
 from .common import dim_argument, empty_shard_results, on_shards
 from .index_checks import IndexArgument, with_index_checks
 from .registry import register_rule

@@ -14,7 +14,7 @@ import math
 import torch
 
 from ..placement import Partial, Replicate, Shard
-from ..propagation import OpCall, Row, ShardingRule, schema_positions
+from ..rules import OpCall, Row, ShardingRule, schema_positions
 from .common import normalized_dim
 from .registry import pointwise, register_rule
 

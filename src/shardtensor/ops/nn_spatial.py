@@ -21,7 +21,7 @@ import torch
 
 from .. import comm
 from ..placement import Partial, Replicate, Shard
-from ..propagation import DataDependentOutput, LocalCollective, OpCall, Row, ShardingRule, schema_positions
+from ..rules import DataDependentOutput, LocalCollective, OpCall, Row, ShardingRule, schema_positions
 from ..redistribute import redistribute_local_tensor
 from .common import empty_shard_results
 from .nn import _masked_outputs as _masked

@@ -29,7 +29,7 @@ from collections.abc import Callable
 import torch
 
 from ..placement import Partial, Placement, Replicate
-from ..propagation import SIGN, TYPE_ONLY, OpCall, Row, RowsRule, TensorMeta
+from ..rules import SIGN, TYPE_ONLY, OpCall, Row, RowsRule, TensorMeta
 from .registry import pointwise, register_rule
 
 __all__ = ["PARTIAL_FAMILIES", "ComparisonRule"]

@@ -18,7 +18,7 @@ import torch
 
 from ..layout import Layout
 from ..placement import REDUCE_OPS, Partial, Replicate, Shard
-from ..propagation import OpCall, Row, ShardingRule
+from ..rules import OpCall, Row, ShardingRule
 from ..random import next_random_call, random_shard
 from .common import on_shards
 from .registry import pointwise, register_rule

@@ -23,7 +23,7 @@ import torch
 from .. import comm
 from ..layout import Layout
 from ..placement import Partial, Replicate, Shard
-from ..propagation import LocalCollective, OpCall, Row, ShardingRule, TensorMeta
+from ..rules import LocalCollective, OpCall, Row, ShardingRule, TensorMeta
 from .common import dim_argument, normalized_dim
 from .registry import pointwise, register_rule
 from .tensor_ops import TensorOpRule

@@ -16,9 +16,8 @@ from collections.abc import Iterable
 import torch
 
 from ..placement import REDUCE_OPS, Partial, Replicate, Shard
-from ..propagation import (
-    OpCall, OutVariantRule, ResizesWritten, Row, RowsRule, ShardingRule, TensorMeta, clear_cache, run_on_meta,
-)
+from ..propagation import clear_cache
+from ..rules import OpCall, OutVariantRule, ResizesWritten, Row, RowsRule, ShardingRule, TensorMeta, run_on_meta
 from .common import one_input_row
 
 __all__ = [

@@ -16,7 +16,7 @@ import torch
 
 from ..layout import Layout
 from ..placement import REDUCE_OPS, Partial, Replicate, Shard
-from ..propagation import OpCall, Row, ShardingRule, TensorMeta, run_on_meta
+from ..rules import OpCall, Row, ShardingRule, TensorMeta, run_on_meta
 from .common import dim_argument, normalized_dim
 from .registry import register_rule
 

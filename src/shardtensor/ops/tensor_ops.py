@@ -16,7 +16,7 @@ import torch
 
 from ..layout import Layout, contiguous_stride
 from ..placement import REDUCE_OPS, Partial, Replicate, Shard
-from ..propagation import OpCall, Row, RowsRule
+from ..rules import OpCall, Row, RowsRule
 from .common import dim_argument
 from .index_checks import IndexArgument, with_index_checks
 from .registry import pointwise, register_rule, same_layout

@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_map
 
 from ..layout import Layout
 from ..placement import REDUCE_OPS, Partial, Replicate, Shard
-from ..propagation import OpCall, Row, ShardingRule, run_on_meta
+from ..rules import OpCall, Row, ShardingRule, run_on_meta
 from .common import normalized_dim
 from .registry import RULES, register_rule
 

@@ -1,7 +1,8 @@
 """Redistribute: move a tensor from one layout to another, by a cheapest plan (or across meshes).
 
-The planner (`planner.py`) turns (source layout, target layout, item size) into frozen steps; the
-executor (`executor.py`) runs them through `comm`. Printing a plan explains it:
+The planner (`planner.py`) turns (source layout, target layout, item size) into frozen steps, priced
+with the per-rank geometry and lower bound of `bounds.py`; the executor (`executor.py`) runs them
+through `comm`; `explanation.py` puts a plan in words. Printing a plan explains it:
 
     >>> from shardtensor.layout import Layout
     >>> from shardtensor.placement import Replicate, Shard
@@ -16,7 +17,8 @@ import torch
 from ..layout import Layout
 from .cross_mesh import HandOff, empty_shard, hand_off, redistribute_across_meshes
 from .executor import PendingRedistribute, execute
-from .planner import DEFAULT_COST_MODEL, CostModel, Plan, Step, explain_plan, plan
+from .explanation import explain_plan
+from .planner import DEFAULT_COST_MODEL, CostModel, Plan, Step, plan
 
 __all__ = [
     "redistribute_local_tensor", "redistribute_between", "explain", "execute", "plan", "hand_off",

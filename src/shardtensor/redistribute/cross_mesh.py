@@ -25,8 +25,9 @@ import torch
 
 from .. import comm
 from ..layout import Layout
+from .bounds import boxes
 from .executor import _narrow, _region, exchange_into, execute
-from .planner import _boxes, plan
+from .planner import plan
 
 __all__ = ["Transfer", "HandOff", "hand_off", "redistribute_across_meshes", "empty_shard"]
 
@@ -84,10 +85,10 @@ def hand_off(source: Layout, source_ranks: tuple[int, ...], target: Layout, targ
     if source.shape != target.shape:
         raise ValueError(f"a cross-mesh move keeps the global shape; source {source.shape}, target {target.shape}")
     holders: dict[tuple, list[int]] = {}
-    for rank, box in zip(source_ranks, _boxes(source)):
+    for rank, box in zip(source_ranks, boxes(source)):
         holders.setdefault(box, []).append(rank)
     transfers = []
-    for index, (receiver, wanted) in enumerate(zip(target_ranks, _boxes(target))):
+    for index, (receiver, wanted) in enumerate(zip(target_ranks, boxes(target))):
         for box, ranks in holders.items():
             region = _region(*box, *wanted)
             if region is None:

@@ -23,9 +23,9 @@ explicit uneven targets are reached exactly.
 
 Cost model (alpha-beta, `CostModel`): a step costs `latency_us` per collective plus
 `bytes / bytes_per_us`, where bytes are the **most bytes any one rank receives in that step** (the
-rank that finishes last). Sizes are exact per rank, uneven and empty pieces included. `plan` runs an
-exact shortest path (A* with an admissible heuristic: latency plus missing bytes) and caches per
-(source, target, itemsize, cost model).
+rank that finishes last). Sizes are exact per rank, uneven and empty pieces included (`bounds.py`). `plan`
+runs an exact shortest path (A* with an admissible heuristic: latency plus missing bytes) and caches per
+(source, target, itemsize, cost model); each plan carries `bounds.lower_bound_bytes` to print itself against.
 """
 
 from __future__ import annotations
@@ -39,19 +39,9 @@ from dataclasses import dataclass
 
 from ..layout import Layout
 from ..placement import Partial, Placement, Replicate, Shard
+from .bounds import lower_bound_bytes, most_missing, overlap, shard_shapes
 
-__all__ = [
-    "CostModel",
-    "DEFAULT_COST_MODEL",
-    "Plan",
-    "Step",
-    "plan",
-    "fewest_bytes_plan",
-    "explain_plan",
-    "lower_bound_bytes",
-    "received_bytes",
-    "LOCAL_STEPS",
-]
+__all__ = ["CostModel", "DEFAULT_COST_MODEL", "Plan", "Step", "plan", "received_bytes", "LOCAL_STEPS"]
 
 ALL_GATHER = "all_gather"
 ALL_TO_ALL = "all_to_all"
@@ -164,90 +154,6 @@ class Plan:
         return "\n".join(lines)
 
 
-# ---- per-rank geometry ---------------------------------------------------------------------------
-
-
-def _coordinates(mesh_shape: tuple[int, ...]):
-    return itertools.product(*(range(size) for size in mesh_shape))
-
-
-@functools.lru_cache(maxsize=65536)
-def _intervals(mesh_shape: tuple[int, ...], order: tuple[int, ...], pieces: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
-    """(start, length) on one tensor dim of the shard at every coordinate, in `itertools.product` order.
-
-    Keyed by that tensor dim's cut alone, so the many layouts a search visits that differ only on
-    other tensor dims share it.
-    """
-    starts = tuple(itertools.accumulate(pieces, initial=0))
-    intervals = []
-    for coordinate in _coordinates(mesh_shape):
-        index = 0
-        for mesh_dim in order:
-            index = index * mesh_shape[mesh_dim] + coordinate[mesh_dim]
-        intervals.append((starts[index], pieces[index]))
-    return tuple(intervals)
-
-
-def _dim_intervals(layout: Layout, dim: int) -> tuple[tuple[int, int], ...]:
-    return _intervals(layout.mesh_shape, layout.shard_order[dim], layout.pieces[dim])
-
-
-@functools.lru_cache(maxsize=65536)
-def _boxes(layout: Layout) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]:
-    """(offset, shape) of the local shard at every coordinate, in `itertools.product` order."""
-    if not layout.ndim:
-        return (((), ()),) * math.prod(layout.mesh_shape)
-    columns = zip(*(_dim_intervals(layout, dim) for dim in range(layout.ndim)))
-    return tuple((tuple(start for start, _ in column), tuple(length for _, length in column)) for column in columns)
-
-
-def _overlap(first, second) -> int:
-    """Number of elements in the intersection of two (offset, shape) boxes."""
-    count = 1
-    for start_a, size_a, start_b, size_b in zip(first[0], first[1], second[0], second[1]):
-        count *= max(0, min(start_a + size_a, start_b + size_b) - max(start_a, start_b))
-    return count
-
-
-@functools.lru_cache(maxsize=65536)
-def _kept_lengths(held: tuple[tuple[int, int], ...], wanted: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
-    """Per coordinate, on one tensor dim: (length of held ∩ wanted, wanted length)."""
-    return tuple(
-        (max(0, min(held_start + held_length, start + length) - max(held_start, start)), length)
-        for (held_start, held_length), (start, length) in zip(held, wanted)
-    )
-
-
-def _most_missing(held: Layout, wanted: Layout) -> int:
-    """Max over ranks of the elements of its `wanted` shard that its `held` shard lacks.
-
-    A box is a product of per-dim intervals: missing = (product of unchanged lengths) *
-    (product of wanted lengths - product of kept lengths) over the changed dims.
-    """
-    changed, unchanged = [], []
-    for dim in range(wanted.ndim):
-        if held.pieces[dim] != wanted.pieces[dim] or held.shard_order[dim] != wanted.shard_order[dim]:
-            changed.append(_kept_lengths(_dim_intervals(held, dim), _dim_intervals(wanted, dim)))
-        else:
-            unchanged.append(_dim_intervals(wanted, dim))
-    if not changed:
-        return 0
-    most = 0
-    for index in range(len(changed[0])):
-        wanted_numel = kept = 1
-        for column in changed:
-            kept_length, length = column[index]
-            wanted_numel *= length
-            kept *= kept_length
-        if wanted_numel == kept:
-            continue
-        for column in unchanged:
-            wanted_numel *= column[index][1]
-            kept *= column[index][1]
-        most = max(most, wanted_numel - kept)
-    return most
-
-
 def received_bytes(collective: str, group_size: int, before_box, after_box, itemsize: int) -> int:
     """Bytes one rank receives in a step, from its (offset, shape) boxes before and after.
 
@@ -260,7 +166,7 @@ def received_bytes(collective: str, group_size: int, before_box, after_box, item
         return 0
     after_numel = math.prod(after_box[1])
     if collective in (ALL_GATHER, ALL_TO_ALL, EXCHANGE):
-        return (after_numel - _overlap(before_box, after_box)) * itemsize
+        return (after_numel - overlap(before_box, after_box)) * itemsize
     if collective == REDUCE_SCATTER:
         return (group_size - 1) * after_numel * itemsize
     if collective == ALL_REDUCE:
@@ -283,16 +189,10 @@ def _step_bytes(before: Layout, after: Layout, collective: str, group_size: int,
     if collective in LOCAL_STEPS:
         return 0
     if collective in (ALL_GATHER, ALL_TO_ALL, EXCHANGE):
-        return _most_missing(before, after) * itemsize
+        return most_missing(before, after) * itemsize
     # a reduction's bytes grow with the rank's piece after it: the largest piece is the busiest rank
-    largest = ((0,), (max(map(math.prod, _shard_shapes(after))),))
+    largest = ((0,), (max(map(math.prod, shard_shapes(after))),))
     return received_bytes(collective, group_size, largest, largest, itemsize)
-
-
-@functools.lru_cache(maxsize=65536)
-def _shard_shapes(layout: Layout) -> tuple[tuple[int, ...], ...]:
-    """The local shard shape at every coordinate, in `itertools.product` order."""
-    return tuple(shape for _, shape in _boxes(layout))
 
 
 def _make_step(before: Layout, after: Layout, mesh_dim: int, itemsize: int, cost_model: CostModel) -> Step:
@@ -319,7 +219,7 @@ def _flattened_step(before: Layout, after: Layout, mesh_dims: tuple[int, ...], i
 
 
 def _exchange_step(before: Layout, after: Layout, itemsize: int, cost_model: CostModel) -> Step:
-    bytes_per_rank = _most_missing(before, after) * itemsize
+    bytes_per_rank = most_missing(before, after) * itemsize
     return Step(
         None, before.placements, after.placements, EXCHANGE, math.prod(before.mesh_shape), bytes_per_rank,
         cost_model.step_cost(EXCHANGE, bytes_per_rank), before, after,
@@ -329,56 +229,6 @@ def _exchange_step(before: Layout, after: Layout, itemsize: int, cost_model: Cos
 def _exchange_allowed(state: Layout, target: Layout) -> bool:
     """An exchange moves elements, not operands: neither side may hold Partial mesh dims."""
     return math.prod(state.mesh_shape) > 1 and not state.partial_mesh_dims() and not target.partial_mesh_dims()
-
-
-# ---- lower bound ---------------------------------------------------------------------------------
-
-
-@functools.lru_cache(maxsize=65536)
-def lower_bound_bytes(source: Layout, target: Layout, itemsize: int) -> int:
-    """Bytes that the busiest rank must receive in any plan from `source` to `target`.
-
-    Without a reduction (no Partial mesh dim of the source changes): the most target elements a
-    rank does not hold yet. With one, let G be the number of operands each element combines (the
-    product of the sizes of the source's Partial mesh dims that change) and K the number of
-    separate reductions (the product of the sizes of the source's Partial mesh dims that the target
-    keeps; a Partial the target adds is made from a reduced value, which every rank holds). Per
-    element and kept coordinate, any plan receives at least `G - 1` values to combine the operands
-    (each lies on a different rank) plus `N - 1` copies of the result, N being the ranks whose
-    target shard holds the element: the first rank to hold the result needs one message from each
-    other operand, every other holder one message after that. Summed: `K * numel * (G - 2) +
-    sum over ranks of |target shard|`; the busiest rank receives at least the average over all
-    ranks, and at least one value per element of its own target shard. A plan's `total_bytes`
-    sums the busiest rank of each step, so it is never below this bound; an all_reduce
-    (`2(G-1)/G` of the tensor per rank) and a reduce_scatter (`G - 1` pieces) are exactly at it.
-    """
-    reduced = _reduced_mesh_dims(source, target)
-    group = math.prod(source.mesh_shape[mesh_dim] for mesh_dim in reduced)
-    if group == 1:
-        return _most_missing(source, target) * itemsize
-    kept = math.prod(
-        size for size, before, after in zip(source.mesh_shape, source.placements, target.placements)
-        if isinstance(before, Partial) and before == after
-    )
-    return _reduction_bound(target, group, kept) * itemsize // math.prod(target.mesh_shape)
-
-
-def _reduced_mesh_dims(source: Layout, target: Layout) -> tuple[int, ...]:
-    """The source's Partial mesh dims that the target does not keep (their operands are combined)."""
-    return tuple(
-        mesh_dim
-        for mesh_dim, placement in enumerate(source.placements)
-        if isinstance(placement, Partial) and target.placements[mesh_dim] != placement
-    )
-
-
-@functools.lru_cache(maxsize=65536)
-def _reduction_bound(target: Layout, group: int, kept: int) -> int:
-    """`lower_bound_bytes` in elements times the number of ranks, for `kept` separate reductions
-    of `group` operands per element: it depends on the target alone, so a search prices it once."""
-    numels = [math.prod(shape) for shape in _shard_shapes(target)]
-    combine_and_copy = kept * target.numel * (group - 2) + sum(numels)
-    return max(combine_and_copy, math.prod(target.mesh_shape) * max(numels))
 
 
 # ---- search --------------------------------------------------------------------------------------
@@ -479,7 +329,7 @@ def _remaining_cost(state: Layout, target: Layout, itemsize: int, cost_model: Co
         elif isinstance(current, Shard) and _shard_must_move(state, target, mesh_dim, current.dim):
             shard_moves += 1
     # with Partial mesh dims to reduce, the lower bound also counts the reduction's bytes
-    missing = lower_bound_bytes(state, target, 1) if partial_moves else _most_missing(state, target)
+    missing = lower_bound_bytes(state, target, 1) if partial_moves else most_missing(state, target)
     latency = partial_moves * cost_model.latency_us
     if shard_moves:
         latency += min(shard_moves * cost_model.latency_us, cost_model.exchange_latency_us)
@@ -586,30 +436,3 @@ def _cached_plan(source: Layout, target: Layout, itemsize: int, cost_model: Cost
     if _logger.isEnabledFor(logging.DEBUG):
         _logger.debug("planned %s", result)
     return result
-
-
-# Prices bytes first (1 us per byte): among plans moving the fewest bytes, the fewest collectives,
-# then the fewest local steps.
-_BYTES_ONLY = CostModel(latency_us=1e-3, exchange_latency_us=1e-3, bytes_per_us=1.0, local_step_us=1e-5)
-
-
-def fewest_bytes_plan(source: Layout, target: Layout, itemsize: int) -> Plan:
-    """The plan moving the fewest bytes (latency ignored), to compare a plan with what bytes alone
-    would choose: for small tensors the cost model prefers fewer collectives over fewer bytes."""
-    return plan(source, target, itemsize, _BYTES_ONLY)
-
-
-def explain_plan(result: Plan, cost_model: CostModel = DEFAULT_COST_MODEL) -> str:
-    """`str(result)`, and when it moves more than its lower bound, the fewest-bytes plan beside it,
-    priced with the same `cost_model` (a plan above the bound then shows what fewer bytes would cost)."""
-    text = str(result)
-    if result.total_bytes <= result.lower_bound_bytes:
-        return text
-    fewest = fewest_bytes_plan(result.source, result.target, result.itemsize)
-    if fewest.total_bytes >= result.total_bytes:
-        return f"{text}\n  no plan of these steps moves fewer bytes"
-    cost = sum(cost_model.step_cost(step.collective, step.bytes_per_rank) for step in fewest.steps)
-    return (
-        f"{text}\n  fewest bytes: {fewest.total_bytes} bytes/rank in {len(fewest.collectives)} collective(s) "
-        f"({' + '.join(fewest.collectives)}) would cost {cost:.2f} us: latency per collective outweighs the bytes"
-    )

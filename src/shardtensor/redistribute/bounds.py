@@ -1,0 +1,150 @@
+"""What each rank holds and what any plan must move: per-rank geometry of a layout (the (offset,
+shape) box of every coordinate's shard, the elements of a wanted shard a rank lacks) and from it
+`lower_bound_bytes`, the bytes the busiest rank must receive in any plan between two layouts. The
+planner prices its steps and its search heuristic with these, and prints each plan against the bound.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+
+from ..layout import Layout
+from ..placement import Partial
+
+__all__ = ["boxes", "overlap", "most_missing", "shard_shapes", "lower_bound_bytes"]
+
+
+def _coordinates(mesh_shape: tuple[int, ...]):
+    return itertools.product(*(range(size) for size in mesh_shape))
+
+
+@functools.lru_cache(maxsize=65536)
+def _intervals(mesh_shape: tuple[int, ...], order: tuple[int, ...], pieces: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    """(start, length) on one tensor dim of the shard at every coordinate, in `itertools.product` order.
+
+    Keyed by that tensor dim's cut alone, so the many layouts a search visits that differ only on
+    other tensor dims share it.
+    """
+    starts = tuple(itertools.accumulate(pieces, initial=0))
+    intervals = []
+    for coordinate in _coordinates(mesh_shape):
+        index = 0
+        for mesh_dim in order:
+            index = index * mesh_shape[mesh_dim] + coordinate[mesh_dim]
+        intervals.append((starts[index], pieces[index]))
+    return tuple(intervals)
+
+
+def _dim_intervals(layout: Layout, dim: int) -> tuple[tuple[int, int], ...]:
+    return _intervals(layout.mesh_shape, layout.shard_order[dim], layout.pieces[dim])
+
+
+@functools.lru_cache(maxsize=65536)
+def boxes(layout: Layout) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]:
+    """(offset, shape) of the local shard at every coordinate, in `itertools.product` order."""
+    if not layout.ndim:
+        return (((), ()),) * math.prod(layout.mesh_shape)
+    columns = zip(*(_dim_intervals(layout, dim) for dim in range(layout.ndim)))
+    return tuple((tuple(start for start, _ in column), tuple(length for _, length in column)) for column in columns)
+
+
+def overlap(first, second) -> int:
+    """Number of elements in the intersection of two (offset, shape) boxes."""
+    count = 1
+    for start_a, size_a, start_b, size_b in zip(first[0], first[1], second[0], second[1]):
+        count *= max(0, min(start_a + size_a, start_b + size_b) - max(start_a, start_b))
+    return count
+
+
+@functools.lru_cache(maxsize=65536)
+def _kept_lengths(held: tuple[tuple[int, int], ...], wanted: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
+    """Per coordinate, on one tensor dim: (length of held ∩ wanted, wanted length)."""
+    return tuple(
+        (max(0, min(held_start + held_length, start + length) - max(held_start, start)), length)
+        for (held_start, held_length), (start, length) in zip(held, wanted)
+    )
+
+
+def most_missing(held: Layout, wanted: Layout) -> int:
+    """Max over ranks of the elements of its `wanted` shard that its `held` shard lacks.
+
+    A box is a product of per-dim intervals: missing = (product of unchanged lengths) *
+    (product of wanted lengths - product of kept lengths) over the changed dims.
+    """
+    changed, unchanged = [], []
+    for dim in range(wanted.ndim):
+        if held.pieces[dim] != wanted.pieces[dim] or held.shard_order[dim] != wanted.shard_order[dim]:
+            changed.append(_kept_lengths(_dim_intervals(held, dim), _dim_intervals(wanted, dim)))
+        else:
+            unchanged.append(_dim_intervals(wanted, dim))
+    if not changed:
+        return 0
+    most = 0
+    for index in range(len(changed[0])):
+        wanted_numel = kept = 1
+        for column in changed:
+            kept_length, length = column[index]
+            wanted_numel *= length
+            kept *= kept_length
+        if wanted_numel == kept:
+            continue
+        for column in unchanged:
+            wanted_numel *= column[index][1]
+            kept *= column[index][1]
+        most = max(most, wanted_numel - kept)
+    return most
+
+
+@functools.lru_cache(maxsize=65536)
+def shard_shapes(layout: Layout) -> tuple[tuple[int, ...], ...]:
+    """The local shard shape at every coordinate, in `itertools.product` order."""
+    return tuple(shape for _, shape in boxes(layout))
+
+
+@functools.lru_cache(maxsize=65536)
+def lower_bound_bytes(source: Layout, target: Layout, itemsize: int) -> int:
+    """Bytes that the busiest rank must receive in any plan from `source` to `target`.
+
+    Without a reduction (no Partial mesh dim of the source changes): the most target elements a
+    rank does not hold yet. With one, let G be the number of operands each element combines (the
+    product of the sizes of the source's Partial mesh dims that change) and K the number of
+    separate reductions (the product of the sizes of the source's Partial mesh dims that the target
+    keeps; a Partial the target adds is made from a reduced value, which every rank holds). Per
+    element and kept coordinate, any plan receives at least `G - 1` values to combine the operands
+    (each lies on a different rank) plus `N - 1` copies of the result, N being the ranks whose
+    target shard holds the element: the first rank to hold the result needs one message from each
+    other operand, every other holder one message after that. Summed: `K * numel * (G - 2) +
+    sum over ranks of |target shard|`; the busiest rank receives at least the average over all
+    ranks, and at least one value per element of its own target shard. A plan's `total_bytes`
+    sums the busiest rank of each step, so it is never below this bound; an all_reduce
+    (`2(G-1)/G` of the tensor per rank) and a reduce_scatter (`G - 1` pieces) are exactly at it.
+    """
+    reduced = _reduced_mesh_dims(source, target)
+    group = math.prod(source.mesh_shape[mesh_dim] for mesh_dim in reduced)
+    if group == 1:
+        return most_missing(source, target) * itemsize
+    kept = math.prod(
+        size for size, before, after in zip(source.mesh_shape, source.placements, target.placements)
+        if isinstance(before, Partial) and before == after
+    )
+    return _reduction_bound(target, group, kept) * itemsize // math.prod(target.mesh_shape)
+
+
+def _reduced_mesh_dims(source: Layout, target: Layout) -> tuple[int, ...]:
+    """The source's Partial mesh dims that the target does not keep (their operands are combined)."""
+    return tuple(
+        mesh_dim
+        for mesh_dim, placement in enumerate(source.placements)
+        if isinstance(placement, Partial) and target.placements[mesh_dim] != placement
+    )
+
+
+@functools.lru_cache(maxsize=65536)
+def _reduction_bound(target: Layout, group: int, kept: int) -> int:
+    """`lower_bound_bytes` in elements times the number of ranks, for `kept` separate reductions
+    of `group` operands per element: it depends on the target alone, so a search prices it once."""
+    numels = [math.prod(shape) for shape in shard_shapes(target)]
+    combine_and_copy = kept * target.numel * (group - 2) + sum(numels)
+    return max(combine_and_copy, math.prod(target.mesh_shape) * max(numels))

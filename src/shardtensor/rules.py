@@ -1,0 +1,330 @@
+"""The vocabulary of sharding rules: what a rule sees (`OpCall`, `TensorMeta`), what it returns (`Row`s
+of placements for one mesh dim, with the `LocalCollective`s its local op issues), the interface it
+implements (`ShardingRule` and its kinds: `RowsRule`, `OutVariantRule`, `ComposedRule`), and the
+`Decision` that propagation builds from it. Kept apart from `propagation`, which chooses among rows,
+so that the op modules that write rules import only these values.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .layout import Layout
+from .placement import Placement
+
+__all__ = [
+    "Row", "LocalCollective", "TensorMeta", "PlainTensor", "DataDependentOutput", "ResizesWritten", "OpCall",
+    "schema_positions", "ShardingRule", "RowsRule", "OutVariantRule", "ComposedRule", "Decision",
+    "TYPE_ONLY", "SIGN", "run_on_meta",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class LocalCollective:
+    """A collective that a rule's local op issues along its row's mesh dim (softmax over a sharded
+    dim all_reduces its row maxima): the kind (`comm`'s name) and the bytes of the tensor it
+    reduces or gathers, global (an upper bound of any rank's). Declared so that the cost of the row
+    counts it and `explicit_communication()` refuses it like a move of an input."""
+
+    kind: str
+    bytes: int
+
+    def __str__(self) -> str:
+        return f"{self.kind}({self.bytes} B)"
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One way to compute an op along one mesh dim: a placement per output and per tensor input, and
+    the collectives the rule's local op issues itself along that mesh dim when it computes this row."""
+
+    outputs: tuple[Placement, ...]
+    inputs: tuple[Placement, ...]
+    collectives: tuple[LocalCollective, ...] = ()
+
+    def __str__(self) -> str:
+        outputs = ", ".join(str(p) for p in self.outputs)
+        inputs = ", ".join(str(p) for p in self.inputs)
+        communicates = f" + {', '.join(str(c) for c in self.collectives)}" if self.collectives else ""
+        return f"[{outputs} <- {inputs}{communicates}]"
+
+
+@dataclass(frozen=True, slots=True)
+class TensorMeta:
+    """Global shape, stride and dtype of a tensor argument or result."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+
+@dataclass(frozen=True, slots=True)
+class PlainTensor:
+    """Stands for a 0-d plain tensor argument: its dtype matters to the op, its value does not."""
+
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True, slots=True)
+class OpCall:
+    """What a rule sees: the op, its tensor inputs' global metadata, and the remaining arguments.
+
+    In `args`/`kwargs`, tensor arguments stand as their `TensorMeta`; `inputs` lists the DTensor
+    arguments in the order the rule's rows name them (the flattened argument order). `kwargs` keeps
+    the call's keyword order: placeholders meet their tensors in that flattened order.
+    """
+
+    op: object
+    inputs: tuple[TensorMeta, ...]
+    args: tuple
+    kwargs: tuple[tuple[str, object], ...]
+
+    def kwarg(self, name: str, default=None):
+        for key, value in self.kwargs:
+            if key == name:
+                return value
+        return default
+
+    def argument(self, name: str):
+        """The value of the op's argument `name`, positional or keyword (its schema default when it
+        was not given; None when the op has no such argument)."""
+        found = schema_positions(self.op).get(name)
+        if found is None:
+            return None
+        position, positional, default = found
+        if positional and position < len(self.args):
+            return self.args[position]
+        return self.kwarg(name, default)
+
+    def input_names(self) -> list[str]:
+        """The schema name of each DTensor input, in the order `inputs` lists them (a tensor list
+        argument such as `indices` names each of its DTensors)."""
+        names = []
+        for name in schema_positions(self.op):
+            value = self.argument(name)
+            values = value if isinstance(value, (list, tuple)) else [value]
+            names += [name for item in values if isinstance(item, TensorMeta)]
+        return names
+
+    def with_arguments(self, **values) -> tuple[tuple, dict]:
+        """(args, kwargs) of this call with the named arguments replaced: where they were given
+        (by position or keyword), else added as keywords. For a rule's local arguments."""
+        args, kwargs = list(self.args), dict(self.kwargs)
+        positions = schema_positions(self.op)
+        for name, value in values.items():
+            position, positional, _ = positions[name]
+            if positional and position < len(args):
+                args[position] = value
+            else:
+                kwargs[name] = value
+        return tuple(args), kwargs
+
+
+@functools.cache
+def schema_positions(op) -> dict[str, tuple[int, bool, object]]:
+    """name -> (position, may be given by position, schema default or None) for each argument of `op`."""
+    return {
+        argument.name: (
+            position, not argument.kwarg_only, argument.default_value if argument.has_default_value() else None,
+        )
+        for position, argument in enumerate(op._schema.arguments)
+    }
+
+
+class DataDependentOutput(Exception):
+    """The op's output metadata depends on tensor values, so no rule can decide it ahead of the data."""
+
+
+class ResizesWritten(Exception):
+    """An in-place or `out=` op changes the shape of a tensor it writes (torch resizes an `out=` tensor
+    of another shape, `addbmm_` a broadcast `self`): dispatch computes `functional_op` instead and
+    gives its results to the written tensors."""
+
+    def __init__(self, message: str, functional_op):
+        super().__init__(message)
+        self.functional_op = functional_op
+
+
+class ShardingRule:
+    """How to compute one op on sharded inputs.
+
+    Subclasses implement `rows` (the ways to compute the op along one mesh dim). They inherit a
+    `local_arguments` that runs the local op with the op's own arguments; rules whose arguments
+    name global sizes (`view`, `expand`, ...) override it to give each coordinate's local ones.
+    """
+
+    # True: plain (non-DTensor) tensor arguments are accepted and treated as Replicate (index tensors).
+    accepts_plain_tensors: bool = False
+    # Non-tensor arguments (by schema name) whose value does not change the decision, each with what
+    # of it does: TYPE_ONLY (2, 2.0 and True still differ: other dtypes) or SIGN (its sign picks
+    # among Partial rows, as a negative scale swaps P(max) and P(min); without a Partial input only its
+    # type counts). Calls that differ only there share one cached decision and dispatch plan, so the
+    # rule's local arguments and local op must not depend on these values. Every argument not listed
+    # decides with its value (views' sizes, dims, reduce ops...).
+    value_keys: Mapping[str, str] = {}
+
+    def rows(self, call: OpCall) -> Sequence[Row]:
+        raise NotImplementedError
+
+    def rows_for_layouts(self, call: OpCall, layouts: Sequence[Layout]) -> Sequence[Row]:
+        """The rows for these input layouts: `rows(call)`, unless a row is right only for some shard
+        sizes (a view splitting a sharded dim) and the rule checks them."""
+        return self.rows(call)
+
+    def global_outputs(self, call: OpCall) -> list[TensorMeta | None]:
+        """Global metadata of the op's outputs (None for a non-tensor one), from the op on meta
+        tensors; a rule whose op cannot run on them (`item()`) says what it returns."""
+        return run_on_meta(call.op, call.args, dict(call.kwargs))
+
+    def local_arguments(
+        self, call: OpCall, input_layouts: Sequence[Layout], coordinate: Sequence[int]
+    ) -> tuple[tuple, dict] | None:
+        """(args, kwargs) for the local op at `coordinate`, tensors left as their placeholders; None
+        means the op's own arguments."""
+        return None
+
+    def local_op(
+        self, call: OpCall, input_layouts: Sequence[Layout], coordinate: Sequence[int]
+    ) -> Callable | None:
+        """A function `(mesh, *local_args, **local_kwargs)` run on the shards instead of the op, for
+        rules whose local computation differs from it (masked embedding, per-shard random values);
+        None runs the op itself. Output shard sizes come from it on meta tensors, with mesh None."""
+        return None
+
+
+class RowsRule(ShardingRule):
+    """A rule given as a plain function from an `OpCall` to rows (and, optionally, its `value_keys`)."""
+
+    def __init__(self, rows: Callable[[OpCall], Sequence[Row]], value_keys: Mapping[str, str] | None = None):
+        self._rows = rows
+        self.__name__ = getattr(rows, "__name__", type(self).__name__)
+        if value_keys:
+            self.value_keys = dict(value_keys)
+
+    def rows(self, call: OpCall) -> Sequence[Row]:
+        return self._rows(call)
+
+
+class OutVariantRule(ShardingRule):
+    """The `out=` overload of an op that has a rule (`mm.out` of `mm`, `sort.values` of `sort`).
+
+    `decide` decides the functional op on its operands, then moves each out tensor to exactly the
+    layout of the output it receives (pieces included, so the local op writes a shard of the right
+    shape; dispatch writes a moved out tensor back into its own layout). The functional rule is
+    looked up per call, so replacing it (`register_sharding`) replaces this one too.
+    """
+
+    def __init__(self, op, functional_op, rules: dict):
+        self.op, self.functional_op, self._rules = op, functional_op, rules
+        self.out_names = self.out_names_of(op)
+        self.__name__ = f"out_variant({functional_op})"
+
+    @staticmethod
+    def out_names_of(op) -> tuple[str, ...]:
+        """The keyword-only arguments an overload writes its results into (`out`, `values`, ...)."""
+        return tuple(
+            argument.name for argument in op._schema.arguments
+            if argument.kwarg_only and argument.alias_info is not None and argument.alias_info.is_write
+        )
+
+    def functional_rule(self) -> ShardingRule:
+        return self._rules[self.functional_op]
+
+    @property
+    def value_keys(self) -> Mapping[str, str]:
+        return self.functional_rule().value_keys
+
+    def split(self, call: OpCall) -> tuple[OpCall, list[int], list[int]]:
+        """The functional call, and the indices in `call.inputs` of its operands and of the out tensors."""
+        operands, outs, position = [], [], 0
+        for value, is_out in [(value, False) for value in call.args] + [
+            (value, name in self.out_names) for name, value in call.kwargs
+        ]:
+            count = sum(isinstance(leaf, TensorMeta) for leaf in tree_flatten(value)[0])
+            (outs if is_out else operands).extend(range(position, position + count))
+            position += count
+        kwargs = tuple((name, value) for name, value in call.kwargs if name not in self.out_names)
+        functional = OpCall(self.functional_op, tuple(call.inputs[index] for index in operands), call.args, kwargs)
+        return functional, operands, outs
+
+    def rows(self, call: OpCall) -> Sequence[Row]:
+        raise NotImplementedError(f"{self.__name__} is decided by `decide` from its functional op's rule")
+
+
+class ComposedRule(ShardingRule):
+    """A rule that builds its whole decision from the decisions of other rules (a multi-tensor op
+    decides each list element with its single-tensor op's rule, `ops/foreach.py`): `decide` calls
+    `decision` instead of choosing rows."""
+
+    def decision(self, call: OpCall, layouts: Sequence[Layout], coordinate: Sequence[int]) -> Decision:
+        raise NotImplementedError
+
+    def rows(self, call: OpCall) -> Sequence[Row]:
+        raise NotImplementedError(f"{self.__name__} is decided by its `decision`, not by rows")
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """Where each tensor input must be before the local op runs, and the layout of each output."""
+
+    input_layouts: tuple[Layout, ...]
+    output_layouts: tuple[Layout | None, ...]
+    output_metas: tuple[TensorMeta | None, ...]
+    rows: tuple[Row, ...]
+    local_arguments: tuple[tuple, dict] | None
+    local_op: Callable | None = None
+
+    def moves_inputs(self, current: Sequence[Layout]) -> bool:
+        return any(target != layout for target, layout in zip(self.input_layouts, current))
+
+    @property
+    def local_collectives(self) -> tuple[tuple[int, LocalCollective], ...]:
+        """(mesh dim, collective) for each collective the local op issues (mesh dims of size 1 issue none)."""
+        if not self.input_layouts:
+            return ()
+        mesh_shape = self.input_layouts[0].mesh_shape
+        return tuple(
+            (mesh_dim, collective)
+            for mesh_dim, row in enumerate(self.rows) if mesh_shape[mesh_dim] > 1
+            for collective in row.collectives
+        )
+
+
+# How a non-tensor argument's value enters a cache key when it does not decide (`ShardingRule.value_keys`).
+TYPE_ONLY = "type"
+SIGN = "sign"
+
+
+_META = torch.device("meta")
+
+
+def _to_meta_tensor(value, local_metas: list | None = None):
+    if isinstance(value, TensorMeta):
+        meta = local_metas.pop(0) if local_metas is not None else value
+        return torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device="meta")
+    if isinstance(value, PlainTensor):
+        return torch.empty((), dtype=value.dtype, device="meta")
+    if isinstance(value, torch.device):
+        return _META  # `_to_copy(..., device=cpu)` on meta inputs would try to copy data out of meta
+    return value
+
+
+def run_on_meta(op, args: tuple, kwargs: dict, local_metas: list[TensorMeta] | None = None) -> list:
+    """Run `op` on meta tensors standing for the placeholders; `local_metas` replaces DTensor ones in order."""
+    flat, tree = tree_flatten((args, kwargs))
+    queue = list(local_metas) if local_metas is not None else None
+    meta_args, meta_kwargs = tree_unflatten([_to_meta_tensor(value, queue) for value in flat], tree)
+    outputs, _ = tree_flatten(op(*meta_args, **meta_kwargs))
+    return [
+        TensorMeta(tuple(output.shape), tuple(output.stride()), output.dtype) if isinstance(output, torch.Tensor) else None
+        for output in outputs
+    ]
