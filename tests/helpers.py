@@ -1,5 +1,5 @@
 """Test helpers shared by the test files: exact global tensors, one rank's piece of them, and Partial
-DTensors with their single-device values, the exact record of an index agreement, and random tensors
+DTensors with their single-device values, the exact records of index and value agreements, and random tensors
 by the documented rule.
 
 `local_piece` is computed with `torch.chunk` only (not with the library's `Layout`), and
@@ -83,17 +83,29 @@ def partial_of(full: torch.Tensor, mesh, *, seed: int = 0):
     local = noise[rank] if rank in noise else full - sum(noise.values(), torch.zeros_like(full))
     return DTensor.from_local(local, mesh, [Partial()] * mesh.ndim)
 
-def index_agreement(mesh, mesh_dims=None, *, index_tensors: int = 1) -> list:
-    """The records of one index agreement (ops/index_checks.py) over `mesh_dims` (default: every mesh dim):
-    one all_reduce(max) of two int64 per index tensor, or nothing on a one-rank group. Tests that claim
-    "no data moved" compare the records with this exactly, so any other collective shows."""
+def _agreement(mesh, mesh_dims, int64s: int) -> list:
+    """The record of one all_reduce(max) of `int64s` int64 values over `mesh_dims` (default: every mesh
+    dim), or nothing on a one-rank group."""
     mesh_dims = tuple(range(mesh.ndim)) if mesh_dims is None else tuple(mesh_dims)
     group_size = math.prod(mesh.shape[mesh_dim] for mesh_dim in mesh_dims)
     if group_size == 1:
         return []
-    traffic = 2 * (group_size - 1) * (16 * index_tensors) // group_size
+    traffic = 2 * (group_size - 1) * (8 * int64s) // group_size
     mesh_dim = mesh_dims if len(mesh_dims) > 1 else mesh_dims[0]
     return [comm.CommRecord("all_reduce", mesh_dim, group_size, traffic, traffic)]
+
+
+def index_agreement(mesh, mesh_dims=None, *, index_tensors: int = 1) -> list:
+    """The records of one index agreement (ops/index_checks.py) over `mesh_dims` (default: every mesh dim):
+    one all_reduce(max) of two int64 per index tensor. Tests that claim "no data moved" compare the
+    records with this exactly, so any other collective shows."""
+    return _agreement(mesh, mesh_dims, 2 * index_tensors)
+
+
+def value_agreement(mesh, mesh_dims=None, *, checked: int = 1) -> list:
+    """The records of one value agreement (ops/value_checks.py): one all_reduce(max) of one int64 flag
+    per checked argument over `mesh_dims` (default: every mesh dim)."""
+    return _agreement(mesh, mesh_dims, checked)
 
 
 _RANDOM_METHODS = {"rand": "uniform_", "randn": "normal_"}

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import documented_random
+from helpers import documented_random, value_agreement
 from spmd import spmd
 from torch.testing import assert_close
 
@@ -87,14 +87,6 @@ CASES = {
 }
 
 
-def _agreement(mesh, flags: int) -> list:
-    """The one all_reduce(max) of `flags` int64 over the whole mesh that a sharded check issues."""
-    size = mesh.size()
-    traffic = 2 * (size - 1) * 8 * flags // size
-    mesh_dim = tuple(range(mesh.ndim)) if mesh.ndim > 1 else 0
-    return [comm.CommRecord("all_reduce", mesh_dim, size, traffic, traffic)]
-
-
 @spmd(meshes=[(2,), (4,), (2, 2)])
 def test_a_bad_value_in_one_shard_raises_on_every_rank(mesh):
     """Every case in turn on the same ranks: a rank left behind by one case would hang the next."""
@@ -117,7 +109,7 @@ def test_good_values_agree_in_one_small_all_reduce_and_match_one_device(mesh):
         run = case(lambda full: distribute_tensor(full, mesh, sharded), None)
         with comm.observe() as records:
             result = run()
-        assert list(records) == (_agreement(mesh, flags) if mesh.size() > 1 else []), name
+        assert list(records) == value_agreement(mesh, checked=flags), name
         if mesh.size() > 1:  # the losses are 0-d partial sums; the draws keep their shards
             expected = (Partial(),) * mesh.ndim if result.ndim == 0 else tuple(sharded)
             assert result.placements == expected, (name, result.placements)
