@@ -20,6 +20,7 @@ from torch import nn
 
 from .. import comm
 from ..dtensor import DTensor
+from ..gradients import partial_reduction
 from ..spec import DTensorSpec, contiguous_stride
 from ..layout import Layout
 from ..mesh import DeviceMesh
@@ -402,19 +403,40 @@ class ParameterUnit:
             return self.gradient_divide_factor
         return self.mesh.size()
 
-    def _local_gradient(self, slot: ParameterSlot, grad) -> torch.Tensor | None:
-        if grad is None or slot.unsharded_spec is None:
-            return grad
-        target = slot.unsharded_spec.layout
-        with torch.no_grad():
-            if grad.sharding != target:
-                grad = grad.redistribute(slot.unsharded_spec.mesh, target.placements)
-            local = grad.to_local()
+    def _local_gradients(self, grads: Sequence) -> list[torch.Tensor | None]:
+        """Each gradient as a plain tensor of its unsharded shape. Tensor-parallel gradients that are Partial
+        where their parameter is Replicate (norms and biases fed by a sequence-sharded stream) are summed in
+        one all_reduce per (mesh, mesh dims, reduce op); any other layout is redistributed on its own."""
+        locals_: list = list(grads)
+        groups: dict[tuple, list[int]] = {}
+        for index, (slot, grad) in enumerate(zip(self.slots, grads)):
+            if grad is None or slot.unsharded_spec is None:
+                continue
+            target = slot.unsharded_spec.layout
+            reduction = partial_reduction(grad.sharding, target) if grad.sharding != target else None
+            if reduction is not None:
+                groups.setdefault((grad.device_mesh, reduction, grad.dtype), []).append(index)
+                continue
+            with torch.no_grad():
+                if grad.sharding != target:
+                    grad = grad.redistribute(slot.unsharded_spec.mesh, target.placements)
+                locals_[index] = self._checked_local(slot, grad)
+        for (mesh, (mesh_dims, reduce_op), _), indices in groups.items():
+            pieces = [grads[index].to_local() for index in indices]
+            flat = torch.cat([piece.reshape(-1) for piece in pieces])
+            summed = comm.all_reduce(flat, mesh, mesh_dims if len(mesh_dims) > 1 else mesh_dims[0], reduce_op=reduce_op)
+            for index, piece in zip(indices, summed.split([piece.numel() for piece in pieces])):
+                locals_[index] = piece.view(self.slots[index].unsharded_shape)
+        return locals_
+
+    @staticmethod
+    def _checked_local(slot: ParameterSlot, grad) -> torch.Tensor:
+        local = grad.to_local()
         if tuple(local.shape) != slot.unsharded_shape:
             raise RuntimeError(
                 f"fully_shard: the gradient of a tensor-parallel parameter came back as {grad.sharding} "
-                f"(local shape {tuple(local.shape)}), which does not redistribute to its layout {target} "
-                f"(local shape {slot.unsharded_shape})"
+                f"(local shape {tuple(local.shape)}), which does not redistribute to its layout "
+                f"{slot.unsharded_spec.layout} (local shape {slot.unsharded_shape})"
             )
         return local
 
@@ -431,7 +453,7 @@ class ParameterUnit:
     def reduce_gradients(self, grads: Sequence) -> tuple[list, Reduction | None]:
         """Gradient DTensors (Shard on the data-parallel dims) for the sharded parameters, and the reduction
         they wait for; with gradient sync off, the gradients are only accumulated (no communication)."""
-        grads = [self._local_gradient(slot, grad) for slot, grad in zip(self.slots, grads)]
+        grads = self._local_gradients(grads)
         if not self.requires_gradient_sync:
             self._accumulate(grads)
             return [None] * len(self.slots), None
