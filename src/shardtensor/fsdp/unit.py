@@ -203,6 +203,7 @@ class ParameterUnit:
         self._build(managed_parameters(self.modules, ignored_params, is_managed), shard_placement_fn)
         self._gather_handle = None
         self._gathered_state = "sharded"  # "sharded" | "gathering" | "gathered"
+        self._shown_unsharded: tuple | None = None  # after an explicit unshard(): registered until reshard()
         self._accumulated: torch.Tensor | None = None
         self._forward_tensors: tuple | None = None
         self._forward_tensors_with_grad = False
@@ -361,12 +362,60 @@ class ParameterUnit:
         self._gathered_state = "gathered"
 
     def reshard(self) -> None:
-        """Free the unsharded parameters (an in-flight gather is finished first)."""
+        """Free the unsharded parameters (an in-flight gather is finished first); the modules show the
+        sharded ones again."""
         self.wait_for_unshard()
         if self._gathered_state == "gathered" and self.slots:
             self._free(self._unsharded)
         self._gathered_state = "sharded"
         self._forward_tensors = None
+        if self._shown_unsharded is not None:
+            self._shown_unsharded = None
+            self.register_sharded()
+
+    def show_unsharded(self) -> None:
+        """Register the unsharded parameters on the modules until `reshard` (FSDP2's explicit `unshard()`):
+        `nn.Parameter`s viewing the gathered data (DTensors on their own mesh for tensor-parallel ones)."""
+        if self._shown_unsharded is None:
+            self._shown_unsharded = tuple(
+                _parameter(tensor.requires_grad_(sharded.requires_grad)) if isinstance(tensor, DTensor)
+                else nn.Parameter(tensor, requires_grad=sharded.requires_grad)
+                for tensor, sharded in zip(self.unsharded_tensors(), self.sharded_parameters)
+            )
+        self.register(self._shown_unsharded)
+
+    def register_at_rest(self) -> None:
+        """What the modules show outside forward: the unsharded parameters after an explicit unshard, else
+        the sharded ones."""
+        if self._shown_unsharded is not None:
+            self.register(self._shown_unsharded)
+        else:
+            self.register_sharded()
+
+    def adopt_replaced_parameters(self) -> None:
+        """Take over parameters that a module conversion replaced, such as `to_empty(device=...)` after
+        building the model on the meta device (the new DTensors must keep their layout); buffers follow
+        the new device."""
+        if self._gathered_state != "sharded":
+            return  # the modules show unsharded parameters
+        for index, slot in enumerate(self.slots):
+            module, name = slot.locations[0]
+            current = module._parameters.get(name)
+            if current is self.sharded_parameters[index]:
+                continue
+            if not isinstance(current, DTensor) or current.sharding != slot.sharded_spec.layout:
+                raise _unit_error(
+                    f"parameter {name!r} was replaced by {type(current).__name__} "
+                    f"{getattr(current, 'sharding', tuple(getattr(current, 'shape', ())))} after fully_shard",
+                    f"keep its sharded layout {slot.sharded_spec.layout} (module.to_empty(device=...) does; "
+                    f"copy new values into the parameter in place instead of assigning a new one)",
+                )
+            for location_module, location_name in slot.locations:
+                setattr(location_module, location_name, current)
+            self.sharded_parameters[index] = current
+        device = self.sharded_parameters[0].device if self.sharded_parameters else self.device
+        if device != self.device:
+            self._build_buffers(self._unsharded.numel())
 
     def unsharded_tensors(self) -> tuple[torch.Tensor, ...]:
         """New views of the unsharded parameters (DTensors on their own mesh for tensor-parallel ones)."""
