@@ -273,6 +273,7 @@ class ParameterUnit:
             self.slots.append(slot)
             self.sharded_parameters.append(sharded)
         self._build_buffers(unsharded_offset)
+        self._home_shards()
 
     def _shard_dim(self, parameter, shard_placement_fn, name: str) -> int:
         placement = shard_placement_fn(parameter) if shard_placement_fn is not None else None
@@ -328,14 +329,31 @@ class ParameterUnit:
     def is_sharded(self) -> bool:
         return self._gathered_state == "sharded"
 
-    def _send_buffer(self) -> torch.Tensor:
-        """This rank's pieces of every parameter, flat and in the compute dtype (the all-gather's input)."""
+    def _home_shards(self) -> None:
+        """Make the sharded parameters' local tensors views of one flat buffer, this rank's segment in the
+        order the all-gather sends it, so that gathering sends the buffer itself (no copy-in); the
+        optimizer's in-place updates and in-place loads keep them there."""
         with torch.no_grad():
-            locals_ = [parameter.to_local().reshape(-1) for parameter in self.sharded_parameters]
-        if len(locals_) == 1 and locals_[0].dtype == self.compute_dtype:
-            return locals_[0]
-        send = torch.empty(self.segment_sizes[self.coordinate], dtype=self.compute_dtype, device=self.device)
-        return torch.cat(locals_, out=send) if locals_ else send
+            locals_ = [parameter._local_tensor for parameter in self.sharded_parameters]
+            self._shard_data = torch.empty(self.segment_sizes[self.coordinate], dtype=self.parameter_dtype, device=self.device)
+            storage, offset = self._shard_data.untyped_storage(), 0
+            for local in locals_:
+                count = local.numel()
+                self._shard_data[offset : offset + count].copy_(local.reshape(-1))
+                local.set_(storage, offset, local.shape, contiguous_stride(local.shape))
+                offset += count
+        self._shard_pointers = [local.data_ptr() for local in locals_]
+
+    def _send_buffer(self) -> torch.Tensor:
+        """This rank's pieces of every parameter, flat and in the compute dtype (the all-gather's input).
+
+        The pieces already sit in one buffer (`_home_shards`); a local tensor that was replaced behind
+        the parameter's back (`param.data = ...`) is copied back in first."""
+        if [parameter._local_tensor.data_ptr() for parameter in self.sharded_parameters] != self._shard_pointers:
+            self._home_shards()
+        if self._shard_data.dtype == self.compute_dtype:
+            return self._shard_data
+        return self._shard_data.to(self.compute_dtype)
 
     def unshard(self, async_op: bool = False) -> None:
         """Start gathering every parameter (one collective); wait for it unless `async_op`."""
@@ -416,6 +434,8 @@ class ParameterUnit:
         device = self.sharded_parameters[0].device if self.sharded_parameters else self.device
         if device != self.device:
             self._build_buffers(self._unsharded.numel())
+        if [parameter._local_tensor.data_ptr() for parameter in self.sharded_parameters] != self._shard_pointers:
+            self._home_shards()
 
     def unsharded_tensors(self) -> tuple[torch.Tensor, ...]:
         """New views of the unsharded parameters (DTensors on their own mesh for tensor-parallel ones)."""
