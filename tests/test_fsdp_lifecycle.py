@@ -137,3 +137,19 @@ def test_hsdp_over_tensor_parallel_on_a_3d_mesh_trains_like_one_device(mesh):
     model.zero_grad()
     _train_sharded(model, batches, rank, 4)
     _assert_same_parameters(model, reference)
+
+
+@spmd(meshes=[(2,)])
+def test_a_parameter_replaced_out_of_layout_and_a_0d_parameter_raise_clear_errors(mesh):
+    import pytest
+
+    from shardtensor.fsdp import fully_shard
+
+    model = _shard(_model(), mesh)
+    model.head.weight = nn.Parameter(torch.zeros(7, 12, dtype=torch.float64))
+    with pytest.raises(ValueError, match="parameter 'weight' was replaced by Parameter .* keep its sharded layout"):
+        model(torch.zeros(2, 5, dtype=torch.float64))
+    scaled = nn.Linear(2, 2)
+    scaled.scale = nn.Parameter(torch.tensor(2.0))
+    with pytest.raises(ValueError, match="0-d parameters cannot be sharded"):
+        fully_shard(scaled, mesh=mesh)
