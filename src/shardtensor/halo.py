@@ -135,7 +135,8 @@ class SlidingWindow:
         windows = []
         for start, stop in output_bounds:
             first = start * self.stride - self.padding
-            windows.append((first, first + (stop - 1 - start) * self.stride + self.span) if stop > start else (first, first))
+            last = first + (stop - 1 - start) * self.stride + self.span if stop > start else first
+            windows.append((first, last))
         return tuple(windows)
 
 
@@ -198,7 +199,8 @@ def _runs(references: Sequence[tuple[int, int]]) -> tuple[_Run, ...]:
         if runs:
             last = runs[-1]
             step = position - (last.start + (last.length - 1) * last.step)
-            if last.source == source and (source == -1 or (last.length == 1 and step in (1, -1, 0)) or step == last.step):
+            continues = source == -1 or (last.length == 1 and step in (1, -1, 0)) or step == last.step
+            if last.source == source and continues:
                 runs[-1] = _Run(source, last.start, last.length + 1, step if last.length == 1 else last.step)
                 continue
         runs.append(_Run(source, position, 1, 1))
@@ -225,7 +227,7 @@ def _check_geometry(bounds: Bounds, windows: Bounds, edge: Edge, peers: int) -> 
     for start, stop in bounds:
         if start != expected or stop < start:
             raise _halo_error(f"shard bounds {list(bounds)} are not contiguous from row 0",
-                              "give each coordinate's (start, stop) in coordinate order, each starting where the last stops")
+                              "give each coordinate's (start, stop) in coordinate order, each from the last's stop")
         expected = stop
     size = expected
     for coordinate, (start, stop) in enumerate(windows):
@@ -271,7 +273,9 @@ def _plan(bounds: Bounds, windows: Bounds, edge: Edge, me: int) -> _Plan:
             references.append((buffer_of[_owner(row, bounds)], position_in_buffer[row]))
     sends = []
     for peer in range(len(bounds)):
-        rows = sorted({row for row in sources(peer) if row is not None and my_start <= row < my_stop}) if peer != me else []
+        if peer == me:
+            continue
+        rows = sorted({row for row in sources(peer) if row is not None and my_start <= row < my_stop})
         if rows:
             sends.append((peer, tuple(row - my_start for row in rows)))
     return _Plan(
@@ -325,6 +329,17 @@ def _add_rows(target: torch.Tensor, dim: int, positions: Sequence[int], rows: to
         offset += length
 
 
+def _swap(sends: Sequence[tuple[torch.Tensor, int]], receives: Sequence[tuple[int, int]], like: torch.Tensor,
+          dim: int) -> list[torch.Tensor]:
+    """One `comm.batch_p2p`: each (tensor, global rank) of `sends` sent, and for each (rows, global
+    rank) of `receives` a tensor shaped like `like` with that many rows on `dim` received (in order)."""
+    operations = [comm.PointToPoint("send", tensor, rank) for tensor, rank in sends]
+    operations += [
+        comm.PointToPoint("recv", like.new_empty(_with_rows(like.shape, dim, rows)), rank) for rows, rank in receives
+    ]
+    return comm.batch_p2p(operations)
+
+
 def _with_rows(shape: Sequence[int], dim: int, rows: int) -> list[int]:
     shape = list(shape)
     shape[dim] = rows
@@ -362,13 +377,8 @@ def window_exchange(local: torch.Tensor, mesh: DeviceMesh, mesh_dim: MeshDims, d
     >>> window = window_exchange(local, mesh, 0, 2, ((0, 4), (4, 8)), ((-1, 5), (3, 9)))  # doctest: +SKIP
     """
     dim, ranks, plan = _prepare(local, mesh, mesh_dim, dim, shard_bounds, windows, edge, "local")
-    operations = [comm.PointToPoint("send", _gather_rows(local, dim, positions), ranks[peer]) for peer, positions in plan.sends]
-    operations += [
-        comm.PointToPoint("recv", torch.empty(_with_rows(local.shape, dim, rows), dtype=local.dtype, device=local.device),
-                          ranks[peer])
-        for peer, rows in plan.receives
-    ]
-    buffers = [local, *comm.batch_p2p(operations)]
+    sends = [(_gather_rows(local, dim, positions), ranks[peer]) for peer, positions in plan.sends]
+    buffers = [local, *_swap(sends, [(rows, ranks[peer]) for peer, rows in plan.receives], local, dim)]
     pieces = []
     for run in plan.runs:
         if run.source == -1:
@@ -392,7 +402,9 @@ def window_gradient(grad_window: torch.Tensor, mesh: DeviceMesh, mesh_dim: MeshD
     rank that owns it; zero-filled rows are dropped). One `comm.batch_p2p`, the pairs reversed."""
     dim, ranks, plan = _prepare(grad_window, mesh, mesh_dim, dim, shard_bounds, windows, edge, "window")
     grad_local = grad_window.new_zeros(_with_rows(grad_window.shape, dim, plan.local_rows))
-    targets = [grad_local] + [grad_window.new_zeros(_with_rows(grad_window.shape, dim, rows)) for _, rows in plan.receives]
+    # The gradients of the rows that came from each peer, sent back to it.
+    targets = [grad_local]
+    targets += [grad_window.new_zeros(_with_rows(grad_window.shape, dim, rows)) for _, rows in plan.receives]
     row = 0
     for run in plan.runs:
         if run.source != -1:
@@ -404,14 +416,11 @@ def window_gradient(grad_window: torch.Tensor, mesh: DeviceMesh, mesh_dim: MeshD
             else:
                 targets[run.source].narrow(dim, run.start, 1).add_(gradient.sum(dim, keepdim=True))
         row += run.length
-    operations = [comm.PointToPoint("send", target, ranks[peer]) for target, (peer, _) in zip(targets[1:], plan.receives)]
-    operations += [
-        comm.PointToPoint("recv", torch.empty(_with_rows(grad_window.shape, dim, len(positions)), dtype=grad_window.dtype,
-                                              device=grad_window.device), ranks[peer])
-        for peer, positions in plan.sends
-    ]
-    for received, (_, positions) in zip(comm.batch_p2p(operations), plan.sends):
-        _add_rows(grad_local, dim, positions, received)
+    sends = [(target, ranks[peer]) for target, (peer, _) in zip(targets[1:], plan.receives)]
+    receives = [(len(positions), ranks[peer]) for peer, positions in plan.sends]
+    received = _swap(sends, receives, grad_window, dim)
+    for rows, (_, positions) in zip(received, plan.sends):
+        _add_rows(grad_local, dim, positions, rows)
     return grad_local
 
 
