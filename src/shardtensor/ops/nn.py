@@ -414,6 +414,8 @@ def _with_channels(weight: torch.Tensor) -> torch.Tensor:
 class Convolution(ShardingRule):
     """(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups).
 
+    Registered by `ops/spatial_conv.py`, whose rule adds the spatially sharded rows to these.
+
     Batch-sharded input is local; an output-channel-sharded weight (and bias) gives S(1); an
     input-channel-sharded input and weight give Partial(sum), the bias then added on one rank only
     (Partial too). Transposed and grouped convolutions shard the batch only. A shard without
@@ -462,11 +464,16 @@ class ConvolutionBackward(ShardingRule):
         return rows + [Row(_masked_outputs((Shard(1), Shard(1), R), output_mask), (R, Shard(1), Shard(1)))]
 
     def local_arguments(self, call, input_layouts, coordinate):
+        values = self.local_values(call, input_layouts, coordinate)
+        return call.with_arguments(**values) if values else None
+
+    def local_values(self, call, input_layouts, coordinate) -> dict:
+        """The arguments whose local value differs from the call's, by name."""
         if call.argument("bias_sizes") is None:
-            return None
+            return {}
         # bias_sizes: the output channels of the local convolution, which grad_output's local dim 1
         # holds (the weight's dim 0 is not it for a transposed or grouped convolution).
-        return call.with_arguments(bias_sizes=[input_layouts[0].local_shape(coordinate)[1]])
+        return {"bias_sizes": [input_layouts[0].local_shape(coordinate)[1]]}
 
     def local_op(self, call, input_layouts, coordinate):
         def convolution_backward(mesh, grad, tensor, weight, bias_sizes, *rest):
@@ -536,8 +543,6 @@ register_rule([aten.embedding.default], Embedding())
 register_rule([aten.embedding_dense_backward.default], EmbeddingBackward())
 register_rule([aten.nll_loss_forward.default], NllLoss())
 register_rule([aten.nll_loss_backward.default], NllLossBackward())
-register_rule([aten.convolution.default], Convolution())
-register_rule([aten.convolution_backward.default], ConvolutionBackward())
 register_rule([aten._scaled_dot_product_flash_attention_for_cpu.default], Attention("attention", backward=False))
 register_rule([aten._scaled_dot_product_flash_attention_for_cpu_backward.default],
               Attention("attention_backward", backward=True))
