@@ -192,6 +192,13 @@ class ShardingRule:
         means the op's own arguments."""
         return None
 
+    def local_shape_key(self, call: OpCall, input_layouts: Sequence[Layout], coordinate: Sequence[int]) -> object:
+        """What decides the local op's output shapes at `coordinate` besides its local input shapes
+        and local arguments (None: nothing). The engine evaluates output shapes once per distinct
+        key; a local op that computes the coordinate's own rows of a global geometry (a halo
+        exchange: equal shards may own different numbers of output rows) returns them."""
+        return None
+
     def local_op(
         self, call: OpCall, input_layouts: Sequence[Layout], coordinate: Sequence[int]
     ) -> Callable | None:
