@@ -192,19 +192,18 @@ class ShardingRule:
         means the op's own arguments."""
         return None
 
-    def local_shape_key(self, call: OpCall, input_layouts: Sequence[Layout], coordinate: Sequence[int]) -> object:
-        """What decides the local op's output shapes at `coordinate` besides its local input shapes
-        and local arguments (None: nothing). The engine evaluates output shapes once per distinct
-        key; a local op that computes the coordinate's own rows of a global geometry (a halo
-        exchange: equal shards may own different numbers of output rows) returns them."""
-        return None
-
     def local_op(
         self, call: OpCall, input_layouts: Sequence[Layout], coordinate: Sequence[int]
     ) -> Callable | None:
         """A function `(mesh, *local_args, **local_kwargs)` run on the shards instead of the op, for
         rules whose local computation differs from it (masked embedding, per-shard random values);
         None runs the op itself. Output shard sizes come from it on meta tensors, with mesh None."""
+        return None
+
+    def local_shape_key(self, call: OpCall, input_layouts: Sequence[Layout], coordinate: Sequence[int]):
+        """What the local op's output shapes depend on at `coordinate` besides its local input shapes
+        and arguments (a halo exchange's window); coordinates with equal keys share one evaluation on
+        meta tensors. None: nothing else."""
         return None
 
 
