@@ -54,11 +54,18 @@ def _sharded(full, mesh, placements, sizes=None):
 
 
 def _like(dtensor, full):
-    """`full` laid out exactly like `dtensor` (its shard sizes included)."""
+    """`full` laid out exactly like `dtensor` (its shard sizes included; nested ones inferred)."""
     layout, coordinate = dtensor.sharding, dtensor.device_mesh.get_coordinate()
-    sizes = {mesh_dim: layout.sizes_along(mesh_dim, placement.dim, coordinate)
-             for mesh_dim, placement in enumerate(layout.placements) if isinstance(placement, Shard)}
-    return _sharded(full, dtensor.device_mesh, layout.placements, sizes).detach()
+    local = full
+    for dim, (start, size) in enumerate(zip(layout.local_offset(coordinate), layout.local_shape(coordinate))):
+        local = local.narrow(dim, start, size)
+    nested = any(len(order) > 1 for order in layout.shard_order)
+    sizes = None if nested else {mesh_dim: layout.sizes_along(mesh_dim, placement.dim, coordinate)
+                                 for mesh_dim, placement in enumerate(layout.placements) if isinstance(placement, Shard)}
+    shape = None if nested else full.shape
+    result = DTensor.from_local(local.contiguous(), dtensor.device_mesh, layout.placements, shape=shape, shard_sizes=sizes)
+    assert result.sharding == layout
+    return result
 
 
 def _first(result):
@@ -77,8 +84,9 @@ def _check(function, full, mesh, placements, sizes=None):
         assert got.placements == tuple(placements), (got.placements, placements)
         assert_close(got.full_tensor(), want)
     grad = torch.randn_like(_first(expected))
+    grad_dtensor = _like(_first(result), grad)
     with shardtensor.strict_mode(), comm.observe() as backward_records:
-        _first(result).backward(_like(_first(result), grad))
+        _first(result).backward(grad_dtensor)
     _first(expected).backward(grad)
     assert_close(x.grad.full_tensor(), reference.grad)
     for records in (forward_records, backward_records):
@@ -158,3 +166,12 @@ def test_adaptive_pooling_whose_grid_does_not_map_onto_the_shards_falls_back(mes
     result = F.adaptive_avg_pool2d(x, (4, 3))
     assert_close(result.full_tensor(), F.adaptive_avg_pool2d(full, (4, 3)))
     assert Shard(2) not in result.placements
+
+
+@spmd(meshes=[(2, 2)])
+def test_pooling_a_dim_sharded_by_both_mesh_dims(mesh):
+    """H split by both mesh dims (four pieces, the innermost split uneven): the exchange runs over
+    the flattened peers of both."""
+    full = torch.randn(1, 2, 13, 5, dtype=torch.float64)
+    for function in (lambda x: F.max_pool2d(x, 3, 2, 1, return_indices=True), lambda x: F.avg_pool2d(x, 2, 3, 1)):
+        _check(function, full, mesh, [Shard(2), Shard(2)])
