@@ -107,9 +107,8 @@ def halo_map(func: Callable | None = None, *, dims: Sequence[int], halo, edge: s
 def _exchanges(layout: Layout, dims: tuple[int, ...], widths, edge: str) -> tuple[Exchange, ...]:
     steps = []
     for dim, (before, after) in zip(dims, widths):
-        bounds = shard_bounds(layout, dim)
-        windows = tuple((start - before, stop + after) for start, stop in bounds)
-        steps.append(Exchange(layout.shard_order[dim], dim, bounds, windows, edge))
+        windows = tuple((start - before, stop + after) for start, stop in shard_bounds(layout, dim))
+        steps.append(Exchange.of_layout(layout, dim, windows, edge))
     return tuple(steps)
 
 
