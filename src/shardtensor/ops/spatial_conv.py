@@ -1,6 +1,7 @@
 """Sharding rules: convolution on inputs sharded along spatial dims, by halo exchange.
 
-`aten.convolution` and `aten.convolution_backward` (not transposed) get, besides the batch and
+`aten.convolution` and `aten.convolution_backward` (transposed calls take the rows and local ops of
+`ops/spatial_conv_transpose.py`; the rest of this note is about plain ones) get, besides the batch and
 channel rows of `nn.Convolution`, a row per spatial dim d: input `Shard(d)`, weight and bias
 Replicate, output `Shard(d)`. The local op exchanges the window of input rows its output rows need
 (`halo.exchange`, point to point between the coordinates that share rows; the zero padding of the
@@ -33,6 +34,10 @@ from ..layout import Layout
 from ..placement import Partial, Replicate, Shard
 from ..rules import LocalCollective, OpCall, Row, TensorMeta
 from .nn import Convolution, ConvolutionBackward, _masked_outputs
+from .spatial_conv_transpose import (
+    transposed_backward_local_op, transposed_backward_rows, transposed_local_op, transposed_local_shape_key,
+    transposed_rows,
+)
 from .registry import register_rule
 
 aten = torch.ops.aten
@@ -144,6 +149,8 @@ class SpatialConvolution(Convolution):
         return self._rows(call, None)
 
     def rows_for_layouts(self, call, layouts):
+        if call.argument("transposed"):  # ops/spatial_conv_transpose.py
+            return super().rows(call) + transposed_rows(call, layouts)
         return self._rows(call, layouts[0])
 
     def _rows(self, call: OpCall, input_layout: Layout | None) -> list[Row]:
@@ -157,15 +164,21 @@ class SpatialConvolution(Convolution):
         return rows
 
     def local_arguments(self, call, input_layouts, coordinate):
+        if call.argument("transposed"):
+            return None
         spatial = spatial_exchanges(call, input_layouts[0], call.inputs[0], call.inputs[1])
         return call.with_arguments(padding=list(spatial.local_padding)) if spatial.exchanges else None
 
     def local_shape_key(self, call, input_layouts, coordinate):
+        if call.argument("transposed"):
+            return transposed_local_shape_key(call, input_layouts, coordinate)
         spatial = spatial_exchanges(call, input_layouts[0], call.inputs[0], call.inputs[1])
         return spatial.key(input_layouts[0].mesh_shape, coordinate)
 
     def local_op(self, call, input_layouts, coordinate):
         convolve = super().local_op(call, input_layouts, coordinate)
+        if call.argument("transposed"):
+            return transposed_local_op(call, input_layouts, coordinate) or convolve
         spatial = spatial_exchanges(call, input_layouts[0], call.inputs[0], call.inputs[1])
         if not spatial.exchanges:
             return convolve
@@ -195,6 +208,9 @@ class SpatialConvolutionBackward(ConvolutionBackward):
         return self._rows(call, None, grad_sharded_like_output=True)
 
     def rows_for_layouts(self, call, layouts):
+        if call.argument("transposed"):  # ops/spatial_conv_transpose.py
+            outputs = _masked_outputs((None, P, P), call.argument("output_mask"))
+            return super().rows(call) + transposed_backward_rows(call, layouts, outputs)
         return self._rows(call, layouts[1], grad_sharded_like_output=self._grad_matches_output(call, layouts))
 
     def _rows(self, call: OpCall, input_layout: Layout | None, grad_sharded_like_output: bool) -> list[Row]:
@@ -227,6 +243,8 @@ class SpatialConvolutionBackward(ConvolutionBackward):
 
     def local_op(self, call, input_layouts, coordinate):
         backward = super().local_op(call, input_layouts, coordinate)
+        if call.argument("transposed"):
+            return transposed_backward_local_op(call, input_layouts, coordinate) or backward
         grad_layout, input_layout = input_layouts[0], input_layouts[1]
         spatial = spatial_exchanges(call, input_layout, call.inputs[1], call.inputs[2])
         if not spatial.exchanges:
@@ -266,7 +284,9 @@ class SpatialConvolutionBackward(ConvolutionBackward):
     def local_values(self, call, input_layouts, coordinate) -> dict:
         values = super().local_values(call, input_layouts, coordinate)
         spatial = spatial_exchanges(call, input_layouts[1], call.inputs[1], call.inputs[2])
-        return values | {"padding": list(spatial.local_padding)} if spatial.exchanges else values
+        if spatial.exchanges and not call.argument("transposed"):  # transposed: its local op sets them
+            return values | {"padding": list(spatial.local_padding)}
+        return values
 
 
 register_rule([aten.convolution.default], SpatialConvolution())
