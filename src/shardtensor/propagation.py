@@ -128,7 +128,9 @@ def _exact_output_layouts(call, rule, mesh_shape, placements, metas, input_layou
                 for layout, meta in zip(input_layouts, call.inputs)
             ]
             arguments = rule.local_arguments(call, input_layouts, coordinate) or (call.args, dict(call.kwargs))
-            key = (tuple(meta.shape for meta in inputs), repr(arguments))
+            key = (
+                tuple(meta.shape for meta in inputs), repr(arguments), rule.local_shape_key(call, input_layouts, coordinate)
+            )
             if key not in evaluated:
                 local_op = rule.local_op(call, input_layouts, coordinate)
                 op = call.op if local_op is None else lambda *args, **kwargs: local_op(None, *args, **kwargs)

@@ -200,6 +200,12 @@ class ShardingRule:
         None runs the op itself. Output shard sizes come from it on meta tensors, with mesh None."""
         return None
 
+    def local_shape_key(self, call: OpCall, input_layouts: Sequence[Layout], coordinate: Sequence[int]):
+        """What the local op's output shapes depend on at `coordinate` besides its local input shapes
+        and arguments (a halo exchange's window); coordinates with equal keys share one evaluation on
+        meta tensors. None: nothing else."""
+        return None
+
 
 class RowsRule(ShardingRule):
     """A rule given as a plain function from an `OpCall` to rows (and, optionally, its `value_keys`)."""

@@ -414,6 +414,8 @@ def _with_channels(weight: torch.Tensor) -> torch.Tensor:
 class Convolution(ShardingRule):
     """(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups).
 
+    Registered by `ops/spatial_conv.py`, whose rule adds the spatially sharded rows to these.
+
     Batch-sharded input is local; an output-channel-sharded weight (and bias) gives S(1); an
     input-channel-sharded input and weight give Partial(sum), the bias then added on one rank only
     (Partial too). Transposed and grouped convolutions shard the batch only. A shard without
@@ -535,8 +537,6 @@ register_rule([aten.embedding.default], Embedding())
 register_rule([aten.embedding_dense_backward.default], EmbeddingBackward())
 register_rule([aten.nll_loss_forward.default], NllLoss())
 register_rule([aten.nll_loss_backward.default], NllLossBackward())
-register_rule([aten.convolution.default], Convolution())
-register_rule([aten.convolution_backward.default], ConvolutionBackward())
 register_rule([aten._scaled_dot_product_flash_attention_for_cpu.default], Attention("attention", backward=False))
 register_rule([aten._scaled_dot_product_flash_attention_for_cpu_backward.default],
               Attention("attention_backward", backward=True))
