@@ -334,20 +334,24 @@ _PLANE_OPS = {
     "pixel_shuffle": 3, "pixel_unshuffle": 3,  # (*, C, H, W): channels mix with the spatial dims
     "im2col": 3, "col2im": 2,  # (N, C, H, W) <-> (N, C * kernel, blocks)
 }
-# Upsampling forwards (and their `.vec` overloads) and backwards, whose `input_size` is global.
+# Upsampling forwards (and their `.vec` overloads) and backwards, whose `input_size` is global. The
+# `.default` overloads of the ones `spatial_resample` shards spatially are registered there.
 _UPSAMPLE_OPS = {
     "upsample_nearest1d": 1, "_upsample_nearest_exact1d": 1, "upsample_linear1d": 1,
     "upsample_nearest2d": 2, "_upsample_nearest_exact2d": 2, "upsample_bilinear2d": 2, "upsample_bicubic2d": 2,
     "_upsample_bilinear2d_aa": 2, "_upsample_bicubic2d_aa": 2,
     "upsample_nearest3d": 3, "_upsample_nearest_exact3d": 3, "upsample_trilinear3d": 3,
 }
+_PLANES_ONLY = {"_upsample_bilinear2d_aa", "_upsample_bicubic2d_aa"}  # antialiased: spatial dims whole
 
 for _name, _rank in _PLANE_OPS.items():
     register_rule([getattr(aten, _name).default], PlaneRule(_name, _rank))
 for _name, _rank in _UPSAMPLE_OPS.items():
-    register_rule([getattr(aten, _name).default, getattr(aten, _name).vec], PlaneRule(_name, _rank))
-    _backward = getattr(aten, _name + "_backward").default
-    register_rule([_backward], PlaneRule(_name + "_backward", _rank, global_input_size=True))
+    register_rule([getattr(aten, _name).vec], PlaneRule(_name, _rank))
+    if _name in _PLANES_ONLY:
+        register_rule([getattr(aten, _name).default], PlaneRule(_name, _rank))
+        _backward = getattr(aten, _name + "_backward").default
+        register_rule([_backward], PlaneRule(_name + "_backward", _rank, global_input_size=True))
 register_rule([aten.channel_shuffle.default, aten.native_channel_shuffle.default], channel_shuffle)
 register_rule([aten.grid_sampler_2d.default, aten.grid_sampler_3d.default], grid_sampler)
 register_rule([aten.grid_sampler_2d_backward.default, aten.grid_sampler_3d_backward.default], grid_sampler_backward)
