@@ -4,7 +4,7 @@ The field (batch 1, one channel) is sharded along H over mesh dim 0 and along W 
 uneven shard sizes (288 + 224 rows, 192 + 320 columns: multiples of 4, so the two poolings and the
 two upsamplings keep every level's pieces aligned with its skip connection). The model is plain
 torch: 3x3 convolutions, batch norm (training), group norm, instance norm, ReLU, max and average
-pooling down, transposed convolutions up, skip concatenations. Its
+pooling down, a transposed convolution and bilinear interpolation up, skip concatenations. Its
 parameters are replicated (`distribute_module`); every op on the sharded field exchanges only halo
 rows with its mesh neighbours, and the norms reduce their statistics in one all_reduce each.
 
@@ -38,7 +38,7 @@ def convolution_block(inputs: int, outputs: int, norm: nn.Module) -> nn.Sequenti
 
 
 class UNet(nn.Module):
-    """Two levels down (max pool, average pool), two up (transposed convolutions)."""
+    """Two levels down (max pool, average pool), two up (transposed convolution, bilinear)."""
 
     def __init__(self, channels: int = 8):
         super().__init__()
@@ -51,7 +51,7 @@ class UNet(nn.Module):
         self.decoder1 = convolution_block(2 * channels, channels, nn.BatchNorm2d(channels))
         self.head = nn.Conv2d(channels, 1, 1)
         self.max_pool, self.average_pool = nn.MaxPool2d(2), nn.AvgPool2d(2)
-        self.up1 = nn.ConvTranspose2d(channels, channels, 2, stride=2)
+        self.up1 = nn.Upsample(scale_factor=2, mode="bilinear", align_corners=False)
 
     def forward(self, field: torch.Tensor) -> torch.Tensor:
         skip1 = self.encoder1(field)
