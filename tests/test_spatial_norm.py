@@ -19,7 +19,7 @@ SHAPE = (3, 4, 7, 6)  # (N, C, H, W): 7 rows leave uneven and empty shards
 # mesh shape -> [(placements of the field, explicit shard sizes or None)]: spatial, batch and spatial, uneven.
 LAYOUTS = {
     (2,): [([Shard(2)], None), ([Shard(3)], {0: [5, 1]}), ([Shard(0)], None)],
-    (4,): [([Shard(2)], {0: [3, 1, 0, 3]}), ([Shard(3)], None)],
+    (4,): [([Shard(2)], {0: [3, 1, 0, 3]}), ([Shard(3)], None), ([Shard(0)], None)],  # 3 samples: one rank has none
     (2, 2): [([Shard(2), Shard(3)], {0: [5, 2], 1: [1, 5]}), ([Shard(0), Shard(2)], {1: [2, 5]}),
              ([Shard(3), Shard(2)], None)],
 }

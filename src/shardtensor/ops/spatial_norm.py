@@ -107,8 +107,10 @@ class _Reduction:
 
 
 def _grouped(tensor: torch.Tensor, groups: int) -> torch.Tensor:
-    """(N, C, *spatial) viewed as (N, groups, C // groups, spatial positions)."""
-    return tensor.reshape(tensor.size(0), groups, tensor.size(1) // groups, -1)
+    """(N, C, *spatial) viewed as (N, groups, C // groups, spatial positions); sizes given in full,
+    since a shard may be empty (no samples, rows or channels) and still joins the all_reduce."""
+    per_group = tensor.size(1) // groups if groups else 0
+    return tensor.reshape(tensor.size(0), groups, per_group, math.prod(tensor.shape[2:]))
 
 
 def _per_channel(tensor: torch.Tensor | None, grouped: torch.Tensor) -> torch.Tensor | None:
