@@ -53,11 +53,17 @@ def _kinds(mode: CommDebugMode) -> list[str]:
     return [record.kind for record in mode.records]
 
 
+def _like_field(placements, leading_dims=1):
+    """Placements of a parameter shaped like the field without its `leading_dims` (LayerNorm([C, H, W]))."""
+    return [Shard(p.dim - leading_dims) if isinstance(p, Shard) and p.dim >= leading_dims else R for p in placements]
+
+
 def _check_norm(mesh, function, parameters_full, *, collectives=lambda placements: 1, backward_collectives=None,
-                dtype=torch.float64):
+                dtype=torch.float64, parameters_like_field=False):
     """`function(x, *parameters)` on every layout of `mesh` against one device: values, parameter and
     input gradients, and `collectives(placements)` all_reduces in the forward and in the backward
-    (none else; `backward_collectives(placements)` in the backward when given).
+    (none else; `backward_collectives(placements)` in the backward when given). The parameters are
+    Replicate, or sharded like the field (`parameters_like_field`: LayerNorm([C, H, W])'s).
 
     In float32 the parameter gradients are sums over the whole field (126 products here) that torch
     and the shards add in different orders: their tolerance is that of such a sum (rtol 1e-5)."""
@@ -65,7 +71,10 @@ def _check_norm(mesh, function, parameters_full, *, collectives=lambda placement
     full, grad_full = _data(0, dtype=dtype), _data(1, dtype=dtype)
     for placements, shard_sizes in LAYOUTS[tuple(mesh.shape)]:
         x = _field(full, mesh, placements, shard_sizes, requires_grad=True)
-        parameters = [distribute_tensor(t, mesh, [R] * mesh.ndim).requires_grad_() for t in parameters_full]
+        if parameters_like_field:
+            parameters = [_field(t, mesh, _like_field(placements), shard_sizes, requires_grad=True) for t in parameters_full]
+        else:
+            parameters = [distribute_tensor(t, mesh, [R] * mesh.ndim).requires_grad_() for t in parameters_full]
         references = [t.clone().requires_grad_() for t in (full, *parameters_full)]
         with shardtensor.strict_mode(), CommDebugMode() as forward:
             y = function(x, *parameters)
@@ -200,3 +209,15 @@ def test_layer_norm_over_channels_is_local(mesh):
     # Backward: the weight and bias gradients, Partial over the shards, reduced where they accumulate.
     _check_norm(mesh, channel_layer_norm, _parameters(2), collectives=lambda placements: 0,
                 backward_collectives=lambda placements: 1)
+
+
+@spmd(meshes=[(2,), (4,), (2, 2)])
+def test_layer_norm_over_channels_and_space_reduces_over_spatial_shards_once(mesh):
+    """LayerNorm([C, H, W]) on a split field: weight and bias sharded like it; per-sample statistics
+    in one all_reduce forward, the grad sums in one backward (plus the Partial parameter gradients'
+    reduction over a batch shard)."""
+    normalized = SHAPE[1:]
+    parameters = [_data(10 + index, normalized) for index in range(2)]
+    _check_norm(mesh, lambda x, weight, bias: F.layer_norm(x, normalized, weight, bias), parameters,
+                collectives=_spatial, backward_collectives=_spatial_and_batch, parameters_like_field=True)
+    _check_norm(mesh, lambda x: F.layer_norm(x, normalized[1:]), [], collectives=_spatial)  # (H, W) per (n, c)

@@ -1,4 +1,4 @@
-"""Sharding rules: batch norm and group norm on spatially sharded activations (domain parallelism).
+"""Sharding rules: batch, group and layer norm on spatially sharded activations (domain parallelism).
 
 A field split along its spatial dims (and often its batch on another mesh dim) normalizes with
 statistics of the whole field. Each rank computes count, mean and M2 (sum of squared deviations)
@@ -18,8 +18,10 @@ keep) by composition:
   backward is local with Partial weight and bias gradients.
 - group norm: rows sharding a spatial dim; `N` and `HxW` become local. The weight and bias gradients
   come out whole along the spatial mesh dims (Partial along a batch one, as before).
-instance_norm runs batch norm on (1, N * C, ...), and layer norm over channels (channels-last, or a
-permute of NCHW) normalizes only unsharded trailing dims: both need nothing more.
+- layer norm (`nn.layer_norm`'s rows kept): rows sharding a normalized dim (LayerNorm([C, H, W])),
+  weight and bias sharded like it, per-sample statistics in one all_reduce. Layer norm over the
+  channels of a channels-last field (or a permuted NCHW one) normalizes unsharded dims: local.
+instance_norm runs batch norm on (1, N * C, ...): it needs nothing more.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import torch
 from .. import comm
 from ..placement import Partial, Replicate, Shard
 from ..rules import DataDependentOutput, LocalCollective, OpCall, Row, ShardingRule, TensorMeta, run_on_meta, schema_positions
-from .nn import GroupNorm, _masked_outputs
+from .nn import GroupNorm, _masked_outputs, layer_norm, layer_norm_backward
 from .nn_spatial import _BATCH_NORM_FORWARD, BatchNorm, BatchNormBackward, _channels_or_zeros, _running_statistics, _training
 from .registry import register_rule
 
@@ -394,7 +396,91 @@ class SpatialGroupNorm(ShardingRule):
         return group_norm_backward if self.backward else group_norm
 
 
+# ---- layer norm ------------------------------------------------------------------------------------
+
+
+class SpatialLayerNorm(ShardingRule):
+    """`native_layer_norm(input, normalized_shape, weight, bias, eps)` and its backward: `nn`'s rows
+    (batch dims), and rows sharding a normalized dim (LayerNorm([C, H, W]) on a split field) with
+    weight and bias sharded alike; per-sample statistics (forward) or grad sums (backward) are
+    all_reduced once, the weight and bias gradients stay sharded like them. `normalized_shape`
+    becomes local.
+    """
+
+    def __init__(self, name: str, rows, backward: bool):
+        self.__name__, self.batch_rows, self.backward = name, rows, backward
+        self.field_tensors = 1 + backward  # input; grad_out and input
+
+    def _batch_dims(self, call: OpCall) -> int:
+        return call.inputs[self.field_tensors - 1].ndim - len(call.argument("normalized_shape"))
+
+    def rows(self, call: OpCall) -> list[Row]:
+        rows = list(self.batch_rows(call))
+        meta, batch_dims = call.inputs[self.field_tensors - 1], self._batch_dims(call)
+        samples = math.prod(meta.shape[:batch_dims])
+        parameters = len(call.inputs) - self.field_tensors - 2 * self.backward  # weight, bias (after mean, rstd)
+        for dim in range(batch_dims, meta.ndim):
+            shards = (Shard(dim),) * self.field_tensors + (R, R) * self.backward + (Shard(dim - batch_dims),) * parameters
+            if self.backward:
+                outputs = _masked_outputs((Shard(dim),) + (Shard(dim - batch_dims),) * 2, call.argument("output_mask"))
+                rows.append(_synchronized_row(outputs, shards, 2 * samples * _STATISTICS_DTYPE.itemsize))
+            else:
+                rows.append(_synchronized_row((Shard(dim), R, R), shards, 3 * samples * _STATISTICS_DTYPE.itemsize))
+        return rows
+
+    def local_arguments(self, call, input_layouts, coordinate):
+        local_shape = input_layouts[self.field_tensors - 1].local_shape(coordinate)
+        return call.with_arguments(normalized_shape=list(local_shape[self._batch_dims(call):]))
+
+    def local_op(self, call, input_layouts, coordinate):
+        batch_dims = self._batch_dims(call)
+        layout = input_layouts[self.field_tensors - 1]
+        reduction = _Reduction(layout, range(batch_dims, layout.ndim), coordinate)
+        if not reduction.mesh_dims:
+            return None
+        op, metas = call.op, run_on_meta(call.op, call.args, dict(call.kwargs))
+        count = math.prod(call.inputs[self.field_tensors - 1].shape[batch_dims:])
+
+        def flat(tensor):  # (samples, 1, 1, normalized elements): one statistic per sample
+            return tensor.reshape(math.prod(tensor.shape[:batch_dims]), 1, 1, math.prod(tensor.shape[batch_dims:]))
+
+        def layer_norm(mesh, *args, **kwargs):
+            arguments = _bound(op, args, kwargs)
+            tensor, weight, bias = arguments["input"], arguments.get("weight"), arguments.get("bias")
+            mean, variance = reduction.merged_moments(flat(tensor), (2, 3), mesh)
+            inverse_std = (variance + arguments["eps"]).rsqrt()
+            output = ((flat(tensor) - mean.to(tensor.dtype)) * inverse_std.to(tensor.dtype)).reshape(tensor.shape)
+            output = output * weight if weight is not None else output
+            output = output + bias if bias is not None else output
+            statistic_shape = (*tensor.shape[:batch_dims], *(1,) * (tensor.ndim - batch_dims))
+            return (output, mean.reshape(statistic_shape).to(metas[1].dtype),
+                    inverse_std.reshape(statistic_shape).to(metas[2].dtype))
+
+        def layer_norm_backward(mesh, *args, **kwargs):
+            arguments = _bound(op, args, kwargs)
+            grad, tensor, weight = arguments["grad_out"], arguments["input"], arguments.get("weight")
+            normalized = (tensor - arguments["mean"]) * arguments["rstd"]
+            weighted = grad * weight if weight is not None else grad
+            dims = tuple(range(batch_dims, tensor.ndim))
+            sums = torch.stack([weighted.sum(dims, keepdim=True, dtype=_STATISTICS_DTYPE),
+                                (weighted * normalized).sum(dims, keepdim=True, dtype=_STATISTICS_DTYPE)])
+            weighted_sum, weighted_normalized_sum = reduction.sum(sums, mesh).to(tensor.dtype).unbind(0)
+            output_mask, batch = arguments["output_mask"], tuple(range(batch_dims))
+            grad_input = grad_weight = grad_bias = None
+            if output_mask[0]:
+                grad_input = arguments["rstd"] * (weighted - weighted_sum / count - normalized * weighted_normalized_sum / count)
+            if output_mask[1]:
+                grad_weight = (grad * normalized).sum(batch) if batch else grad * normalized
+            if output_mask[2]:
+                grad_bias = grad.sum(batch) if batch else grad.clone()
+            return grad_input, grad_weight, grad_bias
+
+        return layer_norm_backward if self.backward else layer_norm
+
+
 register_rule(list(_BATCH_NORM_FORWARD), SpatialBatchNorm())
 register_rule([aten.native_batch_norm_backward.default, aten.batch_norm_backward.default], SpatialBatchNormBackward())
 register_rule([aten.native_group_norm.default], SpatialGroupNorm("group_norm", 1, backward=False))
 register_rule([aten.native_group_norm_backward.default], SpatialGroupNorm("group_norm_backward", 4, backward=True))
+register_rule([aten.native_layer_norm.default], SpatialLayerNorm("layer_norm", layer_norm, backward=False))
+register_rule([aten.native_layer_norm_backward.default], SpatialLayerNorm("layer_norm_backward", layer_norm_backward, backward=True))
