@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from ..halo import (
-    Exchange, SlidingWindow, exchange, exchange_gradient, exchange_shape, exchanged_bytes, shard_bounds,
+    Bounds, Exchange, SlidingWindow, exchange, exchange_gradient, exchange_shape, exchanged_bytes, shard_bounds,
 )
 from ..layout import Layout
 from ..placement import Partial, Replicate, Shard
@@ -71,22 +71,20 @@ class _Spatial:
     each coordinate owns there, and the padding left for the local convolution (0 on sharded dims)."""
 
     exchanges: tuple[Exchange, ...]
-    output_bounds: dict
+    output_bounds: dict[int, Bounds]  # tensor dim -> output rows per piece
     local_padding: tuple[int, ...]
+
+    def outputs(self, step: Exchange, mesh_shape, coordinate) -> tuple[int, int]:
+        """The output rows (start, stop) along `step`'s dim that the rank at `coordinate` owns."""
+        return self.output_bounds[step.dim][step.piece(mesh_shape, coordinate)]
 
     def key(self, mesh_shape, coordinate) -> tuple:
         """This coordinate's windows and output rows: what its local output shape depends on."""
-        return tuple(
-            (step.window(mesh_shape, coordinate), self.output_bounds[step.dim][step.piece(mesh_shape, coordinate)])
-            for step in self.exchanges
-        )
+        return tuple((step.window(mesh_shape, coordinate), self.outputs(step, mesh_shape, coordinate))
+                     for step in self.exchanges)
 
     def owns_no_output(self, mesh_shape, coordinate) -> bool:
-        return any(
-            self.output_bounds[step.dim][step.piece(mesh_shape, coordinate)][0]
-            == self.output_bounds[step.dim][step.piece(mesh_shape, coordinate)][1]
-            for step in self.exchanges
-        )
+        return any(start == stop for start, stop in (self.outputs(step, mesh_shape, coordinate) for step in self.exchanges))
 
 
 def spatial_exchanges(call: OpCall, input_layout: Layout, input_meta: TensorMeta, weight_meta: TensorMeta) -> _Spatial:
@@ -98,10 +96,8 @@ def spatial_exchanges(call: OpCall, input_layout: Layout, input_meta: TensorMeta
         if not input_layout.shard_order[dim]:
             padding.append(window.padding)
             continue
-        size = input_meta.shape[dim]
-        bounds = shard_bounds(input_layout, dim)
-        outputs = window.output_bounds(bounds, window.output_size(size))
-        exchanges.append(Exchange(input_layout.shard_order[dim], dim, bounds, window.input_windows(outputs), "zeros"))
+        outputs = window.output_bounds(shard_bounds(input_layout, dim), window.output_size(input_meta.shape[dim]))
+        exchanges.append(Exchange.of_layout(input_layout, dim, window.input_windows(outputs), "zeros"))
         bounds_by_dim[dim] = outputs
         padding.append(0)
     return _Spatial(tuple(exchanges), bounds_by_dim, tuple(padding))
@@ -257,7 +253,7 @@ class SpatialConvolutionBackward(ConvolutionBackward):
         empty = spatial.owns_no_output(mesh_shape, coordinate)
         # grad_output Replicate on a sharded dim: this rank's output rows are sliced from it.
         slices = [
-            (step.dim, spatial.output_bounds[step.dim][step.piece(mesh_shape, coordinate)])
+            (step.dim, spatial.outputs(step, mesh_shape, coordinate))
             for step in spatial.exchanges if not grad_layout.shard_order[step.dim]
         ]
 
@@ -285,12 +281,12 @@ class SpatialConvolutionBackward(ConvolutionBackward):
 
         return halo_backward
 
-    def local_arguments(self, call, input_layouts, coordinate):
+    def local_values(self, call, input_layouts, coordinate) -> dict:
+        values = super().local_values(call, input_layouts, coordinate)
         spatial = spatial_exchanges(call, input_layouts[1], call.inputs[1], call.inputs[2])
-        values = {"padding": list(spatial.local_padding)} if spatial.exchanges and not call.argument("transposed") else {}
-        if call.argument("bias_sizes") is not None:
-            values["bias_sizes"] = [input_layouts[0].local_shape(coordinate)[1]]
-        return call.with_arguments(**values) if values else None
+        if spatial.exchanges and not call.argument("transposed"):  # transposed: spatial_conv_transpose's local op
+            return values | {"padding": list(spatial.local_padding)}
+        return values
 
 
 register_rule([aten.convolution.default], SpatialConvolution())
