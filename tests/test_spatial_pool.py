@@ -9,6 +9,7 @@ from torch.testing import assert_close
 
 import shardtensor
 from shardtensor import DTensor, Replicate, Shard, comm, distribute_tensor
+from shardtensor.layout import Layout
 
 R = Replicate()
 
@@ -42,13 +43,11 @@ def _sharded(full, mesh, placements, sizes=None):
     """A leaf DTensor of `full`; `sizes`: {mesh_dim: shard sizes} for uneven shards."""
     if sizes is None:
         return distribute_tensor(full, mesh, placements).requires_grad_()
-    coordinate = mesh.get_coordinate()
+    layout = Layout.create(mesh.shape, placements, full.shape, shard_sizes=sizes)
     local = full
-    for mesh_dim, placement in enumerate(placements):
-        if isinstance(placement, Shard):
-            sizes_here = sizes[mesh_dim]
-            start = sum(sizes_here[: coordinate[mesh_dim]])
-            local = local.narrow(placement.dim, start, sizes_here[coordinate[mesh_dim]])
+    coordinate = mesh.get_coordinate()
+    for dim, (start, size) in enumerate(zip(layout.local_offset(coordinate), layout.local_shape(coordinate))):
+        local = local.narrow(dim, start, size)
     dtensor = DTensor.from_local(local.contiguous(), mesh, placements, shape=full.shape, shard_sizes=sizes)
     return dtensor.detach().requires_grad_()
 
@@ -103,10 +102,10 @@ def _uneven(mesh, size):
 @spmd(meshes=[(2,), (4,), (2, 2)])
 def test_pooling_on_spatial_shards_even_and_uneven(mesh):
     torch.manual_seed(0)
-    for name, function, shape in POOLINGS:
+    for index, (name, function, shape) in enumerate(POOLINGS):
         full = torch.randn(shape, dtype=torch.float64)
-        if mesh.ndim == 1:
-            layouts = [([Shard(2)], None), ([Shard(3)], None), ([Shard(2)], _uneven(mesh, shape[2]))]
+        if mesh.ndim == 1:  # even shards of the height or the width, in turn
+            layouts = [([Shard(2 + index % 2)], None), ([Shard(2)], _uneven(mesh, shape[2]))]
         else:
             layouts = [([Shard(2), Shard(3)], None), ([Shard(2), Shard(3)], {0: [1, shape[2] - 1], 1: [6, shape[3] - 6]})]
         for placements, sizes in layouts:

@@ -332,7 +332,7 @@ def _channels_or_zeros(op, local_input_shape: Sequence[int]):
 _PLANE_OPS = {
     "max_unpool2d": 2, "max_unpool3d": 3,
     "pixel_shuffle": 3, "pixel_unshuffle": 3,  # (*, C, H, W): channels mix with the spatial dims
-    "im2col": 3, "col2im": 2,  # (N, C, H, W) <-> (N, C * kernel, blocks)
+    # im2col, col2im (N, C, H, W) <-> (N, C * kernel, blocks): ops/spatial_unfold.py
 }
 # Upsampling forwards (and their `.vec` overloads) and backwards, whose `input_size` is global. The
 # `.default` overloads of the ones `spatial_resample` shards spatially are registered there.
