@@ -106,6 +106,31 @@ def test_pad(mesh, mode, spatial):
     _check(mesh, lambda x: F.pad(x, PADS[spatial], mode=mode), spatial + 2, communicates=mode != "constant")
 
 
+@pytest.mark.parametrize("mode", ["reflect", "replicate"])
+@spmd(meshes=[(2,), (4,), (2, 2)])
+def test_pad_that_crops(mesh, mode):
+    """Negative widths crop: the edge shards lose rows (a thin one all of them), the others pad."""
+    _check(mesh, lambda x: F.pad(x, (-1, 2, 1, -2), mode=mode), 4, communicates=True)
+
+
+@spmd(meshes=[(2,)])
+def test_circular_pad_that_crops_moves_the_cropped_dim(mesh):
+    """A cropped circular pad wraps over the rows kept, not over the shards: that dim is not kept
+    sharded (the values are right), a dim padded without cropping is."""
+    full = _full((2, 3, 7, 6))
+    for pad, keeps_shard in (((0, 0, -1, 2), False), ((-1, 2, 1, 2), True)):  # H (dim 2) cropped, then W
+        x = distribute_tensor(full, mesh, [Shard(2)]).requires_grad_()
+        reference = full.clone().requires_grad_()
+        y = F.pad(x, pad, mode="circular")
+        expected = F.pad(reference, pad, mode="circular")
+        assert_close(y.full_tensor(), expected.detach())
+        assert (list(y.placements) == [Shard(2)]) == keeps_shard
+        grad = _full(expected.shape, seed=2)
+        expected.backward(grad)
+        y.backward(_like(grad, y))
+        assert_close(x.grad.full_tensor(), reference.grad)
+
+
 # ---- interpolation -----------------------------------------------------------------------------------
 
 INTERPOLATIONS = {

@@ -132,22 +132,26 @@ def _unsharded_padding(padding: Sequence[int], ndim: int, sharded: Sequence[Spat
     return local
 
 
+def _circular_rows(size: int, before: int, after: int, device) -> torch.Tensor:
+    """The input row each output row of a circular pad reads. Negative widths crop first, and the
+    rest wraps around the rows kept (as torch does): row `cropped + (o - before) mod kept`."""
+    cropped, kept = max(-before, 0), size + min(before, 0) + min(after, 0)
+    return cropped + (torch.arange(size + before + after, device=device) - max(before, 0)) % kept
+
+
 def circular_pad(tensor: torch.Tensor, padding: Sequence[int]) -> torch.Tensor:
-    """F.pad(mode="circular") as one gather per padded dim: output row o reads row (o - before) mod N."""
+    """F.pad(mode="circular") as one gather per padded dim (`_circular_rows`)."""
     for dim, (before, after) in _pad_widths(padding, tensor.ndim).items():
-        size = tensor.shape[dim]
-        rows = (torch.arange(size + before + after, device=tensor.device) - before) % size
-        tensor = tensor.index_select(dim, rows)
+        tensor = tensor.index_select(dim, _circular_rows(tensor.shape[dim], before, after, tensor.device))
     return tensor
 
 
 def circular_pad_backward(grad: torch.Tensor, input_shape: Sequence[int], padding: Sequence[int]) -> torch.Tensor:
     """The adjoint of `circular_pad`: every output row's gradient added to the row it read."""
     for dim, (before, after) in reversed(list(_pad_widths(padding, grad.ndim).items())):
-        size = input_shape[dim]
-        rows = (torch.arange(grad.shape[dim], device=grad.device) - before) % size
         shape = list(grad.shape)
-        shape[dim] = size
+        shape[dim] = input_shape[dim]
+        rows = _circular_rows(input_shape[dim], before, after, grad.device)
         grad = grad.new_zeros(shape).index_add_(dim, rows, grad)
     return grad
 
@@ -179,6 +183,8 @@ class PadRule(ShardingRule):
         rows = [Row((R,), (R,) * inputs)]
         rows += [Row((Shard(dim),), (Shard(dim),) * inputs) for dim in range(meta.ndim - len(widths))]
         for dim, (before, after) in sorted(widths.items()):
+            if self.edge == "circular" and min(before, after) < 0:
+                continue  # a cropped circular pad wraps over the rows kept, not the shards: the dim moves
             halo = max(before, after, 0)  # an edge shard's side
             collectives = _halo_collective(meta.shape, meta.dtype.itemsize, dim, halo, self_layout)
             rows.append(Row((Shard(dim),), (Shard(dim),) * inputs, collectives))
@@ -330,7 +336,9 @@ def gather_taps(window: torch.Tensor, dim: int, taps: Taps, rows: tuple[int, int
     return result
 
 
-def scatter_taps(grad: torch.Tensor, dim: int, taps: Taps, rows: tuple[int, int], window: tuple[int, int]) -> torch.Tensor:
+def scatter_taps(
+    grad: torch.Tensor, dim: int, taps: Taps, rows: tuple[int, int], window: tuple[int, int]
+) -> torch.Tensor:
     """The adjoint of `gather_taps`: the gradient of the window rows [window)."""
     indices = (taps.indices[rows[0]:rows[1]] - window[0]).to(grad.device)
     shape = list(grad.shape)
