@@ -244,3 +244,19 @@ def test_gradient_with_other_pieces(mesh):
         y = function(x)
         y.backward(distribute_tensor(grad, mesh, [Shard(2)]))
         assert_close(x.grad.full_tensor(), reference.grad)
+
+
+@spmd(meshes=[(2,)])
+def test_float32_taps(mesh):
+    """In float32 torch computes source coordinates in float32: the same indices and weights here."""
+    full = _full((1, 2, 9, 7)).float()
+    for keywords in (dict(scale_factor=1.7, mode="nearest"), dict(scale_factor=2.3, mode="bilinear"),
+                     dict(size=(13, 5), mode="bicubic", align_corners=True)):
+        x = _sharded(full, mesh, [Shard(2)], {0: [4, 5]})
+        reference = full.clone().requires_grad_()
+        expected = F.interpolate(reference, **keywords)
+        y = F.interpolate(x, **keywords)
+        assert_close(y.full_tensor(), expected.detach())
+        expected.sum().backward()
+        y.sum().backward()
+        assert_close(x.grad.full_tensor(), reference.grad)

@@ -1,30 +1,35 @@
 """Sharding rules that keep spatial dims sharded through padding and resampling (issue 14): reflect,
-replicate and circular pads and the nearest / linear / cubic upsampling ops, forward and backward.
+replicate and circular pads and the nearest / nearest-exact / linear / bilinear / trilinear /
+bicubic upsampling ops, forward and backward.
 
 Every rank knows the global geometry (`resample_geometry`): which output rows each coordinate owns
 (the coordinate holding the output row's source row, so uneven in gives exact uneven out) and which
-input rows, its *window*, they read. The local op fetches the window with `halo.window_exchange`
-(point to point, only the rows a neighbour holds: a shard thinner than the halo reads from a
-neighbour's neighbour) and computes its output rows from it:
+input rows, its *window*, they read. The local op fetches the window with `halo.exchange` (point to
+point, only the rows a peer holds: a shard thinner than the halo reads from a neighbour's neighbour;
+a dim sharded over several mesh dims exchanges over their flattened coordinates) and computes its
+output rows from it:
 
 - pads: the window with the pad's edge mode *is* the padded output along a sharded dim (the edge
   shards get the reflected, repeated or wrapped rows; circular wraps across the first and last
-  shard); dims that are not sharded are padded by the local op. A constant pad needs no exchange:
-  it stays in `shape_ops` (only the edge shards grow).
+  shard; negative widths crop); dims that are not sharded are padded by the local op. A constant
+  pad needs no exchange: it stays in `shape_ops` (only the edge shards grow or shrink).
 - resampling: each output row gathers its taps from the window with torch's own global indices and
   weights (the kernel's coordinate mapping on the window would differ from the global one), so the
   numbers equal the single-device op's. Nearest reads only rows its owner holds: no exchange.
 
 Backward rules run the adjoint: the local gradient of the window (index_add of the taps, or the
-pad's backward with the sharded dims' padding 0), then `halo.window_gradient` returns each row's
+pad's backward with the sharded dims' padding 0), then `halo.exchange_gradient` returns each row's
 gradient to the coordinate holding it. The gradient of the output may be sharded with any pieces:
-windows follow its rows. The input gradient of a resample has the pieces owning the gradient's rows
-(`owners_from_outputs`: the forward input's pieces whenever every input row is some output row's
-source, as when upscaling). A tensor dim sharded over several mesh dims takes the other rows.
+windows follow its rows. The upsampling backward has no input tensor, so its input gradient takes
+pieces that own the gradient's rows (`owners_from_outputs`): the forward input's whenever those
+are `torch.chunk`'s or every input row is some output row's source (upscaling); otherwise (an uneven
+input shrunk) the leaf's gradient is re-laid at the end of backward.
 
 F.pad(mode="circular") decomposes into slices and copies before any aten op is dispatched, so the
 `torch_function` layer rewrites it (`ops.registry.FUNCTION_REWRITES`) to the op
-`shardtensor::pad_circular` defined here, which has a rule and a backward like the aten pads.
+`shardtensor::pad_circular` defined here, which has a rule and a backward like the aten pads. A
+cropped circular pad (a negative width) wraps over the rows it keeps, which no shard edge marks:
+that dim is not kept sharded.
 """
 
 from __future__ import annotations
