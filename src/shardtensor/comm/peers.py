@@ -1,0 +1,94 @@
+"""Who a collective along a mesh dim talks to: its peers in coordinate order, mapped to c10d's group order.
+
+c10d orders a group by global rank, which may differ from coordinate order along the mesh dim; a
+`_Peers` value holds both orders so the collectives can hide the difference. Also the size checks
+every collective makes against its peers, with their error messages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import torch.distributed as dist
+
+from ..mesh import DeviceMesh, local_group, on_new_world
+
+__all__ = ["MeshDims"]
+
+# A mesh dim (index or name), or a tuple of them: the flattened sub-mesh, row-major in the order given.
+MeshDims = int | str | tuple[int | str, ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Peers:
+    mesh_dim: int | tuple[int, ...]
+    size: int
+    coordinate: int
+    ranks: tuple[int, ...]  # global ranks in coordinate order
+    group_order: tuple[int, ...]  # coordinates in c10d group-rank order (sorted by global rank)
+    group_rank: tuple[int, ...]  # coordinate -> c10d group rank
+    group: Any
+
+    @property
+    def in_coordinate_order(self) -> bool:
+        return self.group_order == tuple(range(self.size))
+
+
+_peers_cache: dict[tuple[DeviceMesh, MeshDims], _Peers] = {}
+on_new_world(_peers_cache.clear)  # peers hold the groups of the world they were made in
+
+
+def _peers(mesh: DeviceMesh, mesh_dim: MeshDims) -> _Peers:
+    mesh.check_world("a collective")
+    key = (mesh, mesh_dim)
+    peers = _peers_cache.get(key)
+    if peers is None:
+        if isinstance(mesh_dim, tuple) and len(mesh_dim) > 1:
+            peers = _flattened_peers(mesh, mesh_dim)
+        else:
+            index = mesh._mesh_dim_index(mesh_dim[0] if isinstance(mesh_dim, tuple) else mesh_dim)
+            ranks = mesh.group_ranks(index)
+            group = mesh.get_group(index) if len(ranks) > 1 else None
+            peers = _make_peers(index, ranks, mesh.get_local_rank(index), group)
+        _peers_cache[key] = peers
+    return peers
+
+
+def _make_peers(mesh_dim, ranks: tuple[int, ...], coordinate: int, group) -> _Peers:
+    group_order = tuple(sorted(range(len(ranks)), key=lambda position: ranks[position]))
+    group_rank = tuple(group_order.index(position) for position in range(len(ranks)))
+    return _Peers(mesh_dim, len(ranks), coordinate, ranks, group_order, group_rank, group)
+
+
+def _flattened_peers(mesh: DeviceMesh, mesh_dims: tuple) -> _Peers:
+    """The ranks sharing this rank's coordinate off `mesh_dims`, row-major over `mesh_dims` as given."""
+    indices = tuple(mesh._mesh_dim_index(mesh_dim) for mesh_dim in mesh_dims)
+    if len(set(indices)) != len(indices):
+        raise ValueError(f"mesh dims {mesh_dims} repeat a mesh dim; flatten each mesh dim of {mesh!r} once")
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        raise RuntimeError(f"rank {mesh.get_rank()} is not in {mesh!r}; only its ranks may run its collectives")
+    index = tuple(slice(None) if mesh_dim in indices else coordinate[mesh_dim] for mesh_dim in range(mesh.ndim))
+    kept = sorted(indices)
+    sub_mesh = mesh.mesh[index].permute([kept.index(mesh_dim) for mesh_dim in indices])
+    ranks = tuple(sub_mesh.flatten().tolist())
+    group = None
+    if len(ranks) > 1:
+        group = dist.group.WORLD if len(ranks) == dist.get_world_size() else local_group(ranks)
+    return _make_peers(indices, ranks, ranks.index(mesh.get_rank()), group)
+
+
+def _sizes_error(function: str, what: str, given, peers: _Peers, expected: str) -> ValueError:
+    return ValueError(
+        f"{function}: {what} {given!r} does not fit mesh dim {peers.mesh_dim} with {peers.size} ranks "
+        f"(this rank is coordinate {peers.coordinate}); expected {expected}"
+    )
+
+
+def _check_sizes(function: str, name: str, sizes: Sequence[int], peers: _Peers) -> list[int]:
+    sizes = [int(size) for size in sizes]
+    if len(sizes) != peers.size or any(size < 0 for size in sizes):
+        raise _sizes_error(function, name, sizes, peers, f"{peers.size} non-negative sizes in coordinate order")
+    return sizes

@@ -1,0 +1,81 @@
+"""How tensors travel through c10d: bools as bytes, views resolved, reduce ops by name, and the one
+uneven exchange (`_exchange`, an all_to_all_single in coordinate order) that the uneven all_gather,
+all_to_all and uneven reduce_scatter share.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from .peers import _Peers
+
+_REDUCE_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "avg": dist.ReduceOp.AVG,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+    "product": dist.ReduceOp.PRODUCT,
+}
+# Bools reduce as uint8: "sum" and "max" are any (logical or), "product" and "min" are all.
+_BOOL_REDUCE_OPS = {"sum": "max", "max": "max", "min": "min", "product": "min"}
+
+
+def _wire(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor as c10d moves it: bools travel as uint8 (same bytes); a conjugate or negative view
+    (`x.conj()`) is resolved first, since c10d sends the memory and would drop the view's meaning."""
+    tensor = tensor.resolve_conj().resolve_neg()
+    return tensor.view(torch.uint8) if tensor.dtype == torch.bool else tensor
+
+
+def _unwire(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return tensor.view(torch.bool) if dtype == torch.bool else tensor
+
+
+def _with_size(shape: Sequence[int], dim: int, size: int) -> list[int]:
+    shape = list(shape)
+    shape[dim] = size
+    return shape
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _reduce_op(function: str, reduce_op: str, dtype: torch.dtype) -> str:
+    if reduce_op not in _REDUCE_OPS:
+        raise ValueError(f"{function}: reduce_op {reduce_op!r} is not one of {sorted(_REDUCE_OPS)}")
+    if dtype == torch.bool:
+        if reduce_op not in _BOOL_REDUCE_OPS:
+            raise ValueError(f"{function}: reduce_op {reduce_op!r} has no meaning for bool tensors; "
+                             f"use one of {sorted(_BOOL_REDUCE_OPS)} (sum/max = any, product/min = all)")
+        return _BOOL_REDUCE_OPS[reduce_op]
+    return reduce_op
+
+
+def _exchange(send: Sequence[torch.Tensor | None], receive_shapes: Sequence[Sequence[int] | None],
+              template: torch.Tensor, peers: _Peers, async_op: bool):
+    """One `all_to_all_single`: send[c] goes to coordinate c, a tensor of receive_shapes[c] comes back.
+
+    None entries move nothing. Returns (c10d work, function giving the received tensors in
+    coordinate order, bytes sent, bytes received).
+    """
+    input_splits = [0 if send[c] is None else send[c].numel() for c in peers.group_order]
+    output_splits = [0 if receive_shapes[c] is None else math.prod(receive_shapes[c]) for c in peers.group_order]
+    flat = [send[c].reshape(-1) for c in peers.group_order if send[c] is not None]
+    send_buffer = torch.cat(flat) if flat else template.new_empty(0)
+    receive_buffer = template.new_empty(sum(output_splits))
+    work = dist.all_to_all_single(receive_buffer, send_buffer, output_splits, input_splits,
+                                  group=peers.group, async_op=async_op)
+
+    def received() -> list[torch.Tensor | None]:
+        by_group_rank = receive_buffer.split(output_splits)
+        return [None if receive_shapes[c] is None else by_group_rank[peers.group_rank[c]].view(receive_shapes[c])
+                for c in range(peers.size)]
+
+    element_size = template.element_size()
+    return work, received, sum(input_splits) * element_size, sum(output_splits) * element_size
+
