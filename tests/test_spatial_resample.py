@@ -260,3 +260,26 @@ def test_float32_taps(mesh):
         expected.sum().backward()
         y.sum().backward()
         assert_close(x.grad.full_tensor(), reference.grad)
+
+
+@spmd(meshes=[(2, 2)])
+def test_channels_and_a_spatial_dim_sharded(mesh):
+    """Channels on one mesh dim (one coordinate has none: the kernels refuse such a shard) and H on
+    the other: the exchange runs along H only, on whatever channels each coordinate holds."""
+    full = _full((2, 1, 7, 6))
+    for function in (lambda x: F.pad(x, (1, 2, 2, 1), mode="reflect"),
+                     lambda x: F.pad(x, (1, 2, 2, 1), mode="circular"),
+                     lambda x: F.interpolate(x, scale_factor=2, mode="bilinear"),
+                     lambda x: F.interpolate(x, size=(9, 4), mode="bicubic")):
+        x = distribute_tensor(full, mesh, [Shard(1), Shard(2)]).requires_grad_()
+        reference = full.clone().requires_grad_()
+        expected = function(reference)
+        with comm.observe() as records:
+            y = function(x)
+        assert list(y.placements) == [Shard(1), Shard(2)]
+        assert {record.kind for record in records} <= {"batch_p2p"}
+        assert_close(y.full_tensor(), expected.detach())
+        grad = _full(expected.shape, seed=4)
+        expected.backward(grad)
+        y.backward(_like(grad, y))
+        assert_close(x.grad.full_tensor(), reference.grad)
