@@ -92,6 +92,12 @@ def _spatial_dim(layout: Layout, dim: int, coordinate, bounds: Bounds, windows, 
     return SpatialDim(exchange, tuple(outputs), exchange.piece(layout.mesh_shape, coordinate))
 
 
+def _rows_outside(window: tuple[int, int], held: tuple[int, int]) -> int:
+    """Rows of `window` that lie outside `held` (received from peers)."""
+    inside = max(min(window[1], held[1]) - max(window[0], held[0]), 0)
+    return window[1] - window[0] - inside
+
+
 def _halo_collective(shape, itemsize: int, dim: int, rows: int, layout: Layout | None) -> tuple[LocalCollective, ...]:
     """The point-to-point exchange of a halo of `rows` rows of `dim` (one side's) into a rank: rows
     as wide as a local shard's when the input's `layout` is known (the other dims' sharding kept)."""
@@ -376,14 +382,37 @@ class UpsampleRule(PlaneRule):
         return self._rows(call, layouts[0])
 
     def _rows(self, call: OpCall, layout: Layout | None) -> list[Row]:
-        """The halo is of input rows: the gradient's, in the backward (as wide as `input_size`'s)."""
+        """The halo is of input rows: the gradient's, in the backward (as wide as `input_size`'s). On
+        a dim the input is sharded on already, the most rows any coordinate receives (a nearest
+        forward none; its backward some when the gradient has other pieces than the output)."""
         rows = list(super().rows(call))
         meta = call.inputs[0]
         shape = call.argument("input_size") if self.backward else meta.shape
-        for dim in range(meta.ndim - self.spatial_rank, meta.ndim):
-            collectives = _halo_collective(shape, meta.dtype.itemsize, dim, _HALO_ROWS[self.mode], layout)
+        first_spatial = meta.ndim - self.spatial_rank
+        geometry = self._geometry(call, meta.dtype) if layout is not None else None
+        for dim in range(first_spatial, meta.ndim):
+            halo = _HALO_ROWS[self.mode]
+            if geometry is not None and layout.shard_order[dim]:
+                bounds, _, windows = self._dim_geometry(call, layout, dim, geometry)
+                halo = max(_rows_outside(window, held) for window, held in zip(windows, bounds))
+            collectives = _halo_collective(shape, meta.dtype.itemsize, dim, halo, layout)
             rows.append(Row((Shard(dim),), (Shard(dim),), collectives))
         return rows
+
+    def _dim_geometry(self, call, layout: Layout, dim: int, geometry) -> tuple[Bounds, Bounds, Bounds]:
+        """(input rows each coordinate holds, output rows it computes, input rows it reads) on `dim`."""
+        input_size, _, taps = geometry
+        dim_taps = taps[dim - (layout.ndim - self.spatial_rank)]
+        if self.backward:  # windows follow the gradient's rows; the input gradient's pieces own them
+            outputs = shard_bounds(layout, dim)
+            size = input_size[dim - (layout.ndim - self.spatial_rank)]
+            # It prefers the pieces an evenly sharded input has.
+            preferred = Layout.create(layout.mesh_shape, layout.placements, call.argument("input_size")).pieces[dim]
+            bounds = tuple(owners_from_outputs(dim_taps.sources, size, outputs, preferred))
+        else:
+            bounds = shard_bounds(layout, dim)
+            outputs = tuple(owned_outputs(dim_taps.sources, bounds))
+        return bounds, outputs, tuple(input_windows(dim_taps.indices, outputs))
 
     def _geometry(self, call: OpCall, dtype: torch.dtype) -> tuple[list[int], list[int], list[Taps]]:
         """(global input sizes, output sizes, taps) of the spatial dims."""
@@ -405,20 +434,11 @@ class UpsampleRule(PlaneRule):
         dims = sharded_spatial_dims(layout, range(first_spatial, layout.ndim))
         if not dims:
             return None
-        input_size, output_size, taps = self._geometry(call, call.inputs[0].dtype)
-        if self.backward:  # the input gradient prefers the pieces an evenly sharded input has
-            default_pieces = Layout.create(layout.mesh_shape, layout.placements, call.argument("input_size")).pieces
+        geometry = self._geometry(call, call.inputs[0].dtype)
+        input_size, output_size, taps = geometry
         sharded = {}
         for dim in dims:
-            dim_taps = taps[dim - first_spatial]
-            if self.backward:  # windows follow the gradient's rows; the input gradient's pieces own them
-                outputs = shard_bounds(layout, dim)
-                size = input_size[dim - first_spatial]
-                bounds = tuple(owners_from_outputs(dim_taps.sources, size, outputs, default_pieces[dim]))
-            else:
-                bounds = shard_bounds(layout, dim)
-                outputs = tuple(owned_outputs(dim_taps.sources, bounds))
-            windows = input_windows(dim_taps.indices, outputs)
+            bounds, outputs, windows = self._dim_geometry(call, layout, dim, geometry)
             sharded[dim] = _spatial_dim(layout, dim, coordinate, bounds, windows, outputs, "none")
         spans = []
         for index, dim in enumerate(range(first_spatial, layout.ndim)):
