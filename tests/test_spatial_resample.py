@@ -106,6 +106,31 @@ def test_pad(mesh, mode, spatial):
     _check(mesh, lambda x: F.pad(x, PADS[spatial], mode=mode), spatial + 2, communicates=mode != "constant")
 
 
+@pytest.mark.parametrize("mode", ["reflect", "replicate"])
+@spmd(meshes=[(2,), (4,), (2, 2)])
+def test_pad_that_crops(mesh, mode):
+    """Negative widths crop: the edge shards lose rows (a thin one all of them), the others pad."""
+    _check(mesh, lambda x: F.pad(x, (-1, 2, 1, -2), mode=mode), 4, communicates=True)
+
+
+@spmd(meshes=[(2,)])
+def test_circular_pad_that_crops_moves_the_cropped_dim(mesh):
+    """A cropped circular pad wraps over the rows kept, not over the shards: that dim is not kept
+    sharded (the values are right), a dim padded without cropping is."""
+    full = _full((2, 3, 7, 6))
+    for pad, keeps_shard in (((0, 0, -1, 2), False), ((-1, 2, 1, 2), True)):  # H (dim 2) cropped, then W
+        x = distribute_tensor(full, mesh, [Shard(2)]).requires_grad_()
+        reference = full.clone().requires_grad_()
+        y = F.pad(x, pad, mode="circular")
+        expected = F.pad(reference, pad, mode="circular")
+        assert_close(y.full_tensor(), expected.detach())
+        assert (list(y.placements) == [Shard(2)]) == keeps_shard
+        grad = _full(expected.shape, seed=2)
+        expected.backward(grad)
+        y.backward(_like(grad, y))
+        assert_close(x.grad.full_tensor(), reference.grad)
+
+
 # ---- interpolation -----------------------------------------------------------------------------------
 
 INTERPOLATIONS = {
@@ -218,4 +243,43 @@ def test_gradient_with_other_pieces(mesh):
         expected.backward(grad)
         y = function(x)
         y.backward(distribute_tensor(grad, mesh, [Shard(2)]))
+        assert_close(x.grad.full_tensor(), reference.grad)
+
+
+@spmd(meshes=[(2,)])
+def test_float32_taps(mesh):
+    """In float32 torch computes source coordinates in float32: the same indices and weights here."""
+    full = _full((1, 2, 9, 7)).float()
+    for keywords in (dict(scale_factor=1.7, mode="nearest"), dict(scale_factor=2.3, mode="bilinear"),
+                     dict(size=(13, 5), mode="bicubic", align_corners=True)):
+        x = _sharded(full, mesh, [Shard(2)], {0: [4, 5]})
+        reference = full.clone().requires_grad_()
+        expected = F.interpolate(reference, **keywords)
+        y = F.interpolate(x, **keywords)
+        assert_close(y.full_tensor(), expected.detach())
+        expected.sum().backward()
+        y.sum().backward()
+        assert_close(x.grad.full_tensor(), reference.grad)
+
+
+@spmd(meshes=[(2, 2)])
+def test_channels_and_a_spatial_dim_sharded(mesh):
+    """Channels on one mesh dim (one coordinate has none: the kernels refuse such a shard) and H on
+    the other: the exchange runs along H only, on whatever channels each coordinate holds."""
+    full = _full((2, 1, 7, 6))
+    for function in (lambda x: F.pad(x, (1, 2, 2, 1), mode="reflect"),
+                     lambda x: F.pad(x, (1, 2, 2, 1), mode="circular"),
+                     lambda x: F.interpolate(x, scale_factor=2, mode="bilinear"),
+                     lambda x: F.interpolate(x, size=(9, 4), mode="bicubic")):
+        x = distribute_tensor(full, mesh, [Shard(1), Shard(2)]).requires_grad_()
+        reference = full.clone().requires_grad_()
+        expected = function(reference)
+        with comm.observe() as records:
+            y = function(x)
+        assert list(y.placements) == [Shard(1), Shard(2)]
+        assert {record.kind for record in records} <= {"batch_p2p"}
+        assert_close(y.full_tensor(), expected.detach())
+        grad = _full(expected.shape, seed=4)
+        expected.backward(grad)
+        y.backward(_like(grad, y))
         assert_close(x.grad.full_tensor(), reference.grad)

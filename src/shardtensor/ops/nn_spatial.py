@@ -334,15 +334,16 @@ _PLANE_OPS = {
     "pixel_shuffle": 3, "pixel_unshuffle": 3,  # (*, C, H, W): channels mix with the spatial dims
     # im2col, col2im (N, C, H, W) <-> (N, C * kernel, blocks): ops/spatial_unfold.py
 }
-# Upsampling forwards (and their `.vec` overloads) and backwards, whose `input_size` is global. The
-# `.default` overloads of the ones `spatial_resample` shards spatially are registered there.
+# Upsampling forwards (and their `.vec` overloads) and backwards, whose `input_size` is global.
 _UPSAMPLE_OPS = {
     "upsample_nearest1d": 1, "_upsample_nearest_exact1d": 1, "upsample_linear1d": 1,
     "upsample_nearest2d": 2, "_upsample_nearest_exact2d": 2, "upsample_bilinear2d": 2, "upsample_bicubic2d": 2,
     "_upsample_bilinear2d_aa": 2, "_upsample_bicubic2d_aa": 2,
     "upsample_nearest3d": 3, "_upsample_nearest_exact3d": 3, "upsample_trilinear3d": 3,
 }
-_PLANES_ONLY = {"_upsample_bilinear2d_aa", "_upsample_bicubic2d_aa"}  # antialiased: spatial dims whole
+# The antialiased ones keep their spatial dims whole; `ops/spatial_resample.py` registers the
+# `.default` overloads and backwards of the others, with rows for spatially sharded inputs.
+_PLANES_ONLY = {"_upsample_bilinear2d_aa", "_upsample_bicubic2d_aa"}
 
 for _name, _rank in _PLANE_OPS.items():
     register_rule([getattr(aten, _name).default], PlaneRule(_name, _rank))

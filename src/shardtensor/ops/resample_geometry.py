@@ -134,9 +134,8 @@ def interpolation_taps(
     return _cubic(input_size, output_size, bool(align_corners), scale, dtype)
 
 
-def owned_outputs(sources: Sequence[int] | torch.Tensor, shard_bounds: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+def owned_outputs(sources: torch.Tensor, shard_bounds: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
     """Per coordinate, the run [start, stop) of output rows whose source row it holds."""
-    sources = torch.as_tensor(sources, dtype=torch.int64)
     bounds = []
     for start, stop in shard_bounds:
         first = int(torch.searchsorted(sources, start))

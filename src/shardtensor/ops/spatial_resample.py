@@ -1,30 +1,35 @@
 """Sharding rules that keep spatial dims sharded through padding and resampling (issue 14): reflect,
-replicate and circular pads and the nearest / linear / cubic upsampling ops, forward and backward.
+replicate and circular pads and the nearest / nearest-exact / linear / bilinear / trilinear /
+bicubic upsampling ops, forward and backward.
 
 Every rank knows the global geometry (`resample_geometry`): which output rows each coordinate owns
 (the coordinate holding the output row's source row, so uneven in gives exact uneven out) and which
-input rows, its *window*, they read. The local op fetches the window with `halo.window_exchange`
-(point to point, only the rows a neighbour holds: a shard thinner than the halo reads from a
-neighbour's neighbour) and computes its output rows from it:
+input rows, its *window*, they read. The local op fetches the window with `halo.exchange` (point to
+point, only the rows a peer holds: a shard thinner than the halo reads from a neighbour's neighbour;
+a dim sharded over several mesh dims exchanges over their flattened coordinates) and computes its
+output rows from it:
 
 - pads: the window with the pad's edge mode *is* the padded output along a sharded dim (the edge
   shards get the reflected, repeated or wrapped rows; circular wraps across the first and last
-  shard); dims that are not sharded are padded by the local op. A constant pad needs no exchange:
-  it stays in `shape_ops` (only the edge shards grow).
+  shard; negative widths crop); dims that are not sharded are padded by the local op. A constant
+  pad needs no exchange: it stays in `shape_ops` (only the edge shards grow or shrink).
 - resampling: each output row gathers its taps from the window with torch's own global indices and
   weights (the kernel's coordinate mapping on the window would differ from the global one), so the
   numbers equal the single-device op's. Nearest reads only rows its owner holds: no exchange.
 
 Backward rules run the adjoint: the local gradient of the window (index_add of the taps, or the
-pad's backward with the sharded dims' padding 0), then `halo.window_gradient` returns each row's
+pad's backward with the sharded dims' padding 0), then `halo.exchange_gradient` returns each row's
 gradient to the coordinate holding it. The gradient of the output may be sharded with any pieces:
-windows follow its rows. The input gradient of a resample has the pieces owning the gradient's rows
-(`owners_from_outputs`: the forward input's pieces whenever every input row is some output row's
-source, as when upscaling). A tensor dim sharded over several mesh dims takes the other rows.
+windows follow its rows. The upsampling backward has no input tensor, so its input gradient takes
+pieces that own the gradient's rows (`owners_from_outputs`): the forward input's whenever those
+are `torch.chunk`'s or every input row is some output row's source (upscaling); otherwise (an uneven
+input shrunk) the leaf's gradient is re-laid at the end of backward.
 
 F.pad(mode="circular") decomposes into slices and copies before any aten op is dispatched, so the
 `torch_function` layer rewrites it (`ops.registry.FUNCTION_REWRITES`) to the op
-`shardtensor::pad_circular` defined here, which has a rule and a backward like the aten pads.
+`shardtensor::pad_circular` defined here, which has a rule and a backward like the aten pads. A
+cropped circular pad (a negative width) wraps over the rows it keeps, which no shard edge marks:
+that dim is not kept sharded.
 """
 
 from __future__ import annotations
@@ -87,6 +92,12 @@ def _spatial_dim(layout: Layout, dim: int, coordinate, bounds: Bounds, windows, 
     return SpatialDim(exchange, tuple(outputs), exchange.piece(layout.mesh_shape, coordinate))
 
 
+def _rows_outside(window: tuple[int, int], held: tuple[int, int]) -> int:
+    """Rows of `window` that lie outside `held` (received from peers)."""
+    inside = max(min(window[1], held[1]) - max(window[0], held[0]), 0)
+    return window[1] - window[0] - inside
+
+
 def _halo_collective(shape, itemsize: int, dim: int, rows: int, layout: Layout | None) -> tuple[LocalCollective, ...]:
     """The point-to-point exchange of a halo of `rows` rows of `dim` (one side's) into a rank: rows
     as wide as a local shard's when the input's `layout` is known (the other dims' sharding kept)."""
@@ -132,22 +143,26 @@ def _unsharded_padding(padding: Sequence[int], ndim: int, sharded: Sequence[Spat
     return local
 
 
+def _circular_rows(size: int, before: int, after: int, device) -> torch.Tensor:
+    """The input row each output row of a circular pad reads. Negative widths crop first, and the
+    rest wraps around the rows kept (as torch does): row `cropped + (o - before) mod kept`."""
+    cropped, kept = max(-before, 0), size + min(before, 0) + min(after, 0)
+    return cropped + (torch.arange(size + before + after, device=device) - max(before, 0)) % kept
+
+
 def circular_pad(tensor: torch.Tensor, padding: Sequence[int]) -> torch.Tensor:
-    """F.pad(mode="circular") as one gather per padded dim: output row o reads row (o - before) mod N."""
+    """F.pad(mode="circular") as one gather per padded dim (`_circular_rows`)."""
     for dim, (before, after) in _pad_widths(padding, tensor.ndim).items():
-        size = tensor.shape[dim]
-        rows = (torch.arange(size + before + after, device=tensor.device) - before) % size
-        tensor = tensor.index_select(dim, rows)
+        tensor = tensor.index_select(dim, _circular_rows(tensor.shape[dim], before, after, tensor.device))
     return tensor
 
 
 def circular_pad_backward(grad: torch.Tensor, input_shape: Sequence[int], padding: Sequence[int]) -> torch.Tensor:
     """The adjoint of `circular_pad`: every output row's gradient added to the row it read."""
     for dim, (before, after) in reversed(list(_pad_widths(padding, grad.ndim).items())):
-        size = input_shape[dim]
-        rows = (torch.arange(grad.shape[dim], device=grad.device) - before) % size
         shape = list(grad.shape)
-        shape[dim] = size
+        shape[dim] = input_shape[dim]
+        rows = _circular_rows(input_shape[dim], before, after, grad.device)
         grad = grad.new_zeros(shape).index_add_(dim, rows, grad)
     return grad
 
@@ -179,6 +194,8 @@ class PadRule(ShardingRule):
         rows = [Row((R,), (R,) * inputs)]
         rows += [Row((Shard(dim),), (Shard(dim),) * inputs) for dim in range(meta.ndim - len(widths))]
         for dim, (before, after) in sorted(widths.items()):
+            if self.edge == "circular" and min(before, after) < 0:
+                continue  # a cropped circular pad wraps over the rows kept, not the shards: the dim moves
             halo = max(before, after, 0)  # an edge shard's side
             collectives = _halo_collective(meta.shape, meta.dtype.itemsize, dim, halo, self_layout)
             rows.append(Row((Shard(dim),), (Shard(dim),) * inputs, collectives))
@@ -330,7 +347,9 @@ def gather_taps(window: torch.Tensor, dim: int, taps: Taps, rows: tuple[int, int
     return result
 
 
-def scatter_taps(grad: torch.Tensor, dim: int, taps: Taps, rows: tuple[int, int], window: tuple[int, int]) -> torch.Tensor:
+def scatter_taps(
+    grad: torch.Tensor, dim: int, taps: Taps, rows: tuple[int, int], window: tuple[int, int]
+) -> torch.Tensor:
     """The adjoint of `gather_taps`: the gradient of the window rows [window)."""
     indices = (taps.indices[rows[0]:rows[1]] - window[0]).to(grad.device)
     shape = list(grad.shape)
@@ -363,14 +382,37 @@ class UpsampleRule(PlaneRule):
         return self._rows(call, layouts[0])
 
     def _rows(self, call: OpCall, layout: Layout | None) -> list[Row]:
-        """The halo is of input rows: the gradient's, in the backward (as wide as `input_size`'s)."""
+        """The halo is of input rows: the gradient's, in the backward (as wide as `input_size`'s). On
+        a dim the input is sharded on already, the most rows any coordinate receives (a nearest
+        forward none; its backward some when the gradient has other pieces than the output)."""
         rows = list(super().rows(call))
         meta = call.inputs[0]
         shape = call.argument("input_size") if self.backward else meta.shape
-        for dim in range(meta.ndim - self.spatial_rank, meta.ndim):
-            collectives = _halo_collective(shape, meta.dtype.itemsize, dim, _HALO_ROWS[self.mode], layout)
+        first_spatial = meta.ndim - self.spatial_rank
+        geometry = self._geometry(call, meta.dtype) if layout is not None else None
+        for dim in range(first_spatial, meta.ndim):
+            halo = _HALO_ROWS[self.mode]
+            if geometry is not None and layout.shard_order[dim]:
+                bounds, _, windows = self._dim_geometry(call, layout, dim, geometry)
+                halo = max(_rows_outside(window, held) for window, held in zip(windows, bounds))
+            collectives = _halo_collective(shape, meta.dtype.itemsize, dim, halo, layout)
             rows.append(Row((Shard(dim),), (Shard(dim),), collectives))
         return rows
+
+    def _dim_geometry(self, call, layout: Layout, dim: int, geometry) -> tuple[Bounds, Bounds, Bounds]:
+        """(input rows each coordinate holds, output rows it computes, input rows it reads) on `dim`."""
+        input_size, _, taps = geometry
+        dim_taps = taps[dim - (layout.ndim - self.spatial_rank)]
+        if self.backward:  # windows follow the gradient's rows; the input gradient's pieces own them
+            outputs = shard_bounds(layout, dim)
+            size = input_size[dim - (layout.ndim - self.spatial_rank)]
+            # It prefers the pieces an evenly sharded input has.
+            preferred = Layout.create(layout.mesh_shape, layout.placements, call.argument("input_size")).pieces[dim]
+            bounds = tuple(owners_from_outputs(dim_taps.sources, size, outputs, preferred))
+        else:
+            bounds = shard_bounds(layout, dim)
+            outputs = tuple(owned_outputs(dim_taps.sources, bounds))
+        return bounds, outputs, tuple(input_windows(dim_taps.indices, outputs))
 
     def _geometry(self, call: OpCall, dtype: torch.dtype) -> tuple[list[int], list[int], list[Taps]]:
         """(global input sizes, output sizes, taps) of the spatial dims."""
@@ -392,20 +434,11 @@ class UpsampleRule(PlaneRule):
         dims = sharded_spatial_dims(layout, range(first_spatial, layout.ndim))
         if not dims:
             return None
-        input_size, output_size, taps = self._geometry(call, call.inputs[0].dtype)
-        if self.backward:  # the input gradient prefers the pieces an evenly sharded input has
-            default_pieces = Layout.create(layout.mesh_shape, layout.placements, call.argument("input_size")).pieces
+        geometry = self._geometry(call, call.inputs[0].dtype)
+        input_size, output_size, taps = geometry
         sharded = {}
         for dim in dims:
-            dim_taps = taps[dim - first_spatial]
-            if self.backward:  # windows follow the gradient's rows; the input gradient's pieces own them
-                outputs = shard_bounds(layout, dim)
-                size = input_size[dim - first_spatial]
-                bounds = tuple(owners_from_outputs(dim_taps.sources, size, outputs, default_pieces[dim]))
-            else:
-                bounds = shard_bounds(layout, dim)
-                outputs = tuple(owned_outputs(dim_taps.sources, bounds))
-            windows = input_windows(dim_taps.indices, outputs)
+            bounds, outputs, windows = self._dim_geometry(call, layout, dim, geometry)
             sharded[dim] = _spatial_dim(layout, dim, coordinate, bounds, windows, outputs, "none")
         spans = []
         for index, dim in enumerate(range(first_spatial, layout.ndim)):
