@@ -164,6 +164,11 @@ def _geometry(kind: str, rank: int, call: OpCall, input_shape: Sequence[int]) ->
     ]
 
 
+def _lowest(dtype: torch.dtype):
+    """A value max pooling never prefers to an input value: the padding torch ignores."""
+    return float("-inf") if dtype.is_floating_point else torch.iinfo(dtype).min
+
+
 # ---- the plan of one call on one layout -------------------------------------------------------------
 
 
@@ -187,10 +192,12 @@ class _Plan:
     sharded: tuple[_Sharded, ...]
 
     @classmethod
-    def of(cls, kind: str, rank: int, call: OpCall, layout: Layout) -> _Plan:
+    def of(cls, kind: str, rank: int, call: OpCall, layout: Layout, dtype: torch.dtype) -> _Plan:
+        """The plan of `call` on its input (of `dtype`) laid out as `layout`: windows of max pooling
+        filled with the lowest value outside the input, of avg pooling with zeros."""
         geometry = tuple(_geometry(kind, rank, call, layout.shape))
         first = layout.ndim - rank
-        edge = "none" if kind.startswith("adaptive") else "zeros"
+        edge = {"max": _lowest(dtype), "avg": "zeros"}.get(kind, "none")
         sharded = []
         for dim, dim_geometry in enumerate(geometry, start=first):
             if layout.shard_order[dim]:
@@ -256,17 +263,6 @@ class _Local:
     def input_sizes(self) -> list[int]:
         return [geometry.size for geometry in self.plan.geometry]
 
-    def outside_rows(self, window: torch.Tensor):
-        """(dim, start, length) of the window's rows outside the input, on each sharded dim."""
-        for dim, start in self.starts.items():
-            rows, size = window.size(dim), self.plan.geometry[dim - self.plan.first].size
-            before = min(max(-start, 0), rows)
-            after = min(max(start + rows - size, 0), rows - before)
-            if before:
-                yield dim, 0, before
-            if after:
-                yield dim, rows - after, after
-
     def own_rows(self, tensor: torch.Tensor, sharded: Sequence[bool]) -> torch.Tensor:
         """`tensor` (laid out like the output) narrowed to this rank's output rows on each sharded
         dim where it arrived whole (`sharded[i]` False for the i-th exchange)."""
@@ -324,11 +320,6 @@ def _argument(op, args: tuple, kwargs: dict, name: str):
     return args[position] if position < len(args) else kwargs[name]
 
 
-def _lowest(dtype: torch.dtype):
-    """A value max pooling never prefers to an input value: the padding torch ignores."""
-    return float("-inf") if dtype.is_floating_point else torch.iinfo(dtype).min
-
-
 def _local_pooling_arguments(local: _Local) -> list[list[int]]:
     """kernel_size, stride, padding (0 on the sharded dims: the window holds their padding), dilation."""
     windows = [geometry.window for geometry in local.plan.geometry]
@@ -351,8 +342,6 @@ def _pool_forward(call: OpCall, local: _Local):
             output = window.new_zeros(shape)
             return (output, torch.zeros(shape, dtype=torch.int64, device=window.device)) if returns_indices else output
         if kind == "max":
-            for dim, start, length in local.outside_rows(window):
-                window.narrow(dim, start, length).fill_(_lowest(window.dtype))
             kernel, stride, padding, dilation = _local_pooling_arguments(local)
             output, indices = op(window, kernel, stride, padding, dilation, call.argument("ceil_mode"))
         elif kind == "avg":
@@ -420,7 +409,7 @@ class SpatialPool(PlaneRule):
 
     def rows_for_layouts(self, call, layouts):
         rows = list(self.rows(call))
-        plan = _Plan.of(self.kind, self.spatial_rank, call, layouts[0])
+        plan = _Plan.of(self.kind, self.spatial_rank, call, layouts[0], call.inputs[0].dtype)
         outputs = len(call.op._schema.returns)
         for step in plan.sharded:
             dim = step.exchange.dim
@@ -429,11 +418,11 @@ class SpatialPool(PlaneRule):
         return rows
 
     def local_shape_key(self, call, input_layouts, coordinate):
-        plan = _Plan.of(self.kind, self.spatial_rank, call, input_layouts[0])
+        plan = _Plan.of(self.kind, self.spatial_rank, call, input_layouts[0], call.inputs[0].dtype)
         return tuple(plan.at(input_layouts[0].mesh_shape, coordinate).outputs.items())
 
     def local_op(self, call, input_layouts, coordinate):
-        plan = _Plan.of(self.kind, self.spatial_rank, call, input_layouts[0])
+        plan = _Plan.of(self.kind, self.spatial_rank, call, input_layouts[0], call.inputs[0].dtype)
         if not plan.sharded:
             return super().local_op(call, input_layouts, coordinate)
         return _pool_forward(call, plan.at(input_layouts[0].mesh_shape, coordinate))
@@ -449,7 +438,7 @@ class SpatialPoolBackward(PlaneRule):
         super().__init__(op._schema.name.split("::")[1], rank)
 
     def _plan(self, call: OpCall, tensor: Layout) -> _Plan:
-        return _Plan.of(self.kind, self.spatial_rank, call, tensor)
+        return _Plan.of(self.kind, self.spatial_rank, call, tensor, call.inputs[1].dtype)
 
     def rows_for_layouts(self, call, layouts):
         rows = list(self.rows(call))
