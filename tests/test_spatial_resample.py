@@ -283,3 +283,20 @@ def test_channels_and_a_spatial_dim_sharded(mesh):
         expected.backward(grad)
         y.backward(_like(grad, y))
         assert_close(x.grad.full_tensor(), reference.grad)
+
+
+@spmd(meshes=[(2,)])
+def test_explicit_communication_refuses_a_halo_but_not_a_local_resample(mesh):
+    """The halo is declared (`Row.collectives`): explicit_communication() refuses it, and passes a
+    constant pad and a nearest resample, which move nothing."""
+    x = distribute_tensor(_full((1, 2, 8, 3)), mesh, [Shard(2)])
+    with shardtensor.explicit_communication():
+        with comm.observe() as records:
+            F.pad(x, (0, 0, 2, 1))
+            F.interpolate(x, scale_factor=2, mode="nearest")
+        assert list(records) == []
+        for op, function in (("upsample_bilinear2d", lambda x: F.interpolate(x, scale_factor=2, mode="bilinear")),
+                             ("pad_circular", lambda x: F.pad(x, (0, 0, 2, 1), mode="circular"))):
+            with pytest.raises(RuntimeError, match="explicit-communication") as raised:
+                function(x)
+            assert op in str(raised.value) and "batch_p2p" in str(raised.value)
