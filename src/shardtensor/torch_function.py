@@ -36,6 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from . import propagation
 from .gradients import watch_leaves
 from .list_plans import is_multi_tensor_function, learn_function, list_key
+from .ops.registry import FUNCTION_REWRITES
 from .plain_tensors import outermost_call
 from .plan_cache import (
     Recording, counts_of, fast_key, function_key_modes, function_plans, key_modes, recording, store_function_plan,
@@ -147,6 +148,11 @@ def _multi_tensor_call(cls, function, args: tuple, kwargs: dict):
 
 def _call(cls, function, args: tuple, kwargs: dict, key: tuple | None):
     """The normal path: data arguments read, the call marked as outermost, learnt if it qualifies."""
+    rewrite = FUNCTION_REWRITES.get(function)
+    rewritten = rewrite(args, kwargs) if rewrite is not None else None
+    if rewritten is not None:  # never learnt: the function itself would run the decomposition
+        function, args, kwargs = rewritten
+        key = None
     reader = _DATA_ARGUMENTS.get(function)
     if reader is not None:
         args, kwargs = _read_data_arguments(cls, reader, args, kwargs)

@@ -535,10 +535,7 @@ register_rule([aten._softmax.default], Softmax("softmax", log=False, backward=Fa
 register_rule([aten._log_softmax.default], Softmax("log_softmax", log=True, backward=False))
 register_rule([aten._softmax_backward_data.default], Softmax("softmax_backward", log=False, backward=True))
 register_rule([aten._log_softmax_backward_data.default], Softmax("log_softmax_backward", log=True, backward=True))
-register_rule([aten.native_layer_norm.default], layer_norm)
-register_rule([aten.native_layer_norm_backward.default], layer_norm_backward)
-register_rule([aten.native_group_norm.default], GroupNorm("group_norm", 1, backward=False))
-register_rule([aten.native_group_norm_backward.default], GroupNorm("group_norm_backward", 4, backward=True))
+# layer norm and group norm are registered by spatial_norm, which extends their rows to spatial shards.
 register_rule([aten.embedding.default], Embedding())
 register_rule([aten.embedding_dense_backward.default], EmbeddingBackward())
 register_rule([aten.nll_loss_forward.default], NllLoss())

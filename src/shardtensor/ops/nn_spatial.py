@@ -198,6 +198,11 @@ class BatchNorm(ShardingRule):
 
     def local_op(self, call, input_layouts, coordinate):
         compute = _channels_or_zeros(call.op, input_layouts[0].local_shape(coordinate))
+        return self.with_running_statistics(call, input_layouts, coordinate, compute)
+
+    def with_running_statistics(self, call, input_layouts, coordinate, compute):
+        """`compute` (a local op, None for the kernel), made to update running statistics that are
+        not sharded like the channels (so that rules built on this one update them alike)."""
         channels = input_layouts[0]
         channel_pieces = (channels.shard_order[1], channels.pieces[1])
         apart = tuple(
@@ -336,15 +341,19 @@ _UPSAMPLE_OPS = {
     "_upsample_bilinear2d_aa": 2, "_upsample_bicubic2d_aa": 2,
     "upsample_nearest3d": 3, "_upsample_nearest_exact3d": 3, "upsample_trilinear3d": 3,
 }
+# The antialiased ones keep their spatial dims whole; `ops/spatial_resample.py` registers the
+# `.default` overloads and backwards of the others, with rows for spatially sharded inputs.
+_PLANES_ONLY = {"_upsample_bilinear2d_aa", "_upsample_bicubic2d_aa"}
 
 for _name, _rank in _PLANE_OPS.items():
     register_rule([getattr(aten, _name).default], PlaneRule(_name, _rank))
 for _name, _rank in _UPSAMPLE_OPS.items():
-    register_rule([getattr(aten, _name).default, getattr(aten, _name).vec], PlaneRule(_name, _rank))
-    _backward = getattr(aten, _name + "_backward").default
-    register_rule([_backward], PlaneRule(_name + "_backward", _rank, global_input_size=True))
+    register_rule([getattr(aten, _name).vec], PlaneRule(_name, _rank))
+    if _name in _PLANES_ONLY:
+        register_rule([getattr(aten, _name).default], PlaneRule(_name, _rank))
+        _backward = getattr(aten, _name + "_backward").default
+        register_rule([_backward], PlaneRule(_name + "_backward", _rank, global_input_size=True))
 register_rule([aten.channel_shuffle.default, aten.native_channel_shuffle.default], channel_shuffle)
 register_rule([aten.grid_sampler_2d.default, aten.grid_sampler_3d.default], grid_sampler)
 register_rule([aten.grid_sampler_2d_backward.default, aten.grid_sampler_3d_backward.default], grid_sampler_backward)
-register_rule(list(_BATCH_NORM_FORWARD), BatchNorm())
-register_rule([aten.native_batch_norm_backward.default, aten.batch_norm_backward.default], BatchNormBackward())
+# Batch norm (BatchNorm, BatchNormBackward) is registered by spatial_norm, which extends its rows.

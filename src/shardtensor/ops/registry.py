@@ -21,12 +21,17 @@ from ..rules import OpCall, OutVariantRule, ResizesWritten, Row, RowsRule, Shard
 from .common import one_input_row
 
 __all__ = [
-    "RULES", "register_rule", "register_variants", "InPlaceVariantRule", "same_layout", "like_factory", "pointwise",
+    "RULES", "FUNCTION_REWRITES", "register_rule", "register_function_rewrite", "register_variants", "InPlaceVariantRule", "same_layout", "like_factory", "pointwise",
 ]
 
 aten = torch.ops.aten
 
 RULES: dict[torch._ops.OpOverload, ShardingRule] = {}
+
+# Public torch function -> rewrite(args, kwargs) giving (op, args, kwargs) to call instead, or None to
+# keep the call: for functions that torch decomposes before any aten op reaches `dispatch` in a form
+# no rule can shard (F.pad's circular mode: slices copied into a new tensor).
+FUNCTION_REWRITES: dict = {}
 
 
 def register_rule(ops: Iterable, rule, *, override: bool = False) -> None:
@@ -51,6 +56,13 @@ def register_rule(ops: Iterable, rule, *, override: bool = False) -> None:
                 )
             RULES[overload] = rule
     clear_cache()  # decisions made with a replaced rule must not be reused
+
+
+def register_function_rewrite(function, rewrite) -> None:
+    """Route calls of the public `function` on DTensors through `rewrite` (see `FUNCTION_REWRITES`)."""
+    if function in FUNCTION_REWRITES:
+        raise RuntimeError(f"{function} has a rewrite already; each public function has at most one")
+    FUNCTION_REWRITES[function] = rewrite
 
 
 class InPlaceVariantRule(ShardingRule):

@@ -20,7 +20,7 @@ from ..rules import OpCall, Row, ShardingRule, TensorMeta, run_on_meta
 from .common import dim_argument, normalized_dim
 from .registry import register_rule
 
-__all__ = ["DiagonalFillRule", "DiagonalScatterRule", "ConstantPadRule", "SpatialPadRule", "diagonal_piece"]
+__all__ = ["DiagonalFillRule", "DiagonalScatterRule", "ConstantPadRule", "diagonal_piece"]
 
 aten = torch.ops.aten
 
@@ -177,45 +177,6 @@ class ConstantPadRule(ShardingRule):
         return call.with_arguments(pad=pad)
 
 
-class SpatialPadRule(ShardingRule):
-    """reflection_pad{1,2,3}d / replication_pad{1,2,3}d: the padded last `spatial_dims` dims are
-    Replicate (reflected and repeated borders cross pieces), the leading ones keep their shard.
-
-    The backward (grad_output, self, padding) shards grad_output, self and grad_input alike and adds
-    overlapping borders up: only Partial(sum)/Partial(avg) pass, with self Replicate. The kernels
-    refuse an empty channel dim, which an uneven shard can be, so an empty shard is built directly.
-    """
-
-    def __init__(self, spatial_dims: int, backward: bool):
-        self.spatial_dims, self.backward = spatial_dims, backward
-        self.__name__ = f"pad{spatial_dims}d{'_backward' if backward else ''}"
-
-    def rows(self, call: OpCall) -> list[Row]:
-        inputs = len(call.inputs)
-        leading = call.inputs[0].ndim - self.spatial_dims
-        rows = [Row((Replicate(),), (Replicate(),) * inputs)]
-        rows += [Row((Shard(dim),), (Shard(dim),) * inputs) for dim in range(leading)]
-        if self.backward:
-            return rows + [Row((Partial(op),), (Partial(op), Replicate())) for op in ("sum", "avg")]
-        return rows + _partial_rows(1, inputs)
-
-    def local_op(self, call, input_layouts, coordinate):
-        op, backward, spatial_dims = call.op, self.backward, self.spatial_dims
-
-        def pad_or_empty(mesh, local, *arguments):
-            if local.numel() or not all(local.shape[-spatial_dims:]):  # an empty plane fails as in torch
-                return op(local, *arguments)
-            if backward:  # grad_input lies like self
-                return arguments[0].new_zeros(arguments[0].shape)
-            padding = arguments[0]
-            shape = list(local.shape)
-            for pair in range(len(padding) // 2):
-                shape[-1 - pair] += padding[2 * pair] + padding[2 * pair + 1]
-            return local.new_zeros(shape)
-
-        return pad_or_empty
-
-
 # ---- rot90, block_diag, _chunk_cat --------------------------------------------------------------
 
 
@@ -296,12 +257,6 @@ SHAPE_RULES: list[tuple[list, object]] = [
     ([aten.diag_embed.default, aten.diagonal_backward.default], DiagonalFillRule()),
     ([aten.diagonal_scatter.default], DiagonalScatterRule()),
     ([aten.constant_pad_nd.default], ConstantPadRule()),
-    *[
-        ([getattr(aten, f"{kind}_pad{spatial}d{suffix}").default], SpatialPadRule(spatial, backward=bool(suffix)))
-        for kind in ("reflection", "replication")
-        for spatial in (1, 2, 3)
-        for suffix in ("", "_backward")
-    ],
     ([aten.rot90.default], rot90_rows),
     ([aten.block_diag.default], block_diag_rows),
     ([aten._chunk_cat.default], ChunkCatRule()),

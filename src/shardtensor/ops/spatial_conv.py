@@ -96,8 +96,10 @@ def spatial_exchanges(call: OpCall, input_layout: Layout, input_meta: TensorMeta
         if not input_layout.shard_order[dim]:
             padding.append(window.padding)
             continue
-        outputs = window.output_bounds(shard_bounds(input_layout, dim), window.output_size(input_meta.shape[dim]))
-        exchanges.append(Exchange.of_layout(input_layout, dim, window.input_windows(outputs), "zeros"))
+        size = input_meta.shape[dim]
+        bounds = shard_bounds(input_layout, dim)
+        outputs = window.output_bounds(bounds, window.output_size(size))
+        exchanges.append(Exchange(input_layout.shard_order[dim], dim, bounds, window.input_windows(outputs), "zeros"))
         bounds_by_dim[dim] = outputs
         padding.append(0)
     return _Spatial(tuple(exchanges), bounds_by_dim, tuple(padding))
