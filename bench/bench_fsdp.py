@@ -14,7 +14,9 @@ there for the last reduce-scatters, which it leaves in flight after backward), e
 rank's median, memory held between steps (bytes of the storages of parameters, gradients and optimizer
 state on one rank, padding included), the step's peak above that (the largest running sum of
 allocations minus frees during one step, from the profiler's per-op memory on the training thread,
-each op's own at its start), and
+each op's own at its start), CPU time of a whole step (`time.process_time`: every thread of the rank,
+gloo's included; the busiest rank's median: on a shared machine wall time mostly measures waiting
+for the scheduler, CPU time what the step costs), and
 bytes per step (what one rank receives in the collectives of forward and backward, ideal-algorithm count: ours
 from `comm.observe()`, torch's computed from its padded shard sizes). Both runs start from the
 same weights and data; the table says whether their parameters agree after the steps.
@@ -143,13 +145,16 @@ def _measure_interleaved(models: dict, rank: int, steps: int, observe) -> dict:
     optimizers = {name: torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=FOREACH) for name, model in models.items()}
     passes = {name: [] for name in models}
     updates = {name: [] for name in models}
+    cpu = {name: [] for name in models}
     for step in range(3 + steps):  # the first 3 steps warm caches and create the optimizer state
         for name, model in models.items():
             dist.barrier()
+            cpu_start = time.process_time()
             forward_backward, update = _train_step(model, optimizers[name], step, rank)
             if step >= 3:
                 passes[name].append(forward_backward)
                 updates[name].append(update)
+                cpu[name].append(time.process_time() - cpu_start)
     results = {}
     for name, model in models.items():
         seen: list = []
@@ -164,6 +169,7 @@ def _measure_interleaved(models: dict, rank: int, steps: int, observe) -> dict:
         peak = _step_peak(lambda: _train_step(model, optimizers[name], 4 + steps, rank))
         results[name] = {
             "passes_s": statistics.median(passes[name]), "updates_s": statistics.median(updates[name]),
+            "cpu_s": statistics.median(cpu[name]),
             "held": _held_bytes(model, optimizers[name]), "peak": peak,
             "received": sum(record.bytes_received for record in seen) if name == "ours" else None,
             "full": [parameter.full_tensor().detach() for parameter in model.parameters()],
@@ -206,14 +212,15 @@ def _table(per_rank: list[dict], ranks: int, steps: int) -> list[str]:
         f"{all(r['agree'] for r in per_rank)}",
         "",
         "| implementation | forward+backward (ms) | ratio to torch | optimizer step (ms) | whole step ratio | "
-        "held between steps (MB) | step peak above held (MB) | received per step (MB) |",
-        "|---|---|---|---|---|---|---|---|",
+        "CPU per step (ms) | CPU ratio | held between steps (MB) | step peak above held (MB) | received per step (MB) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for side, label in (("theirs", "torch fully_shard"), ("ours", "shardtensor fully_shard")):
         passes, updates = worst(side, "passes_s"), worst(side, "updates_s")
         whole = (passes + updates) / (worst("theirs", "passes_s") + worst("theirs", "updates_s"))
         lines.append(
             f"| {label} | {passes * 1e3:.1f} | {passes / worst('theirs', 'passes_s'):.2f} | {updates * 1e3:.1f} | {whole:.2f} | "
+            f"{worst(side, 'cpu_s') * 1e3:.1f} | {worst(side, 'cpu_s') / worst('theirs', 'cpu_s'):.2f} | "
             f"{worst(side, 'held') * megabytes:.4f} | {worst(side, 'peak') * megabytes:.3f} | {worst(side, 'received') * megabytes:.3f} |"
         )
     return lines

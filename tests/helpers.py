@@ -1,14 +1,32 @@
-"""Test helpers shared by the test files: exact global tensors and one rank's piece of them.
+"""Test helpers shared by the test files: exact global tensors, one rank's piece of them, and Partial
+DTensors with their single-device values, the exact records of index and value agreements, and random tensors
+by the documented rule.
 
-`local_piece` is computed with `torch.chunk` only (not with the library's `Layout`), so a test that
-compares a DTensor's local tensor with it checks the library against an independent expectation.
+`local_piece` is computed with `torch.chunk` only (not with the library's `Layout`), and
+`partial_and_value` and `partial_of` combine the ranks' operands with plain torch (not with the library's reduction),
+and `documented_random` draws the global tensor by the rule `shardtensor.random` documents (not
+with its `random_shard`), so a test that compares with them checks the library against an
+independent expectation.
 """
 
 from __future__ import annotations
 
+import hashlib
+import math
+
 import torch
 
-from shardtensor.placement import Shard
+from shardtensor import DTensor, comm
+from shardtensor.placement import Partial, Shard
+from shardtensor.random import BLOCK_SIZE
+
+# How plain torch combines the operands of a Partial(reduce_op), stacked along dim 0.
+_COMBINE = {
+    "sum": lambda stacked: stacked.sum(0),
+    "avg": lambda stacked: stacked.mean(0),
+    "max": lambda stacked: stacked.amax(0),
+    "min": lambda stacked: stacked.amin(0),
+}
 
 
 def exact_full(shape, seed: int = 0, *, dtype=torch.float64) -> torch.Tensor:
@@ -41,3 +59,69 @@ def layout_box(full: torch.Tensor, layout, coordinate) -> torch.Tensor:
     for dim, (start, length) in enumerate(zip(layout.local_offset(coordinate), layout.local_shape(coordinate))):
         local = local.narrow(dim, start, length)
     return local
+
+
+def partial_and_value(mesh, shape, reduce_op: str = "sum", *, seed: int = 0, dtype=torch.float64):
+    """A DTensor Partial(reduce_op) on every mesh dim, rank r holding `randn(shape)` seeded `seed + r`,
+    and its single-device value: every rank's operand combined by plain torch, not by the library."""
+    ranks = mesh.mesh.flatten().tolist()
+    operands = [torch.randn(tuple(shape), generator=torch.Generator().manual_seed(seed + rank), dtype=dtype)
+                for rank in ranks]
+    value = _COMBINE[reduce_op](torch.stack(operands))
+    local = operands[ranks.index(mesh.get_rank())]
+    return DTensor.from_local(local, mesh, [Partial(reduce_op)] * mesh.ndim), value
+
+
+def partial_of(full: torch.Tensor, mesh, *, seed: int = 0):
+    """A DTensor Partial(sum) on every mesh dim whose single-device value is `full`: every rank of `mesh`
+    but the first holds random noise, the first holds `full` minus the others' noise (plain torch), so
+    the operands differ on every rank and a wrong reduction shows."""
+    ranks = mesh.mesh.flatten().tolist()
+    noise = {rank: torch.randn(full.shape, generator=torch.Generator().manual_seed(seed + rank), dtype=full.dtype)
+             for rank in ranks[1:]}
+    rank = mesh.get_rank()
+    local = noise[rank] if rank in noise else full - sum(noise.values(), torch.zeros_like(full))
+    return DTensor.from_local(local, mesh, [Partial()] * mesh.ndim)
+
+def _agreement(mesh, mesh_dims, int64s: int) -> list:
+    """The record of one all_reduce(max) of `int64s` int64 values over `mesh_dims` (default: every mesh
+    dim), or nothing on a one-rank group."""
+    mesh_dims = tuple(range(mesh.ndim)) if mesh_dims is None else tuple(mesh_dims)
+    group_size = math.prod(mesh.shape[mesh_dim] for mesh_dim in mesh_dims)
+    if group_size == 1:
+        return []
+    traffic = 2 * (group_size - 1) * (8 * int64s) // group_size
+    mesh_dim = mesh_dims if len(mesh_dims) > 1 else mesh_dims[0]
+    return [comm.CommRecord("all_reduce", mesh_dim, group_size, traffic, traffic)]
+
+
+def index_agreement(mesh, mesh_dims=None, *, index_tensors: int = 1) -> list:
+    """The records of one index agreement (ops/index_checks.py) over `mesh_dims` (default: every mesh dim):
+    one all_reduce(max) of two int64 per index tensor. Tests that claim "no data moved" compare the
+    records with this exactly, so any other collective shows."""
+    return _agreement(mesh, mesh_dims, 2 * index_tensors)
+
+
+def value_agreement(mesh, mesh_dims=None, *, checked: int = 1) -> list:
+    """The records of one value agreement (ops/value_checks.py): one all_reduce(max) of one int64 flag
+    per checked argument over `mesh_dims` (default: every mesh dim)."""
+    return _agreement(mesh, mesh_dims, checked)
+
+
+_RANDOM_METHODS = {"rand": "uniform_", "randn": "normal_"}
+
+
+def documented_random(kind: str, shape, *, seed: int, counter: int, dtype=torch.float64, parameters=()) -> torch.Tensor:
+    """The global tensor of random call `counter` after `manual_seed(seed)`, as `shardtensor.random`
+    documents it: the flattened tensor in blocks of BLOCK_SIZE elements, block k filled by torch's
+    `kind` method (rand/randn: uniform_/normal_) from a generator seeded with the first 8 bytes
+    (little-endian, 63 bits) of blake2b("seed:counter:k")."""
+    total = math.prod(shape)
+    blocks = []
+    for block in range(0, max(math.ceil(total / BLOCK_SIZE), 1)):
+        digest = hashlib.blake2b(f"{seed}:{counter}:{block}".encode(), digest_size=8).digest()
+        generator = torch.Generator().manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
+        length = min(BLOCK_SIZE, total - block * BLOCK_SIZE)
+        method = _RANDOM_METHODS.get(kind, kind)
+        blocks.append(getattr(torch.empty(length, dtype=dtype), method)(*parameters, generator=generator))
+    return torch.cat(blocks).reshape(tuple(shape))

@@ -1,8 +1,10 @@
 """The demo: its model's tensor-parallel plan trains exactly like one device (1, 2, 4 ranks and the
-tp dim of 2x2) with the collectives of hand-written Megatron sequence parallelism, and the command
-itself runs (spawned ranks with --compare, and under torchrun) and exits 0."""
+tp dim of 2x2) with the collectives of hand-written Megatron sequence parallelism, FSDP x TP (its
+default on 2x2) too, and the command itself runs (spawned ranks with --compare, and under torchrun)
+and exits 0."""
 
 import collections
+import copy
 import subprocess
 import sys
 
@@ -16,7 +18,7 @@ from shardtensor import comm
 from shardtensor.demo.cli import parse_options
 from shardtensor.demo.data import standard_library_text
 from shardtensor.demo.model import GPT, GPTConfig, parallelize, tensor_parallel_plan
-from shardtensor.demo.train import average_gradients
+from shardtensor.demo.train import average_gradients, forward_backward, mean_loss, shard_model
 from shardtensor.parallel import loss_parallel
 
 MESHES = [(1,), (2,), (4,), (2, 2)]
@@ -78,12 +80,60 @@ def test_one_step_has_the_collectives_of_megatron_sequence_parallelism(mesh):
     assert all(parameter.grad.placements == parameter.placements for parameter in model.parameters())
 
 
+@spmd(meshes=[(2, 2)], timeout=180)
+def test_fsdp_over_tensor_parallel_trains_like_one_device_with_exact_collectives(mesh):
+    """The demo's default: `parallelize` over tp, then `fully_shard` per block and on the root over dp.
+
+    Three AdamW steps equal one device on the whole batch (losses and parameters). Collectives of a
+    step (every one is over a group of 2, dp's or tp's, so they are counted by kind): tensor
+    parallelism's as in the test above, except that its end-of-backward all_reduce of the Partial norm
+    gradients becomes one per FSDP unit (3: two blocks and the root); FSDP adds one all_gather per
+    unit forward (3), one re-gather per resharded block in backward (2; the root keeps its parameters
+    after forward) and one reduce_scatter per unit backward (3); the loss shown is one all_reduce.
+    """
+    from shardtensor import Shard
+    from shardtensor.mesh import DeviceMesh
+
+    mesh = DeviceMesh("cpu", mesh.mesh, mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    model = _gpt()
+    reference = copy.deepcopy(model)
+    shard_model(model, mesh, "fsdp")
+    assert model.blocks[0].mlp.fc.weight.placements == (Shard(0), Shard(0))
+    assert model.norm.weight.placements[0] == Shard(0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, foreach=True)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.01, foreach=True)
+    generator = torch.Generator().manual_seed(1)
+    dp = mesh.get_coordinate()[0]
+    layers, units = CONFIG.layers, CONFIG.layers + 1
+    for step in range(3):
+        tokens = torch.randint(0, CONFIG.vocab_size, (4, 7), generator=generator)
+        targets = torch.randint(0, CONFIG.vocab_size, (4, 7), generator=generator)
+        with comm.observe() as records:
+            loss = mean_loss(forward_backward(model, tokens.tensor_split(2)[dp], targets.tensor_split(2)[dp]), mesh)
+        expected_loss = forward_backward(reference, tokens, targets).item()
+        assert abs(loss - expected_loss) < 1e-5, (step, loss, expected_loss)
+        if step == 0:
+            assert collections.Counter(r.kind for r in records) == {
+                "all_gather": (2 * layers + 1) + (2 + 2 * layers) + units + layers,
+                "reduce_scatter": (2 + 2 * layers) + (2 * layers + 1) + units,
+                "all_reduce": 3 + units + 1}
+            assert {r.group_size for r in records} == {2}
+        for each in (optimizer, reference_optimizer):
+            each.step()
+            each.zero_grad()
+    for (name, parameter), wanted in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(parameter.full_tensor(), wanted, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
 def test_options_check_the_mesh_against_the_ranks():
     options, size = parse_options(["--nproc", "2"])
     assert options.mesh == (1, 2) and size == 2
     options, size = parse_options([])
-    assert options.mesh == (2, 2) and size == 4
-    for wrong in (["--nproc", "2", "--mesh", "2x2"], ["--mesh", "1x3"], ["--mesh", "4x1", "--batch-size", "6"]):
+    assert options.mesh == (2, 2) and size == 4 and options.data_parallel == "fsdp"
+    assert parse_options(["--data-parallel", "ddp"])[0].data_parallel == "ddp"
+    for wrong in (["--nproc", "2", "--mesh", "2x2"], ["--mesh", "1x3"], ["--mesh", "4x1", "--batch-size", "6"],
+                  ["--data-parallel", "zero"]):
         with pytest.raises(SystemExit):
             parse_options(wrong)
 
@@ -113,16 +163,18 @@ def test_the_demo_exits_cleanly_under_torchrun(tmp_path):
 
 
 def test_the_demo_trains_on_a_2x2_mesh_like_one_device_and_resumes_on_another_mesh(tmp_path):
-    """Two steps on 2x2 with --compare, saved; resumed to four steps on 1x2: the one-device model
-    resumes from its own copy, so the losses agreeing after the resume means the sharded model and
-    AdamW states came back exactly."""
+    """Two steps on 2x2 (FSDP x TP, the default) with --compare, saved; resumed to four steps on 1x2
+    with replicated data parallelism: the one-device model resumes from its own copy, so the losses
+    agreeing after the resume means the sharded model and AdamW states came back exactly."""
     text = tmp_path / "text.txt"
     text.write_text("class Point:\n    def __init__(self, x):\n        self.x = x * 2\n" * 40)
     common = [sys.executable, "-m", "shardtensor.demo", *SMALL, "--compare", "--data", str(text), "--checkpoint", str(tmp_path / "run")]
     first = _run([*common, "--steps", "2"])
     assert "losses agree with one device (2 steps" in first.stdout and "mesh 2x2" in first.stdout
+    assert "(dp x tp, fully_shard on dp)" in " ".join(first.stdout.split())  # rich wraps lines at 80 columns
     assert "collectives of one training step" in first.stdout
     for warning in ("Failed to initialize NumPy", "leaked"):
         assert warning not in first.stderr
-    resumed = _run([*common, "--steps", "4", "--mesh", "1x2"])
+    resumed = _run([*common, "--steps", "4", "--mesh", "1x2", "--data-parallel", "ddp"])
+    assert "replicated, gradients all-reduced" in " ".join(resumed.stdout.split())
     assert "4/4" in resumed.stdout and "losses agree with one device (2 steps" in resumed.stdout

@@ -275,6 +275,22 @@ def test_plain_tensors_the_caller_passes_are_still_refused(mesh):
         x + plain
 
 
+@spmd(meshes=[(2,), (2, 2)])
+def test_one_element_plain_tensors_read_as_replicate_as_0d_ones(mesh):
+    """As PyTorch's DTensor: a plain tensor of one element, of any shape, is read as Replicate. So
+    `torch.masked.var`/`std` work when they reduce to one element (they divide by a (1, 1) count built
+    from `torch.ones(input.shape)`); a count of more elements is refused on every rank."""
+    full = torch.randn(4, 6, dtype=torch.float64)
+    x = distribute_tensor(full, mesh, [Shard(0)] * mesh.ndim)
+    with shardtensor.strict_mode():
+        for value in (4.0, 2.0):  # the second call runs the cached plan: the value is read, not kept
+            assert torch.equal((x / torch.full((1, 1), value, dtype=torch.float64)).full_tensor(), full / value)
+        for function in (torch.masked.var, torch.masked.std):
+            torch.testing.assert_close(function(x).full_tensor(), function(full))
+    with pytest.raises(RuntimeError, match="plain torch.Tensor of shape \\(1, 6\\) mixed with DTensors"):
+        torch.masked.var(x, 0)
+
+
 def test_only_the_outermost_call_decides_what_torch_created():
     from shardtensor.plain_tensors import created_by_torch, outermost_call
 

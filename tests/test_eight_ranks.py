@@ -10,12 +10,11 @@ import os
 import random
 
 import torch
-from helpers import exact_full, local_piece
+from helpers import documented_random, exact_full, local_piece
 from spmd import spmd
 
 import shardtensor
 from shardtensor import DeviceMesh, DTensor, Partial, Replicate, Shard, distribute_tensor
-from shardtensor.random import _block_seed
 
 R = Replicate()
 EIGHT = [(8,), (2, 2, 2), (2, 4), (4, 2)]
@@ -138,13 +137,6 @@ def test_cross_mesh_moves(mesh):
             _check(dtensor, full, name)
 
 
-def _documented_uniform(shape, seed, counter):
-    """Single-device value of random call `counter` after `manual_seed(seed)`, by the documented
-    rule of shardtensor.random (one block: a generator seeded with hash(seed, counter, 0))."""
-    generator = torch.Generator().manual_seed(_block_seed(seed, counter, 0))
-    return torch.empty(torch.Size(shape).numel(), dtype=torch.float32).uniform_(generator=generator).reshape(shape)
-
-
 @spmd(meshes=[(8,), (2, 2, 2), (2, 4)], timeout=SLOW_MACHINE_TIMEOUT)
 def test_random_ops_match_the_single_device_tensor(mesh):
     shape = (9, 5)
@@ -153,7 +145,8 @@ def test_random_ops_match_the_single_device_tensor(mesh):
         if counter == 0:
             shardtensor.manual_seed(21)
         dtensor = shardtensor.rand(*shape, device_mesh=mesh, placements=placements)
-        _check(dtensor, _documented_uniform(shape, 21, counter), (mesh.shape, [str(p) for p in placements]))
+        expected = documented_random("rand", shape, seed=21, counter=counter, dtype=torch.float32)
+        _check(dtensor, expected, (mesh.shape, [str(p) for p in placements]))
     target = distribute_tensor(torch.zeros(shape), mesh, [Shard(0)] + [Shard(1)] * (mesh.ndim - 1))
     target.uniform_()
-    _check(target, _documented_uniform(shape, 21, 3), "uniform_ in place")
+    _check(target, documented_random("rand", shape, seed=21, counter=3, dtype=torch.float32), "uniform_ in place")

@@ -24,7 +24,7 @@ LAYERS = [
     ["placement"],
     ["layout"],
     ["mesh", "launch"],
-    ["comm"],
+    ["comm", "halo"],  # halo: point-to-point window exchange built on comm, for spatially sharded ops
     ["redistribute", "random", "log"],
     ["modes", "rules", "row_costs", "propagation", "ops"],  # rules, their costs, the decisions made from them,
     # and the switches rules read

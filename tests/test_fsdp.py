@@ -116,7 +116,10 @@ def test_parameters_are_exact_uneven_shards_without_padding(mesh):
     assert head.to_local().shape == ([2, 2, 2, 1][rank], 12)
     up = model.blocks[0].up.weight
     assert up.to_local().shape == ([8, 8, 8, 6][rank], 12)
-    assert up.to_local().untyped_storage().nbytes() == up.to_local().numel() * 8  # no padding bytes held
+    # the unit's pieces on this rank share one buffer (what its all-gather sends), without a padding byte
+    pieces = [parameter.to_local() for parameter in model.blocks[0].parameters()]
+    assert {piece.untyped_storage().data_ptr() for piece in pieces} == {up.to_local().untyped_storage().data_ptr()}
+    assert up.to_local().untyped_storage().nbytes() == sum(piece.numel() for piece in pieces) * 8
     assert_close(up.full_tensor(), _model().blocks[0].up.weight.detach())
 
 

@@ -18,7 +18,7 @@ from shardtensor.halo import (
 )
 
 _NUMPY_MODES = {"zeros": "constant", "reflect": "reflect", "replicate": "edge", "circular": "wrap", "none": "constant"}
-EDGES = ("zeros", "reflect", "replicate", "circular")
+EDGES = ("zeros", "reflect", "replicate", "circular", 2.5)  # 2.5: a constant fill
 
 
 def _bounds(sizes):
@@ -35,18 +35,20 @@ def _source_rows(size, window, edge):
     if stop == start:
         return np.zeros(0, dtype=np.int64)
     before, after = max(0, -start), max(0, stop - size)
-    kwargs = {"constant_values": -1} if _NUMPY_MODES[edge] == "constant" else {}
-    padded = np.pad(np.arange(size), (before, after), mode=_NUMPY_MODES[edge], **kwargs)
+    mode = _NUMPY_MODES.get(edge, "constant")
+    kwargs = {"constant_values": -1} if mode == "constant" else {}
+    padded = np.pad(np.arange(size), (before, after), mode=mode, **kwargs)
     return padded[start + before: stop + before]
 
 
 def _padded_slice(full, dim, window, edge):
-    """The window's rows of `full` padded by `edge` (differentiable: index_select and a zero mask)."""
+    """The window's rows of `full` padded by `edge` (differentiable: index_select, constant rows by where)."""
     rows = torch.as_tensor(_source_rows(full.size(dim), window, edge))
     picked = full.index_select(dim, rows.clamp(min=0))
     mask_shape = [1] * full.ndim
     mask_shape[dim] = -1
-    return picked * (rows >= 0).to(full.dtype).reshape(mask_shape)
+    fill = 0.0 if isinstance(edge, str) else edge
+    return torch.where((rows >= 0).reshape(mask_shape), picked, fill)
 
 
 def _full(shape, seed):

@@ -3,8 +3,8 @@ masked-index pair, linalg_cross, bucketize/searchsorted/isin): single-device res
 backward with rules only (strict mode), even and uneven shards, and no collective where local."""
 
 import torch
+from helpers import index_agreement, partial_and_value
 from spmd import spmd
-from test_tensor_ops import moving_data
 from test_views import check, check_both_shardings, placements_for
 
 import shardtensor
@@ -65,18 +65,21 @@ def test_local_rules_issue_no_collective(mesh):
     index = distribute_tensor(TAKE_INDEX.repeat(4, 1), mesh, [Shard(0)] * mesh.ndim)
     whole = distribute_tensor(full, mesh, [Replicate()] * mesh.ndim)
     local_cases = [
-        (lambda: x.index_fill(1, COLUMNS, 0.5), lambda: full.index_fill(1, COLUMNS, 0.5)),
-        (lambda: x.index_copy(1, COLUMNS, x[:, :2] * 2), lambda: full.index_copy(1, COLUMNS, full[:, :2] * 2)),
-        (lambda: x.index_reduce(1, COLUMNS, x[:, 1:3], "amax"), lambda: full.index_reduce(1, COLUMNS, full[:, 1:3], "amax")),
-        (lambda: whole.take(index), lambda: full.take(TAKE_INDEX.repeat(4, 1))),
-        (lambda: torch.bucketize(x, BOUNDARIES), lambda: torch.bucketize(full, BOUNDARIES)),
-        (lambda: torch.isin(x, TEST_ELEMENTS), lambda: torch.isin(full, TEST_ELEMENTS)),
-        (lambda: torch.linalg.cross(x[:, :3], x[:, 1:]), lambda: torch.linalg.cross(full[:, :3], full[:, 1:])),
+        (lambda: x.index_fill(1, COLUMNS, 0.5), lambda: full.index_fill(1, COLUMNS, 0.5), False),
+        (lambda: x.index_copy(1, COLUMNS, x[:, :2] * 2), lambda: full.index_copy(1, COLUMNS, full[:, :2] * 2), False),
+        (lambda: x.index_reduce(1, COLUMNS, x[:, 1:3], "amax"), lambda: full.index_reduce(1, COLUMNS, full[:, 1:3], "amax"),
+         False),
+        (lambda: whole.take(index), lambda: full.take(TAKE_INDEX.repeat(4, 1)), True),  # a sharded index
+        (lambda: torch.bucketize(x, BOUNDARIES), lambda: torch.bucketize(full, BOUNDARIES), False),
+        (lambda: torch.isin(x, TEST_ELEMENTS), lambda: torch.isin(full, TEST_ELEMENTS), False),
+        (lambda: torch.linalg.cross(x[:, :3], x[:, 1:]), lambda: torch.linalg.cross(full[:, :3], full[:, 1:]), False),
     ]
-    for function, reference in local_cases:
+    for function, reference, sharded_index in local_cases:
         with shardtensor.strict_mode(), comm.observe() as records:
             result = function()
-        assert moving_data(records) == [] and result.placements == (Shard(0),) * mesh.ndim
+        # no data moves; a sharded index only agrees on its range
+        assert list(records) == (index_agreement(mesh) if sharded_index else [])
+        assert result.placements == (Shard(0),) * mesh.ndim
         assert torch.equal(result.full_tensor(), reference())
 
 
@@ -114,18 +117,17 @@ def test_lookups_shard_the_values_and_keep_the_table_whole(mesh):
 
 @spmd()
 def test_partial_inputs_pass_where_exact(mesh):
-    operand = torch.randn(5, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(mesh.get_rank()))
-    partial = DTensor.from_local(operand, mesh, [Partial()] * mesh.ndim)
-    full = partial.full_tensor()
+    partial, full = partial_and_value(mesh, (5, 4))
+    ones_full = torch.ones(5, 3, dtype=torch.float64)
     cases = [
         (lambda x: x.index_fill(0, ROWS, 0.0), Partial()),
         (lambda x: x.index_fill(0, ROWS, 2.0), None),  # 2.0 would be added once per rank: reduced first
         (lambda x: x.take(TAKE_INDEX), Partial()),
-        (lambda x: torch.linalg.cross(x[:, :3], ones if isinstance(x, DTensor) else ones.full_tensor()), Partial()),
+        (lambda x: torch.linalg.cross(x[:, :3], ones if isinstance(x, DTensor) else ones_full), Partial()),
     ]
-    ones = distribute_tensor(torch.ones(5, 3, dtype=torch.float64), mesh, [Replicate()] * mesh.ndim)
+    ones = distribute_tensor(ones_full, mesh, [Replicate()] * mesh.ndim)
     for function, placement in cases:
-        fresh = DTensor.from_local(operand, mesh, [Partial()] * mesh.ndim)  # no reduction kept from a case before
+        fresh, _ = partial_and_value(mesh, (5, 4))  # the same operands, no reduction kept from a case before
         with shardtensor.strict_mode(), comm.observe() as records:
             result = function(fresh)
         if mesh.size() > 1 and placement is None:
@@ -150,5 +152,5 @@ def test_put_accumulate_of_sharded_values_adds_parts_into_a_partial(mesh):
     index, source = (distribute_tensor(t, mesh, [Shard(0)] * mesh.ndim) for t in (index_full, source_full))
     with shardtensor.strict_mode(), comm.observe() as records:
         result = whole.put(index, source, accumulate=True)
-    assert moving_data(records) == [] and result.placements == (Partial(),) * mesh.ndim
+    assert list(records) == index_agreement(mesh) and result.placements == (Partial(),) * mesh.ndim
     torch.testing.assert_close(result.full_tensor(), full.put(index_full, source_full, accumulate=True))

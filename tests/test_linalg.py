@@ -6,11 +6,12 @@ import warnings
 
 import pytest
 import torch
+from helpers import partial_and_value
 from spmd import spmd
 from torch.testing import assert_close
 
 import shardtensor
-from shardtensor import DTensor, Partial, Replicate, Shard, comm, distribute_tensor
+from shardtensor import Partial, Replicate, Shard, comm, distribute_tensor
 from shardtensor.ops.linalg import BatchedLinalgRule
 from shardtensor.rules import OpCall, TensorMeta
 
@@ -140,13 +141,12 @@ def test_a_partial_right_hand_side_stays_partial(mesh):
     """Solves are linear in the right-hand side: a Partial(sum) one gives a Partial(sum) solution
     without reducing it first."""
     triangular = torch.randn(4, 4, dtype=torch.float64).triu() + 4 * torch.eye(4, dtype=torch.float64)
-    operand = torch.randn(4, 3, generator=torch.Generator().manual_seed(mesh.get_rank() + 1), dtype=torch.float64)
     matrix = distribute_tensor(triangular, mesh, [R] * mesh.ndim)
-    right_hand_side = DTensor.from_local(operand, mesh, [Partial()] * mesh.ndim)
+    right_hand_side, right_hand_side_full = partial_and_value(mesh, (4, 3), seed=1)
     with shardtensor.strict_mode(), comm.observe() as records:
         solution = linalg.solve_triangular(matrix, right_hand_side, upper=True)
     assert list(records) == [] and solution.placements == (Partial(),) * mesh.ndim
-    assert_close(solution.full_tensor(), linalg.solve_triangular(triangular, right_hand_side.full_tensor(), upper=True))
+    assert_close(solution.full_tensor(), linalg.solve_triangular(triangular, right_hand_side_full, upper=True))
 
 
 def test_rows_follow_the_core_dims_table():

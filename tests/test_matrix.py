@@ -5,6 +5,7 @@ backward against one device."""
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import partial_of
 from spmd import spmd
 
 import shardtensor
@@ -22,11 +23,10 @@ def _fallbacks() -> dict:
 
 
 def _leaf(full: torch.Tensor, mesh, placement) -> DTensor:
-    """`full` distributed with `placement` on every mesh dim; a Partial holds a random operand per rank."""
+    """`full` distributed with `placement` on every mesh dim; a Partial(sum) holds different operands on
+    every rank that add up to `full`."""
     if isinstance(placement, Partial):
-        generator = torch.Generator().manual_seed(mesh.get_rank() + 1)
-        operand = torch.randn(full.shape, generator=generator, dtype=full.dtype)
-        return DTensor.from_local(operand, mesh, [placement] * mesh.ndim)
+        return partial_of(full, mesh, seed=1)
     return distribute_tensor(full.clone().requires_grad_(), mesh, [placement] * mesh.ndim)
 
 
@@ -58,7 +58,7 @@ def test_mm_rows_are_chosen_without_communication(mesh, case):
     assert list(records) == []
     if mesh.size() > 1:
         assert product.placements == (expected,) * mesh.ndim
-    torch.testing.assert_close(product.full_tensor(), a.full_tensor() @ b.full_tensor())
+    torch.testing.assert_close(product.full_tensor(), a_full @ b_full)
 
 
 @spmd(meshes=[(2,), (4,), (2, 2)])
@@ -75,7 +75,7 @@ def test_mm_backward_and_partial_operands(mesh):
     with shardtensor.strict_mode(), comm.observe() as records:
         product = torch.mm(partial_a, partial_b)
     assert records and {record.kind for record in records} == {"all_reduce"}  # one operand reduced, no gather
-    torch.testing.assert_close(product.full_tensor(), partial_a.full_tensor() @ partial_b.full_tensor())
+    torch.testing.assert_close(product.full_tensor(), a_full @ b_full)
     assert _fallbacks() == before
 
 

@@ -4,6 +4,7 @@ forward and backward, against one device."""
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import value_agreement
 from spmd import spmd
 from torch.testing import assert_close
 
@@ -32,7 +33,7 @@ def _placements(mesh):
 @pytest.mark.parametrize("case", list(LOSSES))
 @spmd()
 def test_elementwise_losses_are_local_and_partial(mesh, case):
-    """'none' keeps the shards; 'sum' and 'mean' (over the global count) are Partial, no collective."""
+    """'none' keeps the shards; 'sum' and 'mean' (over the global count) are Partial, no data moved."""
     function, probability = LOSSES[case]
     full, target_full = torch.randn(5, 3, dtype=torch.float64), torch.randn(5, 3, dtype=torch.float64)
     if probability:
@@ -44,7 +45,8 @@ def test_elementwise_losses_are_local_and_partial(mesh, case):
             reference = full.clone().requires_grad_()
             with shardtensor.strict_mode(), comm.observe() as records:
                 loss = function(x, target, reduction)
-            assert list(records) == []
+            # no data moves; binary_cross_entropy's probabilities only agree on their range (ops/value_checks.py)
+            assert list(records) == (value_agreement(mesh, checked=2) if case == "binary_cross_entropy" else [])
             if reduction != "none" and mesh.size() > 1:
                 assert all(p.is_partial() for p in loss.placements)
             expected = function(reference, target_full, reduction)
@@ -97,7 +99,8 @@ def test_activations_keep_shards_off_their_dim(mesh):
 
 @spmd()
 def test_margin_losses_shard_the_batch(mesh):
-    """The forwards are local (their backwards have no meta kernel: the replicate fallback)."""
+    """The forwards are local but for the agreement on the target classes' range (their backwards have
+    no meta kernel: the replicate fallback)."""
     full, weight_full = torch.randn(5, 4, dtype=torch.float64), torch.rand(4, dtype=torch.float64)
     classes = torch.tensor([0, 3, 1, 1, 2])
     labels = torch.tensor([[3, 0, -1, 1], [1, -1, 0, 0], [0, 1, 2, 3], [-1, 0, 0, 0], [2, 2, -1, 0]])
@@ -116,7 +119,7 @@ def test_margin_losses_shard_the_batch(mesh):
             reference = full.clone().requires_grad_()
             with shardtensor.strict_mode(), comm.observe() as records:
                 loss = function(x, target, weight, reduction)
-            assert list(records) == [], name
+            assert list(records) == value_agreement(mesh), name  # the target classes agree on their range
             expected = function(reference, target_full, weight_full, reduction)
             assert_close(loss.full_tensor(), expected)
             grad = torch.randn(expected.shape, dtype=torch.float64)

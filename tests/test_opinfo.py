@@ -1,7 +1,8 @@
 """A representative slice of PyTorch's OpInfo database on DTensors (the full sweep: tools/opinfo_sweep.py).
 
 Every op in the slice must give the single-device result, forward and backward, on a 1-D mesh of
-4 and on 2x2, natively sharded unless EXPECTED_FALLBACK names it (with the reason);
+4 and on 2x2, natively sharded unless EXPECTED_FALLBACK names it (with the reason), or be refused up
+front with a clear error on every rank where EXPECTED_REFUSED says so (no hang);
 EXPECTED_FAILURES lists the exceptions with a reason each, and an expected failure that starts
 passing fails the test so that the list only shrinks.
 """
@@ -19,7 +20,7 @@ SLICE = {
     "pointwise": ["add", "mul", "div.no_rounding_mode", "exp", "pow", "where", "addcmul", "special.chebyshev_polynomial_t",
                   "ldexp"],
     "reductions": ["sum", "mean", "amax", "argmax", "max.reduction_with_dim", "var", "logsumexp", "cumsum", "aminmax",
-                   "median", "equal"],
+                   "median", "equal", "masked.var", "masked.std"],
     "matrix": ["mm", "bmm", "addmm", "matmul", "einsum", "nn.functional.linear", "addmv", "kron"],
     "linalg": ["linalg.solve", "linalg.cholesky", "linalg.svd", "linalg.lu_solve", "linalg.matrix_rank"],
     "views": ["view", "reshape", "transpose", "permute", "expand", "cat", "split", "select", "view_copy", "diag_embed",
@@ -30,6 +31,7 @@ SLICE = {
            "nn.functional.grid_sample", "nn.functional.binary_cross_entropy", "nn.functional.scaled_dot_product_attention",
            "nn.functional.linear_cross_entropy.chunked_none"],
     "fft": ["fft.hfft2", "fft.irfftn", "view_as_complex", "stft"],
+    "refused": ["sparse.sampled_addmm", "sparse.mm.reduce"],
 }
 KEYS = [key for family in SLICE.values() for key in family]
 # Samples per op: the first few cover the common shapes; the full sweep uses more.
@@ -39,6 +41,12 @@ MAX_SAMPLES = 2
 EXPECTED_FALLBACK: dict[str, str] = {
     "nn.functional.linear_cross_entropy.chunked_none": "a custom op (torch_nn._linear_cross_entropy_batch_chunked_no_reduction) "
     "and its backward's mm.out/addmm.out into plain scratch buffers; kept for its gradient, which was silently wrong",
+}
+
+# op key -> why the library refuses its inputs up front (status "refused": the same clear error on every rank).
+EXPECTED_REFUSED: dict[str, str] = {
+    "sparse.sampled_addmm": "sparse CSR inputs: distribute_tensor takes dense strided tensors only (to_dense() first)",
+    "sparse.mm.reduce": "sparse CSR inputs: distribute_tensor takes dense strided tensors only (to_dense() first)",
 }
 
 # (op key, mesh shape) -> why it fails today (a core bug or a missing piece, not a flaky comparison).
@@ -56,6 +64,9 @@ def test_opinfo_slice_matches_single_device(mesh, key):
             f"{key} on mesh {tuple(mesh.shape)} now passes ({result.status}); remove it from "
             f"EXPECTED_FAILURES (it was listed because: {expected_failure})"
         )
+    elif key in EXPECTED_REFUSED:
+        assert result.status == "refused", f"{key} on mesh {tuple(mesh.shape)}: {result.status} {result.reason}"
+        assert "distribute_tensor raised TypeError" in result.reason, result.reason
     elif key in EXPECTED_FALLBACK:
         assert result.status in ("native", "fallback"), f"{key} on mesh {tuple(mesh.shape)}: {result.reason}"
     else:
@@ -68,7 +79,8 @@ def test_summary_line_counts_each_status():
         "b": opinfo_sweep.OpResult("b", "fallback", "replicate fallback for aten.b.default"),
         "c": opinfo_sweep.OpResult("c", "failing", "output 0: mismatch"),
         "d": opinfo_sweep.OpResult("d", "skipped", "draws random numbers"),
+        "e": opinfo_sweep.OpResult("e", "refused", "distribute_tensor raised TypeError: ..."),
     }
     assert opinfo_sweep.summary_line(results) == (
-        "ops: 3 total, 1 natively sharded, 1 via fallback, 1 failing (1 skipped)"
+        "ops: 4 total, 1 natively sharded, 1 via fallback, 1 refused up front, 1 failing (1 skipped)"
     )

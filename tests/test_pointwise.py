@@ -2,10 +2,11 @@
 
 import pytest
 import torch
+from helpers import partial_and_value
 from spmd import spmd
 
 import shardtensor
-from shardtensor import DTensor, Partial, Replicate, Shard, comm, distribute_tensor
+from shardtensor import Partial, Replicate, Shard, comm, distribute_tensor
 from shardtensor.ops.registry import RULES
 
 aten = torch.ops.aten
@@ -169,14 +170,13 @@ def test_special_functions_frexp_and_ldexp_are_local(mesh):
 
 @spmd(meshes=[(2,), (2, 2)])
 def test_ldexp_keeps_a_partial_mantissa_and_gradients_match(mesh):
-    operand = torch.randn(4, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(mesh.get_rank()))
-    partial = DTensor.from_local(operand, mesh, [Partial()] * mesh.ndim)
+    partial, partial_full = partial_and_value(mesh, (4, 3))
     exponent_full = torch.arange(12).reshape(4, 3) % 3
     exponent = distribute_tensor(exponent_full, mesh, [Replicate()] * mesh.ndim)
     with shardtensor.strict_mode(), comm.observe() as records:
         result = torch.ldexp(partial, exponent)
     assert list(records) == [] and result.placements == (Partial(),) * mesh.ndim
-    torch.testing.assert_close(result.full_tensor(), torch.ldexp(partial.full_tensor(), exponent_full))
+    torch.testing.assert_close(result.full_tensor(), torch.ldexp(partial_full, exponent_full))
     full = torch.rand(4, 3, dtype=torch.float64) + 0.5
     leaf = distribute_tensor(full.clone().requires_grad_(), mesh, _sharded(mesh))
     reference = full.clone().requires_grad_()

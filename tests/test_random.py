@@ -1,6 +1,7 @@
 """rand/randn give one global tensor for a seed and shape, whatever the mesh and placements."""
 
 import torch
+from helpers import documented_random
 from spmd import spmd
 
 import shardtensor
@@ -10,7 +11,8 @@ from shardtensor.random import BLOCK_SIZE, random_shard
 
 def test_a_box_of_the_random_tensor_equals_the_same_box_of_the_full_one():
     shape = (3, BLOCK_SIZE // 2 + 5)  # several blocks, rows crossing block edges
-    full = random_shard("randn", shape, (0, 0), shape, seed=5, counter=2, dtype=torch.float32)
+    full = documented_random("randn", shape, seed=5, counter=2, dtype=torch.float32)
+    assert torch.equal(random_shard("randn", shape, (0, 0), shape, seed=5, counter=2, dtype=torch.float32), full)
     box = random_shard("randn", shape, (1, 7), (2, 1000), seed=5, counter=2, dtype=torch.float32)
     assert torch.equal(box, full[1:3, 7:1007])
     other = random_shard("randn", shape, (0, 0), shape, seed=5, counter=3, dtype=torch.float32)
@@ -27,7 +29,7 @@ def _placement_lists(mesh):
 def test_rand_and_randn_do_not_depend_on_mesh_or_placements(mesh):
     shape = (5, BLOCK_SIZE // 4 + 3)
     for kind, factory in [("rand", shardtensor.rand), ("randn", shardtensor.randn)]:
-        expected = random_shard(kind, shape, (0, 0), shape, seed=11, counter=0, dtype=torch.float64)
+        expected = documented_random(kind, shape, seed=11, counter=0)
         for placements in _placement_lists(mesh):
             shardtensor.manual_seed(11)
             dtensor = factory(*shape, device_mesh=mesh, placements=placements, dtype=torch.float64)

@@ -4,11 +4,11 @@ import math
 
 import torch
 import torch.nn.functional as F
+from helpers import documented_random
 from spmd import spmd
 
 import shardtensor
 from shardtensor import Partial, Replicate, Shard, comm, distribute_tensor
-from shardtensor.random import random_shard
 
 R = Replicate()
 SHAPE = (6, 5)
@@ -16,7 +16,7 @@ SHAPE = (6, 5)
 
 def _draw(kind, counter=0, parameters=()):
     """The global tensor of random call `counter` after manual_seed(7): the same on every mesh."""
-    return random_shard(kind, SHAPE, (0, 0), SHAPE, seed=7, counter=counter, dtype=torch.float64, parameters=parameters)
+    return documented_random(kind, SHAPE, seed=7, counter=counter, parameters=parameters)
 
 
 # (name, the op on a float64 zeros DTensor `x`, expected global tensor or None, strict: only this file's rules)
@@ -83,7 +83,9 @@ def test_dropout_mask_is_the_same_in_forward_and_backward(mesh):
     with shardtensor.strict_mode(), comm.observe() as records:
         output, mask = torch.native_dropout(partial, 0.5, True)
     assert list(records) == [] and output.placements == partial.placements
-    assert torch.equal(output.full_tensor(), mask.full_tensor() * 2.0 * mesh.size())
+    expected_mask = documented_random("rand", (8, 6), seed=3, counter=1) < 0.5  # call 1 after the seed, drawn in float64
+    assert torch.equal(mask.full_tensor(), expected_mask)
+    assert torch.equal(output.full_tensor(), expected_mask * 2.0 * mesh.size())
 
 
 @spmd(meshes=[(4,)])

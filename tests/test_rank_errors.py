@@ -148,6 +148,21 @@ def test_good_indices_give_single_device_values_and_gradients(mesh):
             assert_close(leaf.grad.full_tensor(), reference.grad, msg=lambda text: f"{name} gradient: {text}")
 
 
+@spmd(meshes=[(2,), (4,), (2, 2)])
+def test_a_bad_sorter_index_of_a_batched_searchsorted_raises_on_every_rank(mesh):
+    """The sorter shards with its batched sequence: the last rank's rows hold the bad value alone."""
+    sequences = torch.randn(ROWS, 5, generator=torch.Generator().manual_seed(2))
+    values = torch.randn(ROWS, 3, generator=torch.Generator().manual_seed(3))
+    sorter = sequences.argsort(1)
+    batch = [Shard(0)] * mesh.ndim
+    sharded = [distribute_tensor(tensor, mesh, batch) for tensor in (sequences, values, sorter)]
+    assert torch.equal(torch.searchsorted(*sharded[:2], sorter=sharded[2]).full_tensor(),
+                       torch.searchsorted(sequences, values, sorter=sorter))
+    sorter[-1, -1] = 9
+    with pytest.raises(RuntimeError, match="index 9 in `sorter` is out of range"):
+        torch.searchsorted(*sharded[:2], sorter=distribute_tensor(sorter, mesh, batch))
+
+
 @spmd(meshes=[(2,), (4,)])
 def test_trusted_indices_skip_the_agreement_collective(mesh):
     x, index = torch.randn(ROWS, 6), _indices((ROWS, 3), 6, bad=False)

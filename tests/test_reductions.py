@@ -3,6 +3,7 @@ Partial inputs, and backward, all against one device."""
 
 import pytest
 import torch
+from helpers import partial_and_value
 from spmd import spmd
 
 import shardtensor
@@ -113,9 +114,7 @@ def test_reducing_an_unsharded_dim_is_local_and_keeps_the_shard(mesh):
 
 @spmd(meshes=[(2,), (4,), (2, 2)])
 def test_partial_inputs(mesh):
-    operand = torch.randn(4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(mesh.get_rank()))
-    partial = DTensor.from_local(operand, mesh, [Partial()] * mesh.ndim)
-    full = partial.full_tensor()
+    partial, full = partial_and_value(mesh, (4, 6))
     with shardtensor.strict_mode(), comm.observe() as records:
         linear = [partial.sum(1), partial.mean(0), partial.sum(), partial.cumsum(1)]
     assert list(records) == []  # sum, mean and cumsum of a P(sum) stay P(sum)
@@ -128,11 +127,11 @@ def test_partial_inputs(mesh):
     expected = [full.amax(1), full.max(), full.max(0).indices, full.var(1), full.prod(0), torch.linalg.vector_norm(full, dim=1)]
     for result, reference in zip(nonlinear, expected):
         torch.testing.assert_close(result.full_tensor(), reference)
-    maximum = DTensor.from_local(operand, mesh, [Partial("max")] * mesh.ndim)
+    maximum, maximum_value = partial_and_value(mesh, (4, 6), "max")
     with shardtensor.strict_mode(), comm.observe() as records:
         largest = maximum.amax(0)
     assert list(records) == [] and largest.placements == (Partial("max"),) * mesh.ndim
-    torch.testing.assert_close(largest.full_tensor(), maximum.full_tensor().amax(0))
+    torch.testing.assert_close(largest.full_tensor(), maximum_value.amax(0))
 
 
 @spmd()

@@ -8,7 +8,7 @@ from helpers import layout_box
 from spmd import example_note, spmd
 from torch.testing import assert_close
 
-from shardtensor import DTensor, Replicate, Shard, distribute_tensor
+from shardtensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from shardtensor.debug import CommDebugMode
 from shardtensor.debug.comm_mode import CommBytes
 from shardtensor.layout import Layout
@@ -41,13 +41,15 @@ def _like(full, dtensor):
                               shard_sizes=sizes or None)
 
 
-def _check(mesh, convolution, input_shape, weight_shape, placements, shard_sizes=None, *, grad="sharded", seed=0):
-    """Forward and backward of `convolution(x, weight, bias)` with x sharded as given, against one
-    device; only point-to-point collectives in both. Returns the CommDebugMode of the run."""
+def _check(mesh, convolution, input_shape, weight_shape, placements, shard_sizes=None, *, grad="sharded", seed=0,
+           weight_placements=None, output_placements=None):
+    """Forward and backward of `convolution(x, weight, bias)` with x sharded as given (the weight
+    Replicate unless given), against one device; only point-to-point collectives in both, and the
+    parameter gradients' all_reduce. Returns the CommDebugMode of the run."""
     x_full, weight_full = _randn(input_shape, seed), _randn(weight_shape, seed + 1)
     bias_full = _randn(weight_shape[:1], seed + 2)
     x = _sharded(x_full, mesh, placements, shard_sizes)
-    weight = distribute_tensor(weight_full, mesh, [R] * mesh.ndim).requires_grad_()
+    weight = distribute_tensor(weight_full, mesh, weight_placements or [R] * mesh.ndim).requires_grad_()
     bias = distribute_tensor(bias_full, mesh, [R] * mesh.ndim).requires_grad_()
     references = [tensor.clone().requires_grad_() for tensor in (x_full, weight_full, bias_full)]
     expected = convolution(*references)
@@ -63,7 +65,7 @@ def _check(mesh, convolution, input_shape, weight_shape, placements, shard_sizes
     assert set(mode.get_comm_counts()) <= {"batch_p2p", "all_reduce"}, mode.generate_comm_debug_tracing_table(1)
     parameter_bytes = (weight_full.numel() + bias_full.numel()) * 8
     assert mode.get_comm_bytes().get("all_reduce", CommBytes(0, 0)).sent <= 2 * parameter_bytes
-    assert y.placements == x.placements
+    assert y.placements == tuple(output_placements or x.placements)
     assert_close(y.full_tensor(), expected.detach())
     expected.backward(grad_full)
     assert_close(x.grad.full_tensor(), references[0].grad)
@@ -111,6 +113,9 @@ def test_conv2d_with_height_and_width_sharded_on_a_2d_mesh(mesh):
         _check(mesh, _conv2d(**options), (2, 4, 7, 6), weight_shape, [Shard(2), Shard(3)], {0: [5, 2], 1: [1, 5]})
     _check(mesh, _conv2d(padding=1), (2, 4, 6, 5), (3, 4, 3, 3), [Shard(0), Shard(2)], grad="replicate")
     _check(mesh, _conv2d(padding=1), (1, 4, 9, 5), (3, 4, 3, 3), [Shard(2), Shard(2)])  # H over all four ranks
+    # H with input channels (and the weight's) sharded: the output is Partial over the channels.
+    _check(mesh, _conv2d(padding=1, stride=(2, 1)), (2, 4, 7, 5), (3, 4, 3, 3), [Shard(2), Shard(1)],
+           weight_placements=[R, Shard(1)], output_placements=[Shard(2), Partial()], grad="replicate")
 
 
 @spmd(meshes=[(2,), (2, 2)])

@@ -2,6 +2,7 @@
 single-device results forward and backward, with rules only (strict mode) and plain index tensors."""
 
 import torch
+from helpers import index_agreement
 from spmd import spmd
 from test_views import check, check_both_shardings, placements_for
 
@@ -57,15 +58,6 @@ def test_explicit_uneven_shards(mesh):
         check(mesh, full, [Shard(0)], case, shard_sizes=sizes)
 
 
-def moving_data(records):
-    """The collectives that move data: all but the small all_reduce with which every rank agrees on
-    a sharded index's range (ops/index_checks.py; 2 int64 per index tensor)."""
-    return [
-        record for record in records
-        if not (record.kind == "all_reduce" and record.bytes_sent == 2 * (record.group_size - 1) * 16 // record.group_size)
-    ]
-
-
 @spmd(meshes=[(2,), (4,), (2, 2)])
 def test_local_rules_issue_no_collective(mesh):
     full = torch.randn(8, 6)
@@ -74,7 +66,7 @@ def test_local_rules_issue_no_collective(mesh):
         results = [x.index_select(1, ROWS % 6), x.gather(1, torch.zeros(8, 2, dtype=torch.long)), x[:, ROWS % 6], x.masked_fill(full > 0, 0.0), x.sort(1)[0],
                    x.tril(1), x.triu(-2), x.flip(1), x.roll(2, 1)]
     # gather's plain (Replicate) index is sliced to the rows of x, so its shards differ: the agreement runs.
-    assert moving_data(records) == []
+    assert list(records) == index_agreement(mesh)
     expected = [full.index_select(1, ROWS % 6), full.gather(1, torch.zeros(8, 2, dtype=torch.long)),
                 full[:, ROWS % 6], full.masked_fill(full > 0, 0.0), full.sort(1)[0], full.tril(1), full.triu(-2),
                 full.flip(1), full.roll(2, 1)]

@@ -6,8 +6,10 @@ rank picks the same), the op runs, and `full_tensor()` of every output is compar
 single-device result; where the OpInfo supports autograd, the input gradients of the sum of the
 outputs are compared too. An op is "native" (correct, no replicate fallback), "fallback"
 (correct through shardtensor's replicate fallback), or "failing" (wrong or an error, with a
-one-line reason). Ops that draw random numbers (tests/test_random.py covers them), return
-uninitialized memory or have no CPU sample are "skipped" and left out of the count.
+one-line reason). An op whose inputs the library refuses up front with a clear error on every
+rank (sparse tensors: a TypeError from `distribute_tensor`) is "refused" and counted apart. Ops that
+draw random numbers (tests/test_random.py covers them), return uninitialized memory or have no CPU
+sample are "skipped" and left out of the count.
 
 The same harness runs against `torch.distributed.tensor` (`--library torch`), where an op counts
 as native when it raises nothing, so both numbers compare.
@@ -46,7 +48,9 @@ MESH_SHAPES = ((4,), (2, 2))
 WORLD_SIZE = 4
 # Sharded reductions add in another order than one device does: allow float32 rounding of that size.
 TOLERANCE = {"rtol": 1e-4, "atol": 1e-4}
-STATUS_ORDER = {"native": 0, "fallback": 1, "skipped": 2, "failing": 3}
+STATUS_ORDER = {"native": 0, "fallback": 1, "refused": 2, "skipped": 3, "failing": 4}
+# What a library raises when it refuses an input up front (before any collective, on every rank).
+REFUSALS = (TypeError, ValueError, NotImplementedError)
 # Ops whose output is uninitialized memory: nothing to compare.
 UNINITIALIZED = {"empty", "empty_like", "empty_strided", "empty_permuted", "new_empty", "new_empty_strided"}
 # How each OpInfo is called: its function, its in-place variant, or its function with `out=`.
@@ -57,7 +61,7 @@ OUT_SENTINEL = 7
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class OpResult:
-    """How one op fared: status is native, fallback, failing or skipped; reason says why."""
+    """How one op fared: status is native, fallback, refused, failing or skipped; reason says why."""
 
     key: str
     status: str
@@ -198,11 +202,16 @@ def _partial_local(library: _Library, mesh, value: torch.Tensor, placements: lis
     return local
 
 
+class _Refused(Exception):
+    """The library refused an input when it was distributed (the reason is the exception's first line)."""
+
+
 def _distribute(library: _Library, mesh, arguments, chooser: random.Random, partial: bool = False):
     """Every tensor argument as a leaf DTensor with random placements; also returns those leaves.
 
     With `partial`, the first floating tensor is Partial(sum) on mesh dim 0 and later floating
-    tensors are Partial on a mesh dim with probability 1/2 (random placements elsewhere).
+    tensors are Partial on a mesh dim with probability 1/2 (random placements elsewhere). A
+    refusal (`REFUSALS`) raises `_Refused`.
     """
     leaves = []
     partial_given = []
@@ -217,7 +226,10 @@ def _distribute(library: _Library, mesh, arguments, chooser: random.Random, part
             local = _partial_local(library, mesh, value.detach(), placements)
             dtensor = library.DTensor.from_local(local, mesh, placements, shape=value.shape, stride=value.stride())
         else:
-            dtensor = library.distribute_tensor(value.detach(), mesh, placements)
+            try:
+                dtensor = library.distribute_tensor(value.detach(), mesh, placements)
+            except REFUSALS as error:
+                raise _Refused(f"distribute_tensor raised {type(error).__name__}: {_first_line(error)}") from None
         if value.requires_grad:
             dtensor.requires_grad_(True)
         leaves.append(dtensor)
@@ -436,7 +448,10 @@ def check_op(library_name: str, mesh, key: str, max_samples: int = 4, variant: s
         if _is_random(info, _arguments(sample)):
             return OpResult(key, "skipped", "draws random numbers (see tests/test_random.py)", checked)
         torch.manual_seed(0)
-        reason = _SAMPLE_CHECKS[variant](library, mesh, info, sample, chooser, partial)
+        try:
+            reason = _SAMPLE_CHECKS[variant](library, mesh, info, sample, chooser, partial)
+        except _Refused as refusal:
+            return OpResult(key, "refused", str(refusal), checked + 1)
         if reason is None:
             continue
         checked += 1
@@ -502,9 +517,10 @@ def sweep(library_name: str, keys: list[str], *, mesh_shapes=MESH_SHAPES, max_sa
 
 def summary_line(results: dict[str, OpResult]) -> str:
     counted = [r for r in results.values() if r.status != "skipped"]
-    count = {status: sum(r.status == status for r in counted) for status in ("native", "fallback", "failing")}
+    statuses = ("native", "fallback", "refused", "failing")
+    count = {status: sum(r.status == status for r in counted) for status in statuses}
     return (f"ops: {len(counted)} total, {count['native']} natively sharded, {count['fallback']} via fallback, "
-            f"{count['failing']} failing ({len(results) - len(counted)} skipped)")
+            f"{count['refused']} refused up front, {count['failing']} failing ({len(results) - len(counted)} skipped)")
 
 
 def _print_result(mesh_shape: tuple[int, ...], result: OpResult) -> None:
@@ -542,7 +558,7 @@ def main(argv=None) -> int:
     for variant in variants:
         chosen = {key: result for key, result in results.items() if key == variant_key(key.partition(":")[0], variant)}
         print(f"{variant:>7}: {summary_line(chosen)}")
-    for status in ("failing", "fallback", "skipped"):
+    for status in ("failing", "fallback", "refused", "skipped"):
         chosen = sorted(r.key for r in results.values() if r.status == status)
         print(f"\n{status} ({len(chosen)}):")
         for key in chosen:

@@ -98,24 +98,26 @@ def _common_mesh(op, dtensors: list):
 
 def _plain_tensors_as_replicate(dtensor_class: type, op, flat: list, mesh, accepted: bool,
                                 written_ids: frozenset = frozenset()) -> None:
-    """Refuse plain tensors that are not 0-d, or (for rules that accept them) make them Replicate.
+    """Refuse plain tensors of more than one element, or (for rules that accept them) make them Replicate.
 
-    Inside a backward formula every op accepts them: autograd formulas build plain tensors from
-    global sizes only (`torch.ones` in prod's, `zeros` in cumprod's), so they are equal on every rank.
+    A one-element plain tensor of any shape (`torch.masked.var` divides by a (1, 1, 1) count it builds
+    from the global shape) is read as Replicate, as a 0-d one is read as a scalar and as PyTorch's
+    DTensor reads it. Inside a backward formula every op accepts them: autograd formulas build plain
+    tensors from global sizes only (`torch.ones` in prod's, `zeros` in cumprod's), so they are equal on every rank.
     A plain tensor the op writes to (ids in `written_ids`, 0-d too) becomes Replicate: it must receive the
     full value, not this rank's shard or partial sum.
     """
     accepted = accepted or torch._C._current_autograd_node() is not None
     for index, value in enumerate(flat):
         if isinstance(value, torch.Tensor) and not isinstance(value, dtensor_class) and (value.ndim > 0 or id(value) in written_ids):
-            if accepted or value.ndim == 0 or created_by_torch(value):
+            if accepted or value.numel() == 1 or created_by_torch(value):
                 layout = Layout.create(mesh.shape, [Replicate()] * mesh.ndim, value.shape)
                 flat[index] = dtensor_class(value, DTensorSpec(mesh, layout, tuple(value.stride()), value.dtype))
                 continue
             # Not a TypeError: torch turns a TypeError in an operator into NotImplemented and the message is lost.
             raise RuntimeError(
                 f"{op}: got a plain torch.Tensor of shape {tuple(value.shape)} mixed with DTensors; only "
-                f"Python scalars and 0-d tensors may be mixed in. Make it a DTensor first, e.g. "
+                f"Python scalars and one-element tensors may be mixed in. Make it a DTensor first, e.g. "
                 f"distribute_tensor(tensor, mesh, [Replicate()] * mesh.ndim) or DTensor.from_local(...)"
             )
 

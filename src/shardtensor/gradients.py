@@ -33,7 +33,7 @@ from .placement import Partial, Replicate
 from .redistribute import redistribute_local_tensor
 from .spec import DTensorSpec, contiguous_stride
 
-__all__ = ["watch_leaves"]
+__all__ = ["watch_leaves", "partial_reduction"]
 
 _grad_enabled = torch.is_grad_enabled
 
@@ -85,7 +85,7 @@ def _relay_pending() -> None:
         grad = leaf.grad
         if not isinstance(grad, type(leaf)) or grad.sharding == leaf.sharding:
             continue  # replaced meanwhile (the user's hook), or already there
-        reduction = _reduction_only(grad, leaf)
+        reduction = partial_reduction(grad.sharding, leaf.sharding)
         if reduction is None:
             local = redistribute_local_tensor(grad._local_tensor, grad.sharding, leaf.sharding, leaf.device_mesh)
             _set_grad(leaf, local)
@@ -95,18 +95,18 @@ def _relay_pending() -> None:
         _reduce_together(members, mesh_dims, reduce_op)
 
 
-def _reduction_only(grad, leaf) -> tuple[tuple[int, ...], str] | None:
-    """(Partial mesh dims, reduce op) when the gradient is the leaf's layout but Partial there
-    (one reduce op on all of them), else None."""
+def partial_reduction(have, want) -> tuple[tuple[int, ...], str] | None:
+    """(Partial mesh dims, reduce op) when layout `have` is layout `want` but Partial where `want` is
+    Replicate (one reduce op on all of them), else None."""
     mesh_dims, reduce_ops = [], set()
-    for mesh_dim, (have, want) in enumerate(zip(grad.placements, leaf.placements)):
-        if have == want:
+    for mesh_dim, (have_placement, want_placement) in enumerate(zip(have.placements, want.placements)):
+        if have_placement == want_placement:
             continue
-        if not (isinstance(have, Partial) and isinstance(want, Replicate)):
+        if not (isinstance(have_placement, Partial) and isinstance(want_placement, Replicate)):
             return None
         mesh_dims.append(mesh_dim)
-        reduce_ops.add(have.reduce_op)
-    if len(reduce_ops) != 1 or reduce_ops & {"product"} or grad.sharding.pieces != leaf.sharding.pieces:
+        reduce_ops.add(have_placement.reduce_op)
+    if len(reduce_ops) != 1 or reduce_ops & {"product"} or have.pieces != want.pieces:
         return None
     return tuple(mesh_dims), reduce_ops.pop()
 

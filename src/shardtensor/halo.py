@@ -6,7 +6,8 @@ the global rows `[start, stop)` it needs, which may start below 0 or end past th
 may span several shards (a shard thinner than the halo takes rows from a neighbour's neighbour).
 Rows outside `[0, N)` are filled by the `edge` mode: "zeros", "reflect" (mirror without repeating
 the edge row, as `F.pad`), "replicate" (the edge row), "circular" (wrapping across the first and
-last shard) or "none" (such rows are an error).
+last shard) or "none" (such rows are an error); a number fills them with that constant (zeros is
+0.0; max pooling's padding is `float("-inf")`).
 
 `window_exchange` moves exactly the rows each pair needs with one batched point-to-point
 (`comm.batch_p2p`), only between pairs with rows to move; a rank's own rows never travel. Each
@@ -42,7 +43,7 @@ from .layout import Layout
 from .mesh import DeviceMesh
 
 __all__ = [
-    "EDGE_MODES", "Bounds", "output_bounds", "shard_bounds", "SlidingWindow", "Exchange",
+    "EDGE_MODES", "Edge", "Bounds", "output_bounds", "shard_bounds", "SlidingWindow", "Exchange",
     "window_exchange", "window_gradient", "exchange", "exchange_gradient", "differentiable_exchange",
     "exchange_shape", "WindowExchange", "exchanged_bytes",
 ]
@@ -51,6 +52,8 @@ EDGE_MODES = ("zeros", "reflect", "replicate", "circular", "none")
 
 # (start, stop) of global rows per coordinate along the exchanging mesh dims, in coordinate order.
 Bounds = tuple[tuple[int, int], ...]
+# How rows outside [0, N) are filled: a name of EDGE_MODES, or a number (a constant).
+Edge = str | float
 # One mesh dim, or a tuple of them: the flattened peers, row-major in the order given (a tensor
 # dim's shard order: its piece index).
 MeshDims = int | str | tuple[int | str, ...]
@@ -132,18 +135,28 @@ class SlidingWindow:
         windows = []
         for start, stop in output_bounds:
             first = start * self.stride - self.padding
-            windows.append((first, first + (stop - 1 - start) * self.stride + self.span) if stop > start else (first, first))
+            last = first + (stop - 1 - start) * self.stride + self.span if stop > start else first
+            windows.append((first, last))
         return tuple(windows)
 
 
 # ---- the exchange plan ------------------------------------------------------------------------------
 
 
-def _source_row(row: int, size: int, edge: str) -> int | None:
-    """The global row that fills window row `row` of a dim of `size` rows (None: a zero row)."""
+def _is_constant(edge) -> bool:
+    """Rows outside are a constant: "zeros" or a number."""
+    return edge == "zeros" or (isinstance(edge, (int, float)) and not isinstance(edge, bool))
+
+
+def _fill_value(edge) -> float:
+    return 0.0 if edge == "zeros" else float(edge)
+
+
+def _source_row(row: int, size: int, edge: Edge) -> int | None:
+    """The global row that fills window row `row` of a dim of `size` rows (None: a constant row)."""
     if 0 <= row < size:
         return row
-    if edge == "zeros":
+    if _is_constant(edge):
         return None
     if edge == "replicate":
         return min(max(row, 0), size - 1)
@@ -158,7 +171,7 @@ def _source_row(row: int, size: int, edge: str) -> int | None:
 
 @dataclass(frozen=True, slots=True)
 class _Run:
-    """Consecutive window rows taken from one source: `source` -1 is zeros, 0 the local shard,
+    """Consecutive window rows taken from one source: `source` -1 is the constant, 0 the local shard,
     i > 0 the i-th received buffer; rows `start, start + step, ...` (`step` 1, -1 or 0)."""
 
     source: int
@@ -186,7 +199,8 @@ def _runs(references: Sequence[tuple[int, int]]) -> tuple[_Run, ...]:
         if runs:
             last = runs[-1]
             step = position - (last.start + (last.length - 1) * last.step)
-            if last.source == source and (source == -1 or (last.length == 1 and step in (1, -1, 0)) or step == last.step):
+            continues = source == -1 or (last.length == 1 and step in (1, -1, 0)) or step == last.step
+            if last.source == source and continues:
                 runs[-1] = _Run(source, last.start, last.length + 1, step if last.length == 1 else last.step)
                 continue
         runs.append(_Run(source, position, 1, 1))
@@ -200,10 +214,10 @@ def _owner(row: int, bounds: Bounds) -> int:
     raise AssertionError(f"row {row} lies in no shard of {bounds}")  # bounds are checked to cover [0, N)
 
 
-def _check_geometry(bounds: Bounds, windows: Bounds, edge: str, peers: int) -> int:
+def _check_geometry(bounds: Bounds, windows: Bounds, edge: Edge, peers: int) -> int:
     """Validate the exchange's description (the same on every rank, so every rank raises alike); returns N."""
-    if edge not in EDGE_MODES:
-        raise _halo_error(f"edge mode {edge!r} is unknown", f"use one of {EDGE_MODES}")
+    if edge not in EDGE_MODES and not _is_constant(edge):
+        raise _halo_error(f"edge mode {edge!r} is unknown", f"use one of {EDGE_MODES} or a number (a constant fill)")
     if len(bounds) != peers or len(windows) != peers:
         raise _halo_error(
             f"{len(bounds)} shard bounds and {len(windows)} windows for {peers} coordinates",
@@ -213,7 +227,7 @@ def _check_geometry(bounds: Bounds, windows: Bounds, edge: str, peers: int) -> i
     for start, stop in bounds:
         if start != expected or stop < start:
             raise _halo_error(f"shard bounds {list(bounds)} are not contiguous from row 0",
-                              "give each coordinate's (start, stop) in coordinate order, each starting where the last stops")
+                              "give each coordinate's (start, stop) in coordinate order, each from the last's stop")
         expected = stop
     size = expected
     for coordinate, (start, stop) in enumerate(windows):
@@ -227,14 +241,14 @@ def _check_geometry(bounds: Bounds, windows: Bounds, edge: str, peers: int) -> i
                 f"coordinate {coordinate}'s window ({start}, {stop}) leaves the dim's {size} rows and edge is 'none'",
                 "use an edge mode (zeros, reflect, replicate, circular) or windows inside [0, size)",
             )
-        if size == 0 and edge != "zeros":
+        if size == 0 and not _is_constant(edge):
             raise _halo_error(f"coordinate {coordinate}'s window ({start}, {stop}) needs rows of an empty dim",
-                              "only edge='zeros' can fill a window of a dim without rows")
+                              "only a constant edge (zeros or a number) can fill a window of a dim without rows")
     return size
 
 
 @functools.lru_cache(maxsize=1024)
-def _plan(bounds: Bounds, windows: Bounds, edge: str, me: int) -> _Plan:
+def _plan(bounds: Bounds, windows: Bounds, edge: Edge, me: int) -> _Plan:
     size = _check_geometry(bounds, windows, edge, len(bounds))
 
     def sources(coordinate: int) -> list[int | None]:
@@ -259,7 +273,9 @@ def _plan(bounds: Bounds, windows: Bounds, edge: str, me: int) -> _Plan:
             references.append((buffer_of[_owner(row, bounds)], position_in_buffer[row]))
     sends = []
     for peer in range(len(bounds)):
-        rows = sorted({row for row in sources(peer) if row is not None and my_start <= row < my_stop}) if peer != me else []
+        if peer == me:
+            continue
+        rows = sorted({row for row in sources(peer) if row is not None and my_start <= row < my_stop})
         if rows:
             sends.append((peer, tuple(row - my_start for row in rows)))
     return _Plan(
@@ -313,6 +329,17 @@ def _add_rows(target: torch.Tensor, dim: int, positions: Sequence[int], rows: to
         offset += length
 
 
+def _swap(sends: Sequence[tuple[torch.Tensor, int]], receives: Sequence[tuple[int, int]], like: torch.Tensor,
+          dim: int) -> list[torch.Tensor]:
+    """One `comm.batch_p2p`: each (tensor, global rank) of `sends` sent, and for each (rows, global
+    rank) of `receives` a tensor shaped like `like` with that many rows on `dim` received (in order)."""
+    operations = [comm.PointToPoint("send", tensor, rank) for tensor, rank in sends]
+    operations += [
+        comm.PointToPoint("recv", like.new_empty(_with_rows(like.shape, dim, rows)), rank) for rows, rank in receives
+    ]
+    return comm.batch_p2p(operations)
+
+
 def _with_rows(shape: Sequence[int], dim: int, rows: int) -> list[int]:
     shape = list(shape)
     shape[dim] = rows
@@ -322,7 +349,7 @@ def _with_rows(shape: Sequence[int], dim: int, rows: int) -> list[int]:
 # ---- one dim ----------------------------------------------------------------------------------------
 
 
-def _prepare(tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: MeshDims, dim: int, bounds, windows, edge: str,
+def _prepare(tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: MeshDims, dim: int, bounds, windows, edge: Edge,
              rows_expected: str):
     dim = dim % tensor.ndim if tensor.ndim else 0
     mesh_dims = _mesh_dims(mesh, mesh_dim)
@@ -342,7 +369,7 @@ def _prepare(tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: MeshDims, dim: in
 
 
 def window_exchange(local: torch.Tensor, mesh: DeviceMesh, mesh_dim: MeshDims, dim: int,
-                    shard_bounds: Bounds, windows: Bounds, edge: str = "zeros") -> torch.Tensor:
+                    shard_bounds: Bounds, windows: Bounds, edge: Edge = "zeros") -> torch.Tensor:
     """This rank's window: global rows `windows[c]` of tensor dim `dim` for its coordinate c along
     `mesh_dim`, assembled from its own shard (`local`, rows `shard_bounds[c]`), the rows its peers
     send and the edge mode's rows. One `comm.batch_p2p` (none when no pair has rows to move).
@@ -350,17 +377,12 @@ def window_exchange(local: torch.Tensor, mesh: DeviceMesh, mesh_dim: MeshDims, d
     >>> window = window_exchange(local, mesh, 0, 2, ((0, 4), (4, 8)), ((-1, 5), (3, 9)))  # doctest: +SKIP
     """
     dim, ranks, plan = _prepare(local, mesh, mesh_dim, dim, shard_bounds, windows, edge, "local")
-    operations = [comm.PointToPoint("send", _gather_rows(local, dim, positions), ranks[peer]) for peer, positions in plan.sends]
-    operations += [
-        comm.PointToPoint("recv", torch.empty(_with_rows(local.shape, dim, rows), dtype=local.dtype, device=local.device),
-                          ranks[peer])
-        for peer, rows in plan.receives
-    ]
-    buffers = [local, *comm.batch_p2p(operations)]
+    sends = [(_gather_rows(local, dim, positions), ranks[peer]) for peer, positions in plan.sends]
+    buffers = [local, *_swap(sends, [(rows, ranks[peer]) for peer, rows in plan.receives], local, dim)]
     pieces = []
     for run in plan.runs:
         if run.source == -1:
-            pieces.append(local.new_zeros(_with_rows(local.shape, dim, run.length)))
+            pieces.append(local.new_full(_with_rows(local.shape, dim, run.length), _fill_value(edge)))
         elif run.step == 1:
             pieces.append(buffers[run.source].narrow(dim, run.start, run.length))
         elif run.step == -1:
@@ -374,13 +396,15 @@ def window_exchange(local: torch.Tensor, mesh: DeviceMesh, mesh_dim: MeshDims, d
 
 
 def window_gradient(grad_window: torch.Tensor, mesh: DeviceMesh, mesh_dim: MeshDims, dim: int,
-                    shard_bounds: Bounds, windows: Bounds, edge: str = "zeros") -> torch.Tensor:
+                    shard_bounds: Bounds, windows: Bounds, edge: Edge = "zeros") -> torch.Tensor:
     """The adjoint of `window_exchange`: the gradient of this rank's shard from its window's
     gradient and its peers' (each window row's gradient is added to the row it came from, on the
     rank that owns it; zero-filled rows are dropped). One `comm.batch_p2p`, the pairs reversed."""
     dim, ranks, plan = _prepare(grad_window, mesh, mesh_dim, dim, shard_bounds, windows, edge, "window")
     grad_local = grad_window.new_zeros(_with_rows(grad_window.shape, dim, plan.local_rows))
-    targets = [grad_local] + [grad_window.new_zeros(_with_rows(grad_window.shape, dim, rows)) for _, rows in plan.receives]
+    # The gradients of the rows that came from each peer, sent back to it.
+    targets = [grad_local]
+    targets += [grad_window.new_zeros(_with_rows(grad_window.shape, dim, rows)) for _, rows in plan.receives]
     row = 0
     for run in plan.runs:
         if run.source != -1:
@@ -392,18 +416,15 @@ def window_gradient(grad_window: torch.Tensor, mesh: DeviceMesh, mesh_dim: MeshD
             else:
                 targets[run.source].narrow(dim, run.start, 1).add_(gradient.sum(dim, keepdim=True))
         row += run.length
-    operations = [comm.PointToPoint("send", target, ranks[peer]) for target, (peer, _) in zip(targets[1:], plan.receives)]
-    operations += [
-        comm.PointToPoint("recv", torch.empty(_with_rows(grad_window.shape, dim, len(positions)), dtype=grad_window.dtype,
-                                              device=grad_window.device), ranks[peer])
-        for peer, positions in plan.sends
-    ]
-    for received, (_, positions) in zip(comm.batch_p2p(operations), plan.sends):
-        _add_rows(grad_local, dim, positions, received)
+    sends = [(target, ranks[peer]) for target, (peer, _) in zip(targets[1:], plan.receives)]
+    receives = [(len(positions), ranks[peer]) for peer, positions in plan.sends]
+    received = _swap(sends, receives, grad_window, dim)
+    for rows, (_, positions) in zip(received, plan.sends):
+        _add_rows(grad_local, dim, positions, rows)
     return grad_local
 
 
-def exchanged_bytes(bounds: Bounds, windows: Bounds, edge: str, coordinate: int, row_bytes: int) -> tuple[int, int]:
+def exchanged_bytes(bounds: Bounds, windows: Bounds, edge: Edge, coordinate: int, row_bytes: int) -> tuple[int, int]:
     """(bytes sent, bytes received) by `coordinate` in `window_exchange`, for `row_bytes` bytes per
     row: what `comm` records (the adjoint moves the same bytes the other way)."""
     plan = _plan(tuple(map(tuple, bounds)), tuple(map(tuple, windows)), edge, coordinate)
@@ -424,10 +445,10 @@ class Exchange:
     dim: int
     shard_bounds: Bounds
     windows: Bounds
-    edge: str = "zeros"
+    edge: Edge = "zeros"
 
     @classmethod
-    def of_layout(cls, layout: Layout, dim: int, windows: Bounds, edge: str = "zeros") -> Exchange:
+    def of_layout(cls, layout: Layout, dim: int, windows: Bounds, edge: Edge = "zeros") -> Exchange:
         """The exchange of `layout`'s tensor dim `dim` (sharded over its shard order)."""
         return cls(layout.shard_order[dim], dim, shard_bounds(layout, dim), tuple(windows), edge)
 

@@ -30,10 +30,10 @@ _call_state = _CallState()
 
 
 def _has_plain_tensor(values, dtensor_class: type) -> bool:
-    """Whether `values` (nested lists and tuples included) hold a plain tensor that is not 0-d."""
+    """Whether `values` (nested lists and tuples included) hold a plain tensor of more than one element."""
     for value in values:
         if isinstance(value, torch.Tensor):
-            if not isinstance(value, dtensor_class) and value.ndim > 0:
+            if not isinstance(value, dtensor_class) and value.numel() != 1:
                 return True
         elif isinstance(value, (list, tuple)) and _has_plain_tensor(value, dtensor_class):
             return True
@@ -70,9 +70,9 @@ def created_by_torch(tensor: torch.Tensor) -> bool:
     """Whether a plain tensor mixed with DTensors in an aten op may be read as Replicate.
 
     True inside a public torch function called with DTensor arguments (the outermost such call on
-    this thread) that got no plain tensor of its own except 0-d ones: a plain tensor that shows up
-    then was created by torch from global metadata (a causal mask from sizes, a tolerance from a
-    dtype) and is the same on every rank. A plain tensor the caller passed is refused, and so is
+    this thread) that got no plain tensor of its own except one-element ones (read like 0-d ones): a
+    plain tensor that shows up then was created by torch from global metadata (a causal mask from
+    sizes, a tolerance from a dtype) and is the same on every rank. A plain tensor the caller passed is refused, and so is
     everything in a call that got one (torch may derive new tensors from it, which carry this
     rank's data). Also true inside `implicit_replication()` (unchecked).
     """

@@ -187,6 +187,9 @@ def random_shard(
         out = torch.empty(tuple(local_shape), dtype=dtype, device=device)
     elif tuple(out.shape) != tuple(local_shape):
         raise ValueError(f"random_shard out= has shape {tuple(out.shape)}, but the box has shape {tuple(local_shape)}")
+    # torch's own check of the parameters (uniform_(2, 1), exponential_(-1), ...) on an empty tensor: a rank
+    # whose box is empty raises as the others do, instead of running on into their next collective.
+    getattr(torch.empty(0, dtype=dtype, device=out.device), method)(*parameters)
     if out.numel():
         _fill_box(out, _Blocks(method, math.prod(shape), seed, counter, dtype, parameters), shape, offset)
     return out

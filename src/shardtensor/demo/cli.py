@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from ..launch import RankFailure, spawn
-from .train import Options, train
+from .train import DATA_PARALLEL_MODES, Options, train
 
 __all__ = ["main", "parse_options"]
 
@@ -35,10 +35,13 @@ def _parser() -> argparse.ArgumentParser:
     defaults = Options()
     parser = argparse.ArgumentParser(
         prog="shardtensor-demo",
-        description="Train a small GPT character by character with data x tensor parallelism on shardtensor.",
+        description="Train a small GPT character by character with data (fully_shard or replicated) x tensor parallelism on shardtensor.",
     )
     parser.add_argument("--nproc", type=int, default=None, help="local ranks to spawn (default: the mesh's size, 4)")
     parser.add_argument("--mesh", type=_mesh_shape, default=None, help="data-parallel x tensor-parallel sizes (default 2x2)")
+    parser.add_argument("--data-parallel", choices=DATA_PARALLEL_MODES, default=defaults.data_parallel,
+                        help="how the dp mesh dim holds the parameters: fsdp shards them (fully_shard, the default), "
+                             "ddp replicates them and all-reduces the gradients")
     parser.add_argument("--steps", type=int, default=defaults.steps)
     parser.add_argument("--batch-size", type=int, default=defaults.batch_size, help="global batch (sequences per step)")
     parser.add_argument("--block-size", type=int, default=defaults.block_size, help="characters per sequence")
@@ -72,7 +75,7 @@ def parse_options(argv=None, world_size: int | None = None) -> tuple[Options, in
     if arguments.batch_size % mesh[0]:
         parser.error(f"--batch-size {arguments.batch_size} must divide over the {mesh[0]} data-parallel ranks")
     options = Options(
-        mesh=mesh, steps=arguments.steps, batch_size=arguments.batch_size, block_size=arguments.block_size,
+        mesh=mesh, data_parallel=arguments.data_parallel, steps=arguments.steps, batch_size=arguments.batch_size, block_size=arguments.block_size,
         layers=arguments.layers, heads=arguments.heads, width=arguments.width, learning_rate=arguments.lr,
         seed=arguments.seed, data=arguments.data, checkpoint=arguments.checkpoint, compare=arguments.compare,
         sample_length=arguments.sample_length,

@@ -24,18 +24,24 @@ LOSS_TOLERANCE = 1e-3
 TEMPERATURE = 0.8
 
 
+_DATA_PARALLEL_NAMES = {"fsdp": "fully_shard", "ddp": "replicated, gradients all-reduced"}
+
+
 class ComparisonError(RuntimeError):
     """The parallel training's losses left the one-device training's by more than float rounding."""
 
 
-def _mesh_dim_name(mesh: DeviceMesh, mesh_dim) -> str:
+def _mesh_dim_name(mesh: DeviceMesh | str, mesh_dim) -> str:
+    if isinstance(mesh, str):  # the phase's mesh dims by name, when records of several meshes mix
+        return mesh
     dims = mesh_dim if isinstance(mesh_dim, tuple) else (mesh_dim,)
     return "+".join(mesh.mesh_dim_names[dim] if mesh.mesh_dim_names else str(dim) for dim in dims)
 
 
 def communication_table(phases) -> Table:
     """The collectives of one step on this rank, by kind and mesh dim; `phases` pairs each list of
-    records with the mesh they were issued on (the model's on "tp", the gradients' on the world)."""
+    records with the mesh they were issued on (the model's on "tp", the gradients' on the world), or
+    with the names of its mesh dims when it mixes meshes (FSDP's "dp" and tensor parallelism's "tp")."""
     calls, sent = collections.Counter(), collections.Counter()
     for mesh, records in phases:
         for record in records:
@@ -80,7 +86,8 @@ class Progress:
         self.console.print(
             f"[bold]shardtensor demo[/bold]: a GPT trained on {corpus.tokens.numel():,} characters of "
             f"{corpus.name} (vocabulary {corpus.vocab_size}), mesh {options.mesh[0]}x{options.mesh[1]} "
-            f"(dp x tp){', checked against one device' if options.compare else ''}"
+            f"(dp x tp, {_DATA_PARALLEL_NAMES[options.data_parallel]} on dp)"
+            f"{', checked against one device' if options.compare else ''}"
         )
         self.bar = RichProgress(
             TextColumn("[bold]train[/bold]"),
@@ -106,7 +113,10 @@ class Progress:
         if step_communication:
             self.console.print(communication_table(step_communication))
         weight = model.blocks[0].mlp.fc.weight
-        visualize_sharding(weight, header="blocks.0.mlp.fc.weight over tp (each dp row holds the same shards):", use_rich=True)
+        header = ("blocks.0.mlp.fc.weight over dp x tp (fully_shard splits each tp shard's rows over dp):"
+                  if self.options.data_parallel == "fsdp" else
+                  "blocks.0.mlp.fc.weight over tp (each dp row holds the same shards):")
+        visualize_sharding(weight, header=header, use_rich=True)
         self.console.rule("sample")
         self.console.print(sample, markup=False, highlight=False)
         self.console.rule()

@@ -1,10 +1,13 @@
 """One rank's part of the demo: data parallel x tensor parallel training of the GPT with AdamW.
 
 The model is laid out over the "tp" mesh dim by `model.parallelize`; data parallelism over "dp"
-gives each dp rank its slice of the global batch and averages gradients with one all_reduce of
-all of them (backward has already summed the norm gradients that sequence parallelism leaves
-Partial over "tp", in one all_reduce over "tp"). With `compare`, rank 0 also trains the same model on the whole
-batch on one device, step for step.
+gives each dp rank its slice of the global batch. With `data_parallel="fsdp"` (the default) every
+block and then the whole model are `fully_shard`ed over "dp": parameters are sharded there too,
+gathered per block around its forward and backward, and gradients reduce-scattered per block.
+With `"ddp"` the parameters are replicated over "dp" and gradients are averaged after backward with
+one all_reduce of all of them. Either way backward has already summed the norm gradients that
+sequence parallelism leaves Partial over "tp", in one all_reduce over "tp". With `compare`, rank 0
+also trains the same model on the whole batch on one device, step for step.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch.nn.functional as F
 
 from .. import comm
 from ..dtensor import DTensor
+from ..fsdp import fully_shard
 from ..mesh import DeviceMesh, init_device_mesh
 from ..parallel import loss_parallel
 from . import report
@@ -25,7 +29,9 @@ from .checkpoint import load_checkpoint, save_checkpoint
 from .data import Corpus, batch_for_step, load_corpus
 from .model import GPT, GPTConfig, parallelize
 
-__all__ = ["Options", "average_gradients", "forward_backward", "train"]
+__all__ = ["Options", "DATA_PARALLEL_MODES", "average_gradients", "mean_loss", "shard_model", "forward_backward", "train"]
+
+DATA_PARALLEL_MODES = ("fsdp", "ddp")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +39,7 @@ class Options:
     """Everything a run depends on (the command line's flags)."""
 
     mesh: tuple[int, int] = (2, 2)
+    data_parallel: str = "fsdp"  # one of DATA_PARALLEL_MODES: how the "dp" mesh dim holds the parameters
     steps: int = 200
     batch_size: int = 16
     block_size: int = 64
@@ -69,6 +76,13 @@ def average_gradients(parameters: list[torch.nn.Parameter], mesh: DeviceMesh, lo
     return flat[0].item()
 
 
+def mean_loss(loss: torch.Tensor, mesh: DeviceMesh) -> float:
+    """The global mean loss from each dp rank's mean over its equal share of the batch (one small
+    all_reduce over "dp"; FSDP has already reduced the gradients)."""
+    local_loss = loss.to_local() if isinstance(loss, DTensor) else loss
+    return comm.all_reduce(local_loss.detach().reshape(1), mesh, 0, reduce_op="avg").item()
+
+
 def _gradient_layout_error(indices: list[int]) -> ValueError:
     return ValueError(
         f"average_gradients averages each gradient's local shard over dp, so every gradient must be laid "
@@ -96,6 +110,19 @@ def build(options: Options, corpus: Corpus, device: torch.device) -> GPT:
     return GPT(config).to(device)
 
 
+def shard_model(model: GPT, mesh: DeviceMesh, data_parallel: str) -> GPT:
+    """Tensor parallelism over "tp"; with "fsdp" also every block, then the rest of the model, sharded
+    over "dp" (each block one unit: one all-gather forward, one reduce-scatter backward)."""
+    if data_parallel not in DATA_PARALLEL_MODES:
+        raise ValueError(f"data_parallel={data_parallel!r}: choose one of {DATA_PARALLEL_MODES}")
+    parallelize(model, mesh["tp"])
+    if data_parallel == "fsdp":
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+    return model
+
+
 def _optimizer(model: GPT, options: Options) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=options.learning_rate, weight_decay=0.01, foreach=True)
 
@@ -112,7 +139,8 @@ def train(options: Options) -> None:
     model = build(options, corpus, device)
     is_main = mesh.get_rank() == 0
     reference = copy.deepcopy(model) if options.compare and is_main else None
-    parallelize(model, mesh["tp"])
+    shard_model(model, mesh, options.data_parallel)
+    fsdp = options.data_parallel == "fsdp"
     optimizer = _optimizer(model, options)
     reference_optimizer = _optimizer(reference, options) if reference is not None else None
     start = 0
@@ -126,7 +154,7 @@ def train(options: Options) -> None:
         with comm.observe() as model_records:
             loss = forward_backward(model, _dp_slice(tokens, mesh).to(device), _dp_slice(targets, mesh).to(device))
         with comm.observe() as gradient_records:
-            loss_value = average_gradients(parameters, mesh, loss)
+            loss_value = mean_loss(loss, mesh) if fsdp else average_gradients(parameters, mesh, loss)
         _step(optimizer)
         elapsed = time.perf_counter() - began
         reference_loss = None
@@ -135,7 +163,11 @@ def train(options: Options) -> None:
             _step(reference_optimizer)
         if progress is not None:
             progress.update(step, loss_value, reference_loss, tokens.numel() / elapsed)
-    step_communication = [(mesh["tp"], model_records), (mesh, gradient_records)] if options.steps > start else []
+    step_communication = []
+    if options.steps > start:
+        # FSDP's collectives (on "dp") come in the same forward/backward as tensor parallelism's (on "tp").
+        model_mesh_dims = "dp+tp" if fsdp and mesh.size(0) > 1 else "tp"
+        step_communication = [(model_mesh_dims, model_records), (mesh, gradient_records)]
     if options.checkpoint:
         save_checkpoint(options.checkpoint, model, optimizer, options.steps, reference, reference_optimizer)
     sample = report.generate(model, corpus, options, device)

@@ -35,13 +35,15 @@ class UnshardHandle:
 
     def wait(self) -> None:
         self._unit.wait_for_unshard()
+        self._unit.show_unsharded()
 
 
 class FSDPModule:
     """The methods `fully_shard` adds: its module's class becomes a subclass with `FSDPModule` first.
 
     Outside its forward the module's parameters are the sharded DTensors (what optimizers,
-    `state_dict` and DCP see); during its forward they are the unsharded tensors.
+    `state_dict` and DCP see); during its forward, and from an explicit `unshard()` until
+    `reshard()`, they are the unsharded tensors.
     """
 
     _fsdp_unit: ParameterUnit
@@ -54,13 +56,20 @@ class FSDPModule:
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """Gather this unit's parameters now (one collective); with `async_op`, return a handle to wait on.
 
-        The next forward then uses them without gathering (explicit prefetching).
+        Once gathered (after `wait()`), the modules' parameters are the unsharded ones until `reshard()`
+        (or the reshard that forward or backward does); the next forward uses them without gathering
+        (explicit prefetching).
         """
-        self._fsdp_unit.unshard(async_op=async_op)
-        return UnshardHandle(self._fsdp_unit) if async_op else None
+        unit = self._fsdp_unit
+        unit.adopt_replaced_parameters()
+        unit.unshard(async_op=async_op)
+        if async_op:
+            return UnshardHandle(unit)
+        unit.show_unsharded()
+        return None
 
     def reshard(self) -> None:
-        """Free this unit's unsharded parameters (the sharded ones are always kept)."""
+        """Free this unit's unsharded parameters and register the sharded ones (which are always kept)."""
         self._fsdp_unit.reshard()
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:

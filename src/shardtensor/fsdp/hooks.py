@@ -154,7 +154,8 @@ class _Unshard(torch.autograd.Function):
 
 
 def _context_for(unit: ParameterUnit, module: nn.Module) -> TrainingContext:
-    """The step's shared state; the first module to run forward becomes the root of the units below it."""
+    """The step's shared state; the first module to run forward becomes the root of the units below it
+    (which then take over parameters replaced since `fully_shard`, e.g. by `to_empty` after meta init)."""
     if unit.context is not None:
         return unit.context
     units: list[ParameterUnit] = []
@@ -164,6 +165,7 @@ def _context_for(unit: ParameterUnit, module: nn.Module) -> TrainingContext:
             units.append(found)
     context = TrainingContext(unit, units)
     for found in units:
+        found.adopt_replaced_parameters()
         found.context = context
         if found.reshard_after_forward is None:
             found.reshard_after_forward = found is not unit
@@ -200,12 +202,12 @@ def pre_forward(unit: ParameterUnit, module: nn.Module, args, kwargs):
 def post_forward(unit: ParameterUnit, module: nn.Module, args, output):
     """Forward post-hook: sharded parameters back, free the unsharded ones, hook the outputs' gradients."""
     context = unit.context
-    unit.register_sharded()
     context.post_forward_order.append(unit)
     unit.finished_forward_modules.add(id(module))
     if unit.reshard_after_forward and len(unit.finished_forward_modules) == len(unit.modules):
         unit.reshard()
         unit.finished_forward_modules.clear()
+    unit.register_at_rest()
     if torch.is_grad_enabled():
         needing_grad = _tensors_requiring_grad(output)
         if needing_grad:

@@ -20,6 +20,7 @@ from torch import nn
 
 from .. import comm
 from ..dtensor import DTensor
+from ..gradients import partial_reduction
 from ..spec import DTensorSpec, contiguous_stride
 from ..layout import Layout
 from ..mesh import DeviceMesh
@@ -202,6 +203,7 @@ class ParameterUnit:
         self._build(managed_parameters(self.modules, ignored_params, is_managed), shard_placement_fn)
         self._gather_handle = None
         self._gathered_state = "sharded"  # "sharded" | "gathering" | "gathered"
+        self._shown_unsharded: tuple | None = None  # after an explicit unshard(): registered until reshard()
         self._accumulated: torch.Tensor | None = None
         self._forward_tensors: tuple | None = None
         self._forward_tensors_with_grad = False
@@ -271,6 +273,7 @@ class ParameterUnit:
             self.slots.append(slot)
             self.sharded_parameters.append(sharded)
         self._build_buffers(unsharded_offset)
+        self._home_shards()
 
     def _shard_dim(self, parameter, shard_placement_fn, name: str) -> int:
         placement = shard_placement_fn(parameter) if shard_placement_fn is not None else None
@@ -326,14 +329,31 @@ class ParameterUnit:
     def is_sharded(self) -> bool:
         return self._gathered_state == "sharded"
 
-    def _send_buffer(self) -> torch.Tensor:
-        """This rank's pieces of every parameter, flat and in the compute dtype (the all-gather's input)."""
+    def _home_shards(self) -> None:
+        """Make the sharded parameters' local tensors views of one flat buffer, this rank's segment in the
+        order the all-gather sends it, so that gathering sends the buffer itself (no copy-in); the
+        optimizer's in-place updates and in-place loads keep them there."""
         with torch.no_grad():
-            locals_ = [parameter.to_local().reshape(-1) for parameter in self.sharded_parameters]
-        if len(locals_) == 1 and locals_[0].dtype == self.compute_dtype:
-            return locals_[0]
-        send = torch.empty(self.segment_sizes[self.coordinate], dtype=self.compute_dtype, device=self.device)
-        return torch.cat(locals_, out=send) if locals_ else send
+            locals_ = [parameter._local_tensor for parameter in self.sharded_parameters]
+            self._shard_data = torch.empty(self.segment_sizes[self.coordinate], dtype=self.parameter_dtype, device=self.device)
+            storage, offset = self._shard_data.untyped_storage(), 0
+            for local in locals_:
+                count = local.numel()
+                self._shard_data[offset : offset + count].copy_(local.reshape(-1))
+                local.set_(storage, offset, local.shape, contiguous_stride(local.shape))
+                offset += count
+        self._shard_pointers = [local.data_ptr() for local in locals_]
+
+    def _send_buffer(self) -> torch.Tensor:
+        """This rank's pieces of every parameter, flat and in the compute dtype (the all-gather's input).
+
+        The pieces already sit in one buffer (`_home_shards`); a local tensor that was replaced behind
+        the parameter's back (`param.data = ...`) is copied back in first."""
+        if [parameter._local_tensor.data_ptr() for parameter in self.sharded_parameters] != self._shard_pointers:
+            self._home_shards()
+        if self._shard_data.dtype == self.compute_dtype:
+            return self._shard_data
+        return self._shard_data.to(self.compute_dtype)
 
     def unshard(self, async_op: bool = False) -> None:
         """Start gathering every parameter (one collective); wait for it unless `async_op`."""
@@ -360,12 +380,62 @@ class ParameterUnit:
         self._gathered_state = "gathered"
 
     def reshard(self) -> None:
-        """Free the unsharded parameters (an in-flight gather is finished first)."""
+        """Free the unsharded parameters (an in-flight gather is finished first); the modules show the
+        sharded ones again."""
         self.wait_for_unshard()
         if self._gathered_state == "gathered" and self.slots:
             self._free(self._unsharded)
         self._gathered_state = "sharded"
         self._forward_tensors = None
+        if self._shown_unsharded is not None:
+            self._shown_unsharded = None
+            self.register_sharded()
+
+    def show_unsharded(self) -> None:
+        """Register the unsharded parameters on the modules until `reshard` (FSDP2's explicit `unshard()`):
+        `nn.Parameter`s viewing the gathered data (DTensors on their own mesh for tensor-parallel ones)."""
+        if self._shown_unsharded is None:
+            self._shown_unsharded = tuple(
+                _parameter(tensor.requires_grad_(sharded.requires_grad)) if isinstance(tensor, DTensor)
+                else nn.Parameter(tensor, requires_grad=sharded.requires_grad)
+                for tensor, sharded in zip(self.unsharded_tensors(), self.sharded_parameters)
+            )
+        self.register(self._shown_unsharded)
+
+    def register_at_rest(self) -> None:
+        """What the modules show outside forward: the unsharded parameters after an explicit unshard, else
+        the sharded ones."""
+        if self._shown_unsharded is not None:
+            self.register(self._shown_unsharded)
+        else:
+            self.register_sharded()
+
+    def adopt_replaced_parameters(self) -> None:
+        """Take over parameters that a module conversion replaced, such as `to_empty(device=...)` after
+        building the model on the meta device (the new DTensors must keep their layout); buffers follow
+        the new device."""
+        if self._gathered_state != "sharded":
+            return  # the modules show unsharded parameters
+        for index, slot in enumerate(self.slots):
+            module, name = slot.locations[0]
+            current = module._parameters.get(name)
+            if current is self.sharded_parameters[index]:
+                continue
+            if not isinstance(current, DTensor) or current.sharding != slot.sharded_spec.layout:
+                raise _unit_error(
+                    f"parameter {name!r} was replaced by {type(current).__name__} "
+                    f"{getattr(current, 'sharding', tuple(getattr(current, 'shape', ())))} after fully_shard",
+                    f"keep its sharded layout {slot.sharded_spec.layout} (module.to_empty(device=...) does; "
+                    f"copy new values into the parameter in place instead of assigning a new one)",
+                )
+            for location_module, location_name in slot.locations:
+                setattr(location_module, location_name, current)
+            self.sharded_parameters[index] = current
+        device = self.sharded_parameters[0].device if self.sharded_parameters else self.device
+        if device != self.device:
+            self._build_buffers(self._unsharded.numel())
+        if [parameter._local_tensor.data_ptr() for parameter in self.sharded_parameters] != self._shard_pointers:
+            self._home_shards()
 
     def unsharded_tensors(self) -> tuple[torch.Tensor, ...]:
         """New views of the unsharded parameters (DTensors on their own mesh for tensor-parallel ones)."""
@@ -402,19 +472,40 @@ class ParameterUnit:
             return self.gradient_divide_factor
         return self.mesh.size()
 
-    def _local_gradient(self, slot: ParameterSlot, grad) -> torch.Tensor | None:
-        if grad is None or slot.unsharded_spec is None:
-            return grad
-        target = slot.unsharded_spec.layout
-        with torch.no_grad():
-            if grad.sharding != target:
-                grad = grad.redistribute(slot.unsharded_spec.mesh, target.placements)
-            local = grad.to_local()
+    def _local_gradients(self, grads: Sequence) -> list[torch.Tensor | None]:
+        """Each gradient as a plain tensor of its unsharded shape. Tensor-parallel gradients that are Partial
+        where their parameter is Replicate (norms and biases fed by a sequence-sharded stream) are summed in
+        one all_reduce per (mesh, mesh dims, reduce op); any other layout is redistributed on its own."""
+        locals_: list = list(grads)
+        groups: dict[tuple, list[int]] = {}
+        for index, (slot, grad) in enumerate(zip(self.slots, grads)):
+            if grad is None or slot.unsharded_spec is None:
+                continue
+            target = slot.unsharded_spec.layout
+            reduction = partial_reduction(grad.sharding, target) if grad.sharding != target else None
+            if reduction is not None:
+                groups.setdefault((grad.device_mesh, reduction, grad.dtype), []).append(index)
+                continue
+            with torch.no_grad():
+                if grad.sharding != target:
+                    grad = grad.redistribute(slot.unsharded_spec.mesh, target.placements)
+                locals_[index] = self._checked_local(slot, grad)
+        for (mesh, (mesh_dims, reduce_op), _), indices in groups.items():
+            pieces = [grads[index].to_local() for index in indices]
+            flat = torch.cat([piece.reshape(-1) for piece in pieces])
+            summed = comm.all_reduce(flat, mesh, mesh_dims if len(mesh_dims) > 1 else mesh_dims[0], reduce_op=reduce_op)
+            for index, piece in zip(indices, summed.split([piece.numel() for piece in pieces])):
+                locals_[index] = piece.view(self.slots[index].unsharded_shape)
+        return locals_
+
+    @staticmethod
+    def _checked_local(slot: ParameterSlot, grad) -> torch.Tensor:
+        local = grad.to_local()
         if tuple(local.shape) != slot.unsharded_shape:
             raise RuntimeError(
                 f"fully_shard: the gradient of a tensor-parallel parameter came back as {grad.sharding} "
-                f"(local shape {tuple(local.shape)}), which does not redistribute to its layout {target} "
-                f"(local shape {slot.unsharded_shape})"
+                f"(local shape {tuple(local.shape)}), which does not redistribute to its layout "
+                f"{slot.unsharded_spec.layout} (local shape {slot.unsharded_shape})"
             )
         return local
 
@@ -431,7 +522,7 @@ class ParameterUnit:
     def reduce_gradients(self, grads: Sequence) -> tuple[list, Reduction | None]:
         """Gradient DTensors (Shard on the data-parallel dims) for the sharded parameters, and the reduction
         they wait for; with gradient sync off, the gradients are only accumulated (no communication)."""
-        grads = [self._local_gradient(slot, grad) for slot, grad in zip(self.slots, grads)]
+        grads = self._local_gradients(grads)
         if not self.requires_gradient_sync:
             self._accumulate(grads)
             return [None] * len(self.slots), None

@@ -193,11 +193,14 @@ def cross_rows(call: OpCall) -> list[Row]:
 
 # take/put index the flattened self; negative values count from the end.
 _FLAT_INDEX = (IndexArgument("index", dim=None, negative=True),)
+# searchsorted's sorter indexes the last dim of sorted_sequence (sharded with it when batched).
+_SORTER = (IndexArgument("sorter", indexes="sorted_sequence", dim=-1, error=RuntimeError),)
 
 INDEXING_RULES: list[tuple] = [
     ([aten.bucketize.Tensor, aten.bucketize.Scalar, aten.bucketize.Tensor_out, aten.isin.Tensor_Tensor,
-      aten.isin.Tensor_Scalar, aten.isin.Scalar_Tensor, aten.isin.Tensor_Tensor_out, aten.searchsorted.Tensor,
-      aten.searchsorted.Scalar], lookup_rows),  # not searchsorted.Tensor_out: see `LOOKUP_VALUES`
+      aten.isin.Tensor_Scalar, aten.isin.Scalar_Tensor, aten.isin.Tensor_Tensor_out], lookup_rows),
+    # not searchsorted.Tensor_out: see `LOOKUP_VALUES`
+    ([aten.searchsorted.Tensor, aten.searchsorted.Scalar], lookup_rows, _SORTER),
     ([aten.index_fill.int_Scalar, aten.index_fill.int_Tensor, aten.index_fill_.int_Scalar,
       aten.index_fill_.int_Tensor], index_fill_rows),
     ([aten.index_copy.default, aten.index_copy_.default, aten.index_copy.out, aten.index_reduce.default,

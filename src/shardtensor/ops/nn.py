@@ -464,11 +464,16 @@ class ConvolutionBackward(ShardingRule):
         return rows + [Row(_masked_outputs((Shard(1), Shard(1), R), output_mask), (R, Shard(1), Shard(1)))]
 
     def local_arguments(self, call, input_layouts, coordinate):
+        values = self.local_values(call, input_layouts, coordinate)
+        return call.with_arguments(**values) if values else None
+
+    def local_values(self, call, input_layouts, coordinate) -> dict:
+        """The arguments whose local value differs from the call's, by name."""
         if call.argument("bias_sizes") is None:
-            return None
+            return {}
         # bias_sizes: the output channels of the local convolution, which grad_output's local dim 1
         # holds (the weight's dim 0 is not it for a transposed or grouped convolution).
-        return call.with_arguments(bias_sizes=[input_layouts[0].local_shape(coordinate)[1]])
+        return {"bias_sizes": [input_layouts[0].local_shape(coordinate)[1]]}
 
     def local_op(self, call, input_layouts, coordinate):
         def convolution_backward(mesh, grad, tensor, weight, bias_sizes, *rest):

@@ -17,6 +17,7 @@ from ..placement import Partial, Replicate, Shard
 from ..rules import OpCall, Row, ShardingRule, schema_positions
 from .common import normalized_dim
 from .registry import pointwise, register_rule
+from .value_checks import ValueRange, with_value_checks
 
 aten = torch.ops.aten
 
@@ -32,8 +33,8 @@ class ElementwiseLoss(ShardingRule):
     and the input gradient lies like the input.
     """
 
-    def __init__(self, name: str, backward: bool = False):
-        self.__name__, self.backward = name, backward
+    def __init__(self, name: str, backward: bool = False, value_ranges: tuple[ValueRange, ...] = ()):
+        self.__name__, self.backward, self.value_ranges = name, backward, value_ranges
 
     def _reduction(self, call: OpCall) -> int:
         return call.argument("reduction")
@@ -51,6 +52,13 @@ class ElementwiseLoss(ShardingRule):
         return math.prod(torch.broadcast_shapes(*(meta.shape for meta in losses)))
 
     def local_op(self, call, input_layouts, coordinate):
+        """The mean of sharded losses as a sum divided by the global count, after the value checks."""
+        return with_value_checks(self._global_mean(call, input_layouts), call, input_layouts, self._value_ranges(call))
+
+    def _value_ranges(self, call: OpCall) -> tuple[ValueRange, ...]:
+        return self.value_ranges
+
+    def _global_mean(self, call, input_layouts):
         if self._reduction(call) != _MEAN or not any(any(layout.shard_order) for layout in input_layouts):
             return None
         count = self._count(call)
@@ -77,8 +85,17 @@ class SampleLoss(ElementwiseLoss):
     tensor but the class `weight`; 'mean' averages over N.
 
     The backwards (`multi_margin_loss_backward`, `multilabel_margin_loss_backward`) have no meta
-    kernel, so no rule can size their shards: they take the replicate fallback.
+    kernel, so no rule can size their shards: they take the replicate fallback. The kernel refuses a
+    target class outside [`lowest_target`, C): every rank refuses together (`value_checks`).
     """
+
+    def __init__(self, name: str, lowest_target: int):
+        super().__init__(name)
+        self.lowest_target = lowest_target
+
+    def _value_ranges(self, call: OpCall) -> tuple[ValueRange, ...]:
+        classes = call.inputs[0].shape[-1] if call.inputs[0].ndim else 1
+        return (ValueRange("target", self.lowest_target, classes - 1, "target"),)
 
     def rows(self, call: OpCall) -> list[Row]:
         outputs, inputs = len(call.op._schema.returns), len(call.inputs)
@@ -121,12 +138,16 @@ _POINTWISE = [
     aten.softshrink_backward.default, aten._prelu_kernel.default,
 ]
 
+# The kernel refuses values outside [0, 1]: on shards, every rank must refuse together.
+_PROBABILITIES = (ValueRange("self", 0.0, 1.0, "input"), ValueRange("target", 0.0, 1.0, "target"))
 for _op in _LOSSES:
-    register_rule([_op], ElementwiseLoss(_op._schema.name))
+    _ranges = _PROBABILITIES if _op == aten.binary_cross_entropy.default else ()
+    register_rule([_op], ElementwiseLoss(_op._schema.name, value_ranges=_ranges))
 for _op in _LOSS_BACKWARDS:
     register_rule([_op], ElementwiseLoss(_op._schema.name, backward=True))
-register_rule([aten.multi_margin_loss.default], SampleLoss("multi_margin_loss"))
-register_rule([aten.multilabel_margin_loss_forward.default], SampleLoss("multilabel_margin_loss"))
+register_rule([aten.multi_margin_loss.default], SampleLoss("multi_margin_loss", lowest_target=0))
+# -1 ends a sample's list of target classes
+register_rule([aten.multilabel_margin_loss_forward.default], SampleLoss("multilabel_margin_loss", lowest_target=-1))
 register_rule(_POINTWISE, pointwise)
 register_rule([aten._prelu_kernel_backward.default], prelu_backward)
 register_rule([aten.glu.default, aten.glu_backward.default, aten._safe_softmax.default], glu)

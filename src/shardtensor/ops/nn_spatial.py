@@ -2,7 +2,8 @@
 sampling) and batch norm.
 
 Pooling and upsampling work on each (batch, channel) plane alone: the dims before the spatial ones
-shard, the spatial dims stay whole. An input without a batch dim, (C, H, W) for a 2-d op, has one
+shard, the spatial dims stay whole (`ops/spatial_pool.py` adds rows for pooling on spatially
+sharded inputs, by halo exchange). An input without a batch dim, (C, H, W) for a 2-d op, has one
 such dim; the op's spatial rank tells them apart. Batch norm keeps statistics per channel, so it
 shards the channel dim together with every per-channel tensor; the backward without training
 (running statistics, global) shards the batch too.
@@ -321,18 +322,12 @@ def _channels_or_zeros(op, local_input_shape: Sequence[int]):
 
 # ---- registration ----------------------------------------------------------------------------------
 
-# op name -> spatial rank: the trailing dims each op reads whole.
+# op name -> spatial rank: the trailing dims each op reads whole (pooling: ops/spatial_pool.py, which adds
+# rows for spatially sharded inputs to these).
 _PLANE_OPS = {
-    "max_pool2d_with_indices": 2, "max_pool2d_with_indices_backward": 2,
-    "max_pool3d_with_indices": 3, "max_pool3d_with_indices_backward": 3,
-    "avg_pool2d": 2, "avg_pool2d_backward": 2, "avg_pool3d": 3, "avg_pool3d_backward": 3,
-    "_adaptive_avg_pool2d": 2, "_adaptive_avg_pool2d_backward": 2,
-    "_adaptive_avg_pool3d": 3, "_adaptive_avg_pool3d_backward": 3,
-    "adaptive_max_pool2d": 2, "adaptive_max_pool2d_backward": 2,
-    "adaptive_max_pool3d": 3, "adaptive_max_pool3d_backward": 3,
     "max_unpool2d": 2, "max_unpool3d": 3,
     "pixel_shuffle": 3, "pixel_unshuffle": 3,  # (*, C, H, W): channels mix with the spatial dims
-    "im2col": 3, "col2im": 2,  # (N, C, H, W) <-> (N, C * kernel, blocks)
+    # im2col, col2im (N, C, H, W) <-> (N, C * kernel, blocks): ops/spatial_unfold.py
 }
 # Upsampling forwards (and their `.vec` overloads) and backwards, whose `input_size` is global.
 _UPSAMPLE_OPS = {

@@ -22,6 +22,7 @@ from ..rules import OpCall, Row, ShardingRule
 from ..random import next_random_call, random_shard
 from .common import on_shards
 from .registry import pointwise, register_rule
+from .value_checks import ValueRange, with_value_checks
 
 aten = torch.ops.aten
 
@@ -100,11 +101,14 @@ class ThresholdRandom(ShardingRule):
     """Bernoulli draws as `uniform < p`, with `p` a number or a tensor lying like the output.
 
     `probability(tensor, args, kwargs)` picks p from the local arguments; the output has the dtype of
-    `target(local_args)` and is written into it when the op is in place.
+    `target(local_args)` and is written into it when the op is in place. `tensor_probability` names
+    the argument holding a tensor p (None: p is a number): p outside [0, 1] raises on every rank, as
+    torch's kernel raises (`uniform < p` alone would silently give 1 or 0).
     """
 
-    def __init__(self, name: str, probability, in_place: bool):
+    def __init__(self, name: str, probability, in_place: bool, tensor_probability: str | None):
         self.probability, self.in_place, self.__name__ = probability, in_place, name
+        self.tensor_probability = tensor_probability
 
     def rows(self, call: OpCall) -> list[Row]:
         return pointwise(call) if len(call.inputs) > 1 else _layout_rows(call, None)
@@ -114,13 +118,18 @@ class ThresholdRandom(ShardingRule):
 
         def bernoulli(mesh, tensor, *args, **kwargs):
             probability = self.probability(tensor, args, kwargs)
+            if not isinstance(probability, torch.Tensor):  # torch's own check of a number p, alike on every rank
+                torch.empty(0, device=tensor.device).bernoulli_(probability)
             uniform = draw(mesh, probability.dtype if isinstance(probability, torch.Tensor) else torch.float64)
             values = uniform < probability
             if self.in_place:
                 return tensor.copy_(values)
             return values.to(tensor.dtype)
 
-        return on_shards(call.op, bernoulli)
+        if self.tensor_probability is None:
+            return on_shards(call.op, bernoulli)
+        probability_range = ValueRange(self.tensor_probability, 0.0, 1.0, "p")
+        return with_value_checks(on_shards(call.op, bernoulli), call, input_layouts, [probability_range])
 
 
 def _output_layout(call: OpCall, input_layouts: Sequence[Layout]) -> Layout:
@@ -173,6 +182,7 @@ class NormalWithTensorMean(ShardingRule):
         draw = _draw("randn", input_layouts[0], coordinate)
 
         def normal(mesh, mean, std=1.0, **kwargs):
+            torch.empty(0, dtype=mean.dtype, device=mean.device).normal_(0.0, std)  # torch's check of std, every rank
             return mean + std * draw(mesh, mean.dtype)
 
         return on_shards(call.op, normal)
@@ -222,19 +232,20 @@ _LIKE = {
     aten.randint_like.default: ("random_", _randint_range),
     aten.randint_like.low_dtype: ("random_", _randint_range),
 }
-_BERNOULLI = {  # op: (probability from (local self, other local args), in place)
-    aten.bernoulli_.float: (lambda tensor, args, kwargs: args[0] if args else kwargs.get("p", 0.5), True),
-    aten.bernoulli_.Tensor: (lambda tensor, args, kwargs: args[0] if args else kwargs["p"], True),
-    aten.bernoulli.default: (lambda tensor, args, kwargs: tensor, False),
-    aten.bernoulli.p: (lambda tensor, args, kwargs: args[0] if args else kwargs.get("p", 0.5), False),
+_BERNOULLI = {  # op: (probability from (local self, other local args), in place, the argument of a tensor p)
+    aten.bernoulli_.float: (lambda tensor, args, kwargs: args[0] if args else kwargs.get("p", 0.5), True, None),
+    aten.bernoulli_.Tensor: (lambda tensor, args, kwargs: args[0] if args else kwargs["p"], True, "p"),
+    aten.bernoulli.default: (lambda tensor, args, kwargs: tensor, False, "self"),
+    aten.bernoulli.p: (lambda tensor, args, kwargs: args[0] if args else kwargs.get("p", 0.5), False, None),
 }
 
 for _op, (_kind, _parameters) in _IN_PLACE.items():
     register_rule([_op], InPlaceRandom(_kind, _parameters))
 for _op, (_kind, _parameters) in _LIKE.items():
     register_rule([_op], LikeRandom(_kind, _parameters))
-for _op, (_probability, _in_place) in _BERNOULLI.items():
-    register_rule([_op], ThresholdRandom(f"bernoulli_{_op._overloadname}", _probability, _in_place))
+for _op, (_probability, _in_place, _tensor_probability) in _BERNOULLI.items():
+    _rule = ThresholdRandom(f"bernoulli_{_op._overloadname}", _probability, _in_place, _tensor_probability)
+    register_rule([_op], _rule)
 register_rule([aten.native_dropout.default], NativeDropout())
 register_rule([aten.normal.Tensor_float], NormalWithTensorMean())
 register_rule([aten.native_dropout_backward.default], pointwise)

@@ -1,6 +1,7 @@
 """Sharding rules: convolution on inputs sharded along spatial dims, by halo exchange.
 
-`aten.convolution` and `aten.convolution_backward` (not transposed) get, besides the batch and
+`aten.convolution` and `aten.convolution_backward` (transposed calls take the rows and local ops of
+`ops/spatial_conv_transpose.py`; the rest of this note is about plain ones) get, besides the batch and
 channel rows of `nn.Convolution`, a row per spatial dim d: input `Shard(d)`, weight and bias
 Replicate, output `Shard(d)`. The local op exchanges the window of input rows its output rows need
 (`halo.exchange`, point to point between the coordinates that share rows; the zero padding of the
@@ -27,12 +28,16 @@ from dataclasses import dataclass
 import torch
 
 from ..halo import (
-    Exchange, SlidingWindow, exchange, exchange_gradient, exchange_shape, exchanged_bytes, shard_bounds,
+    Bounds, Exchange, SlidingWindow, exchange, exchange_gradient, exchange_shape, exchanged_bytes, shard_bounds,
 )
 from ..layout import Layout
 from ..placement import Partial, Replicate, Shard
 from ..rules import LocalCollective, OpCall, Row, TensorMeta
 from .nn import Convolution, ConvolutionBackward, _masked_outputs
+from .spatial_conv_transpose import (
+    transposed_backward_local_op, transposed_backward_rows, transposed_local_op, transposed_local_shape_key,
+    transposed_rows,
+)
 from .registry import register_rule
 
 aten = torch.ops.aten
@@ -66,22 +71,20 @@ class _Spatial:
     each coordinate owns there, and the padding left for the local convolution (0 on sharded dims)."""
 
     exchanges: tuple[Exchange, ...]
-    output_bounds: dict
+    output_bounds: dict[int, Bounds]  # tensor dim -> output rows per piece
     local_padding: tuple[int, ...]
+
+    def outputs(self, step: Exchange, mesh_shape, coordinate) -> tuple[int, int]:
+        """The output rows (start, stop) along `step`'s dim that the rank at `coordinate` owns."""
+        return self.output_bounds[step.dim][step.piece(mesh_shape, coordinate)]
 
     def key(self, mesh_shape, coordinate) -> tuple:
         """This coordinate's windows and output rows: what its local output shape depends on."""
-        return tuple(
-            (step.window(mesh_shape, coordinate), self.output_bounds[step.dim][step.piece(mesh_shape, coordinate)])
-            for step in self.exchanges
-        )
+        return tuple((step.window(mesh_shape, coordinate), self.outputs(step, mesh_shape, coordinate))
+                     for step in self.exchanges)
 
     def owns_no_output(self, mesh_shape, coordinate) -> bool:
-        return any(
-            self.output_bounds[step.dim][step.piece(mesh_shape, coordinate)][0]
-            == self.output_bounds[step.dim][step.piece(mesh_shape, coordinate)][1]
-            for step in self.exchanges
-        )
+        return any(start == stop for start, stop in (self.outputs(step, mesh_shape, coordinate) for step in self.exchanges))
 
 
 def spatial_exchanges(call: OpCall, input_layout: Layout, input_meta: TensorMeta, weight_meta: TensorMeta) -> _Spatial:
@@ -93,10 +96,8 @@ def spatial_exchanges(call: OpCall, input_layout: Layout, input_meta: TensorMeta
         if not input_layout.shard_order[dim]:
             padding.append(window.padding)
             continue
-        size = input_meta.shape[dim]
-        bounds = shard_bounds(input_layout, dim)
-        outputs = window.output_bounds(bounds, window.output_size(size))
-        exchanges.append(Exchange(input_layout.shard_order[dim], dim, bounds, window.input_windows(outputs), "zeros"))
+        outputs = window.output_bounds(shard_bounds(input_layout, dim), window.output_size(input_meta.shape[dim]))
+        exchanges.append(Exchange.of_layout(input_layout, dim, window.input_windows(outputs), "zeros"))
         bounds_by_dim[dim] = outputs
         padding.append(0)
     return _Spatial(tuple(exchanges), bounds_by_dim, tuple(padding))
@@ -148,6 +149,8 @@ class SpatialConvolution(Convolution):
         return self._rows(call, None)
 
     def rows_for_layouts(self, call, layouts):
+        if call.argument("transposed"):  # ops/spatial_conv_transpose.py
+            return super().rows(call) + transposed_rows(call, layouts)
         return self._rows(call, layouts[0])
 
     def _rows(self, call: OpCall, input_layout: Layout | None) -> list[Row]:
@@ -161,15 +164,21 @@ class SpatialConvolution(Convolution):
         return rows
 
     def local_arguments(self, call, input_layouts, coordinate):
+        if call.argument("transposed"):
+            return None
         spatial = spatial_exchanges(call, input_layouts[0], call.inputs[0], call.inputs[1])
         return call.with_arguments(padding=list(spatial.local_padding)) if spatial.exchanges else None
 
     def local_shape_key(self, call, input_layouts, coordinate):
+        if call.argument("transposed"):
+            return transposed_local_shape_key(call, input_layouts, coordinate)
         spatial = spatial_exchanges(call, input_layouts[0], call.inputs[0], call.inputs[1])
         return spatial.key(input_layouts[0].mesh_shape, coordinate)
 
     def local_op(self, call, input_layouts, coordinate):
         convolve = super().local_op(call, input_layouts, coordinate)
+        if call.argument("transposed"):
+            return transposed_local_op(call, input_layouts, coordinate) or convolve
         spatial = spatial_exchanges(call, input_layouts[0], call.inputs[0], call.inputs[1])
         if not spatial.exchanges:
             return convolve
@@ -199,6 +208,9 @@ class SpatialConvolutionBackward(ConvolutionBackward):
         return self._rows(call, None, grad_sharded_like_output=True)
 
     def rows_for_layouts(self, call, layouts):
+        if call.argument("transposed"):  # ops/spatial_conv_transpose.py
+            outputs = _masked_outputs((None, P, P), call.argument("output_mask"))
+            return super().rows(call) + transposed_backward_rows(call, layouts, outputs)
         return self._rows(call, layouts[1], grad_sharded_like_output=self._grad_matches_output(call, layouts))
 
     def _rows(self, call: OpCall, input_layout: Layout | None, grad_sharded_like_output: bool) -> list[Row]:
@@ -231,6 +243,8 @@ class SpatialConvolutionBackward(ConvolutionBackward):
 
     def local_op(self, call, input_layouts, coordinate):
         backward = super().local_op(call, input_layouts, coordinate)
+        if call.argument("transposed"):
+            return transposed_backward_local_op(call, input_layouts, coordinate) or backward
         grad_layout, input_layout = input_layouts[0], input_layouts[1]
         spatial = spatial_exchanges(call, input_layout, call.inputs[1], call.inputs[2])
         if not spatial.exchanges:
@@ -239,7 +253,7 @@ class SpatialConvolutionBackward(ConvolutionBackward):
         empty = spatial.owns_no_output(mesh_shape, coordinate)
         # grad_output Replicate on a sharded dim: this rank's output rows are sliced from it.
         slices = [
-            (step.dim, spatial.output_bounds[step.dim][step.piece(mesh_shape, coordinate)])
+            (step.dim, spatial.outputs(step, mesh_shape, coordinate))
             for step in spatial.exchanges if not grad_layout.shard_order[step.dim]
         ]
 
@@ -267,12 +281,12 @@ class SpatialConvolutionBackward(ConvolutionBackward):
 
         return halo_backward
 
-    def local_arguments(self, call, input_layouts, coordinate):
+    def local_values(self, call, input_layouts, coordinate) -> dict:
+        values = super().local_values(call, input_layouts, coordinate)
         spatial = spatial_exchanges(call, input_layouts[1], call.inputs[1], call.inputs[2])
-        values = {"padding": list(spatial.local_padding)} if spatial.exchanges else {}
-        if call.argument("bias_sizes") is not None:
-            values["bias_sizes"] = [input_layouts[0].local_shape(coordinate)[1]]
-        return call.with_arguments(**values) if values else None
+        if spatial.exchanges and not call.argument("transposed"):  # transposed: its local op sets them
+            return values | {"padding": list(spatial.local_padding)}
+        return values
 
 
 register_rule([aten.convolution.default], SpatialConvolution())
