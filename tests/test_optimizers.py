@@ -133,18 +133,23 @@ def test_clip_grad_norm_gives_the_one_device_norm_and_grads(mesh):
                 assert [record.kind for record in records] == ([] if mesh.size() == 1 else ["all_reduce"]), norm_type
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "without foreach, clip_grad_norm_ takes one linalg.vector_norm per gradient: order 2 of a sharded "
-    "gradient gathers it (one all_gather each; one collective for all needs a Partial placement of the "
-    "p-norm that the executor reduces as sum of |x|^p), and inf/1 give P(max)/P(sum) norms whose stacked "
-    "vector the cost model reduce-scatters before the final all_reduce (two collectives)"))
 @spmd(meshes=[(2,), (2, 2)])
 def test_clip_grad_norm_without_foreach_issues_one_collective(mesh):
-    for norm_type in (2.0, math.inf):
-        dtensors, _ = _clip_inputs(mesh)
-        with comm.observe() as records:
-            torch.nn.utils.clip_grad_norm_(dtensors, max_norm=1.0, norm_type=norm_type, foreach=False)
-        assert [record.kind for record in records] == ["all_reduce"], norm_type
+    """foreach=False (and foreach=None, which takes that path for tensor subclasses) norms each
+    gradient separately: a sharded gradient's norm stays a NormPartial, the stacked norms and their
+    norm too, and the one reduction happens where the clip coefficient reads the total (one
+    all_reduce over every mesh dim at once). torch's DTensor does the same with its _NormPartial."""
+    for foreach in (False, None):
+        for norm_type in (2.0, math.inf, 1.0, 3.0):
+            dtensors, references = _clip_inputs(mesh)
+            with comm.observe() as records:
+                total = torch.nn.utils.clip_grad_norm_(dtensors, max_norm=1.0, norm_type=norm_type, foreach=foreach)
+            assert [record.kind for record in records] == ["all_reduce"], (foreach, norm_type, records)
+            expected = torch.nn.utils.clip_grad_norm_(references, max_norm=1.0, norm_type=norm_type, foreach=False)
+            assert_close(total.full_tensor(), expected)
+            for dtensor, reference in zip(dtensors, references):
+                assert list(dtensor.grad.placements) == list(dtensor.placements)
+                assert_close(dtensor.grad.full_tensor(), reference.grad)
 
 
 @spmd(meshes=[(2,), (2, 2)])

@@ -102,7 +102,7 @@ def _reduction_only(grad, leaf) -> tuple[tuple[int, ...], str] | None:
     for mesh_dim, (have, want) in enumerate(zip(grad.placements, leaf.placements)):
         if have == want:
             continue
-        if not (isinstance(have, Partial) and isinstance(want, Replicate)):
+        if not (type(have) is Partial and isinstance(want, Replicate)):
             return None
         mesh_dims.append(mesh_dim)
         reduce_ops.add(have.reduce_op)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Callable, Sequence
 
 import torch
@@ -21,10 +21,10 @@ from torch.utils._pytree import tree_flatten
 
 from .layout import Layout
 from .log import DEBUG, log_decision, propagation_logger
-from .placement import Placement, Shard
+from .placement import REDUCE_OPS, NormPartial, Partial, Placement, Shard
 from .row_costs import choose_rows
 from .rules import (
-    ComposedRule, DataDependentOutput, Decision, OpCall, OutVariantRule, ResizesWritten, ShardingRule, TensorMeta,
+    ComposedRule, DataDependentOutput, Decision, OpCall, OutVariantRule, ResizesWritten, Row, ShardingRule, TensorMeta,
     run_on_meta,
 )
 
@@ -233,8 +233,31 @@ def decide(
     return decision
 
 
+def _with_norm_partials(rows: Sequence[Row], layouts: Sequence[Layout]) -> Sequence[Row]:
+    """The rows, and for each NormPartial among the input layouts the rows a rule gives alike for
+    every reduce op: an op that keeps any Partial (it moves, copies or zero-fills elements, whatever
+    combines them) keeps a p-norm's too, so stacked per-tensor norms stay unreduced."""
+    norms = sorted({p for layout in layouts for p in layout.placements if isinstance(p, NormPartial)},
+                   key=lambda placement: placement.order)
+    if not norms:
+        return rows
+    reduce_ops_of: defaultdict[tuple, set[str]] = defaultdict(set)
+    for row in rows:
+        reduce_ops = {p.reduce_op for p in row.outputs + row.inputs if isinstance(p, Partial)}
+        if len(reduce_ops) == 1:
+            template = tuple(None if isinstance(p, Partial) else p for p in row.outputs + row.inputs)
+            reduce_ops_of[(template, len(row.outputs), row.collectives)] |= reduce_ops
+    added = []
+    for (template, outputs, collectives), reduce_ops in reduce_ops_of.items():
+        if reduce_ops >= set(REDUCE_OPS):
+            for norm in norms:
+                placements = tuple(norm if p is None else p for p in template)
+                added.append(Row(placements[:outputs], placements[outputs:], collectives))
+    return list(rows) + added
+
+
 def _decide_rows(call: OpCall, layouts: Sequence[Layout], rule: ShardingRule, coordinate: Sequence[int]) -> Decision:
-    rows = rule.rows_for_layouts(call, layouts)
+    rows = _with_norm_partials(rule.rows_for_layouts(call, layouts), layouts)
     if not rows:
         raise NotImplementedError(f"the sharding rule of {call.op} returned no way to compute it")
     mesh_shape = layouts[0].mesh_shape
