@@ -155,7 +155,10 @@ def test_clip_grad_norm_without_foreach_issues_one_collective(mesh):
 @spmd(meshes=[(2,), (2, 2)])
 def test_partial_gradients_are_reduced_before_the_step(mesh):
     """Replicate parameters whose gradients are Partial(sum) (each rank's share, as data parallel
-    gives them): every mode reduces each gradient where the step reads it and matches one device."""
+    gives them): every mode reduces each gradient where the step reads it and matches one device.
+    A multi-tensor step (foreach, fused) reduces all of them in one all_reduce per step (over both
+    mesh dims at once on 2x2), and reads a reduced gradient again without a collective; the
+    per-tensor path (foreach=False) reduces each gradient where it first reads it."""
     from shardtensor import DTensor, Partial
 
     for name in ("sgd", "adamw"):
@@ -170,7 +173,10 @@ def test_partial_gradients_are_reduced_before_the_step(mesh):
                 share = grad / mesh.size()  # every rank holds an equal share; their sum is the gradient
                 return DTensor.from_local(share, mesh, [Partial()] * mesh.ndim)
 
-            _train(optimizer_class, {**options, **mode}, dtensors, grads, partial_grad)
+            with comm.observe() as records:
+                _train(optimizer_class, {**options, **mode}, dtensors, grads, partial_grad)
+            per_step = len(SHAPES) if mode == {"foreach": False} else 1
+            assert [record.kind for record in records] == ["all_reduce"] * (per_step * STEPS), (name, mode, records)
             for dtensor, reference in zip(dtensors, references):
                 assert list(dtensor.placements) == [R] * mesh.ndim
                 assert_close(dtensor.full_tensor(), reference.detach(), msg=lambda text: f"{name} {mode}: {text}")

@@ -25,7 +25,7 @@ from .placement import REDUCE_OPS, NormPartial, Partial, Placement, Shard
 from .row_costs import choose_rows
 from .rules import (
     ComposedRule, DataDependentOutput, Decision, OpCall, OutVariantRule, ResizesWritten, Row, ShardingRule, TensorMeta,
-    run_on_meta,
+    rows_keeping_self, run_on_meta,
 )
 
 __all__ = ["decide", "clear_cache", "MAX_DECISIONS", "decisions_made", "decision_cache_hits"]
@@ -256,8 +256,17 @@ def _with_norm_partials(rows: Sequence[Row], layouts: Sequence[Layout]) -> Seque
     return list(rows) + added
 
 
+def _keeping_written_self(call: OpCall, rows: Sequence[Row], layouts: Sequence[Layout]) -> Sequence[Row]:
+    """`rows_keeping_self` for an op writing into its first argument (`lerp_`, `addcmul_`)."""
+    first = call.op._schema.arguments[0] if call.op._schema.arguments else None
+    if first is None or first.alias_info is None or not first.alias_info.is_write or not call.args \
+            or not isinstance(call.args[0], TensorMeta):
+        return rows
+    return rows_keeping_self(rows, layouts[0])
+
+
 def _decide_rows(call: OpCall, layouts: Sequence[Layout], rule: ShardingRule, coordinate: Sequence[int]) -> Decision:
-    rows = _with_norm_partials(rule.rows_for_layouts(call, layouts), layouts)
+    rows = _keeping_written_self(call, _with_norm_partials(rule.rows_for_layouts(call, layouts), layouts), layouts)
     if not rows:
         raise NotImplementedError(f"the sharding rule of {call.op} returned no way to compute it")
     mesh_shape = layouts[0].mesh_shape
