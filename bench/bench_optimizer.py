@@ -56,6 +56,20 @@ def _workloads(library, mesh, placements) -> dict:
         optimizer = optimizer_class(_parameters(library, mesh, placements), **options)
         return optimizer.step
 
+    def partial_gradient_step(**options):
+        """Replicate parameters whose gradients arrive Partial (data parallel), fresh every step."""
+        parameters = _parameters(library, mesh, placements[-1:])
+        optimizer = torch.optim.AdamW(parameters, lr=1e-3, **options)
+        shares = [torch.randn(SIZE, SIZE) for _ in parameters]
+
+        def step():
+            for parameter, share in zip(parameters, shares):
+                parameter.grad = share if library is None else library.DTensor.from_local(
+                    share, mesh, [library.Partial()], run_check=False)
+            optimizer.step()
+
+        return step
+
     def clip(foreach: bool):
         parameters = _parameters(library, mesh, placements)
         return lambda: torch.nn.utils.clip_grad_norm_(parameters, max_norm=1e9, foreach=foreach)
@@ -66,6 +80,7 @@ def _workloads(library, mesh, placements) -> dict:
         "AdamW(fused=True).step()": optimizer_step(torch.optim.AdamW, lr=1e-3, fused=True),
         "Adam(foreach=True).step()": optimizer_step(torch.optim.Adam, lr=1e-3, foreach=True),
         "SGD(momentum=0.9, foreach=True).step()": optimizer_step(torch.optim.SGD, lr=1e-3, momentum=0.9, foreach=True),
+        "AdamW(foreach=True).step(), Partial grads": partial_gradient_step(foreach=True),
         "clip_grad_norm_(foreach=True)": clip(True),
         "clip_grad_norm_(foreach=False)": clip(False),
     }

@@ -291,7 +291,7 @@ def _same_metadata(dtensor, plain) -> None:
 
 
 def _compare_metadata(dtensor, plain) -> None:
-    from shardtensor import tensor_methods
+    from shardtensor import tensor_methods, torch_function
 
     for name in tensor_methods.METADATA_ATTRIBUTES:
         value = getattr(dtensor, name)
@@ -302,6 +302,8 @@ def _compare_metadata(dtensor, plain) -> None:
     assert (dtensor.grad is None) == (plain.grad is None) and (dtensor.grad_fn is None) == (plain.grad_fn is None)
     for name in tensor_methods.METADATA_METHODS:
         assert getattr(dtensor, name)() == _through_torch_function(dtensor, name), name
+    for function in torch_function.METADATA_FUNCTIONS:  # `torch.is_complex(x)`: served without the normal path
+        assert function(dtensor) == function(plain), function
     if plain.ndim:
         assert dtensor.size(-1) == plain.size(-1) and dtensor.stride(0) == _through_torch_function(dtensor, "stride", 0)
     assert type(dtensor.shape) is torch.Size and dtensor.size() == plain.size() and dtensor.stride() == plain.stride()

@@ -133,24 +133,32 @@ def test_clip_grad_norm_gives_the_one_device_norm_and_grads(mesh):
                 assert [record.kind for record in records] == ([] if mesh.size() == 1 else ["all_reduce"]), norm_type
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "without foreach, clip_grad_norm_ takes one linalg.vector_norm per gradient: order 2 of a sharded "
-    "gradient gathers it (one all_gather each; one collective for all needs a Partial placement of the "
-    "p-norm that the executor reduces as sum of |x|^p), and inf/1 give P(max)/P(sum) norms whose stacked "
-    "vector the cost model reduce-scatters before the final all_reduce (two collectives)"))
 @spmd(meshes=[(2,), (2, 2)])
 def test_clip_grad_norm_without_foreach_issues_one_collective(mesh):
-    for norm_type in (2.0, math.inf):
-        dtensors, _ = _clip_inputs(mesh)
-        with comm.observe() as records:
-            torch.nn.utils.clip_grad_norm_(dtensors, max_norm=1.0, norm_type=norm_type, foreach=False)
-        assert [record.kind for record in records] == ["all_reduce"], norm_type
+    """foreach=False (and foreach=None, which takes that path for tensor subclasses) norms each
+    gradient separately: a sharded gradient's norm stays a NormPartial, the stacked norms and their
+    norm too, and the one reduction happens where the clip coefficient reads the total (one
+    all_reduce over every mesh dim at once). torch's DTensor does the same with its _NormPartial."""
+    for foreach in (False, None):
+        for norm_type in (2.0, math.inf, 1.0, 3.0):
+            dtensors, references = _clip_inputs(mesh)
+            with comm.observe() as records:
+                total = torch.nn.utils.clip_grad_norm_(dtensors, max_norm=1.0, norm_type=norm_type, foreach=foreach)
+            assert [record.kind for record in records] == ["all_reduce"], (foreach, norm_type, records)
+            expected = torch.nn.utils.clip_grad_norm_(references, max_norm=1.0, norm_type=norm_type, foreach=False)
+            assert_close(total.full_tensor(), expected)
+            for dtensor, reference in zip(dtensors, references):
+                assert list(dtensor.grad.placements) == list(dtensor.placements)
+                assert_close(dtensor.grad.full_tensor(), reference.grad)
 
 
 @spmd(meshes=[(2,), (2, 2)])
 def test_partial_gradients_are_reduced_before_the_step(mesh):
     """Replicate parameters whose gradients are Partial(sum) (each rank's share, as data parallel
-    gives them): every mode reduces each gradient where the step reads it and matches one device."""
+    gives them): every mode reduces each gradient where the step reads it and matches one device.
+    A multi-tensor step (foreach, fused) reduces all of them in one all_reduce per step (over both
+    mesh dims at once on 2x2), and reads a reduced gradient again without a collective; the
+    per-tensor path (foreach=False) reduces each gradient where it first reads it."""
     from shardtensor import DTensor, Partial
 
     for name in ("sgd", "adamw"):
@@ -165,7 +173,10 @@ def test_partial_gradients_are_reduced_before_the_step(mesh):
                 share = grad / mesh.size()  # every rank holds an equal share; their sum is the gradient
                 return DTensor.from_local(share, mesh, [Partial()] * mesh.ndim)
 
-            _train(optimizer_class, {**options, **mode}, dtensors, grads, partial_grad)
+            with comm.observe() as records:
+                _train(optimizer_class, {**options, **mode}, dtensors, grads, partial_grad)
+            per_step = len(SHAPES) if mode == {"foreach": False} else 1
+            assert [record.kind for record in records] == ["all_reduce"] * (per_step * STEPS), (name, mode, records)
             for dtensor, reference in zip(dtensors, references):
                 assert list(dtensor.placements) == [R] * mesh.ndim
                 assert_close(dtensor.full_tensor(), reference.detach(), msg=lambda text: f"{name} {mode}: {text}")

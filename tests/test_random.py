@@ -19,6 +19,19 @@ def test_a_box_of_the_random_tensor_equals_the_same_box_of_the_full_one():
     assert not torch.equal(full, other)
 
 
+def test_a_mask_below_a_threshold_is_the_comparison_of_the_same_draws():
+    """Dropout's and bernoulli's keep masks: the float64 uniform draws compared block by block give
+    exactly the mask of the whole draw, for any box, without holding a float64 box."""
+    shape = (3, BLOCK_SIZE // 2 + 5)
+    full = random_shard("rand", shape, (0, 0), shape, seed=5, counter=2, dtype=torch.float64)
+    for offset, local_shape in (((0, 0), shape), ((1, 7), (2, 1000)), ((0, 3), (3, BLOCK_SIZE // 2))):
+        mask = random_shard("rand", shape, offset, local_shape, seed=5, counter=2, dtype=torch.float64, below=0.3)
+        rows, columns = (slice(start, start + length) for start, length in zip(offset, local_shape))
+        assert mask.dtype == torch.bool and torch.equal(mask, full[rows, columns] < 0.3)
+    scalar = random_shard("rand", (), (), (), seed=1, counter=0, dtype=torch.float64, below=0.5)
+    assert torch.equal(scalar, random_shard("rand", (), (), (), seed=1, counter=0, dtype=torch.float64) < 0.5)
+
+
 def _placement_lists(mesh):
     if mesh.ndim == 1:
         return [[Shard(0)], [Shard(1)], [Replicate()]]

@@ -8,9 +8,10 @@ from spmd import spmd
 
 import shardtensor
 from shardtensor import DTensor, Partial, Replicate, Shard, comm, distribute_tensor
+from shardtensor.placement import NormPartial
 
 
-# (reduction over dim 0 or all dims, Partial reduce op of its output when dim 0 is sharded)
+# (reduction over dim 0 or all dims, Partial reduce op (or Partial) of its output when dim 0 is sharded)
 PARTIAL_CASES = [
     (lambda x: x.sum(0), "sum"),
     (lambda x: x.sum((0, 1), keepdim=True, dtype=torch.float32), "sum"),
@@ -23,10 +24,18 @@ PARTIAL_CASES = [
     (lambda x: x.min(), "min"),
     (lambda x: (x > 0.3).any(0), "max"),
     (lambda x: (x > -1.5).all(), "min"),
-    (lambda x: torch.linalg.vector_norm(x, float("inf"), dim=0), "max"),
+    (lambda x: torch.linalg.vector_norm(x, float("inf"), dim=0), NormPartial(float("inf"))),
     (lambda x: torch.linalg.vector_norm(x, -float("inf")), "min"),
-    (lambda x: torch.linalg.vector_norm(x, 1, dim=(0, 1)), "sum"),
+    (lambda x: torch.linalg.vector_norm(x, 0, dim=0), "sum"),  # a count of nonzeros
+    (lambda x: torch.linalg.vector_norm(x, 1, dim=(0, 1)), NormPartial(1)),
+    (lambda x: torch.linalg.vector_norm(x, dim=0), NormPartial(2)),
+    (lambda x: torch.linalg.vector_norm(x, 3), NormPartial(3)),
+    (lambda x: x.norm(p=2.5, dim=0), NormPartial(2.5)),
 ]
+
+
+def _partial(reduce_op) -> Partial:
+    return reduce_op if isinstance(reduce_op, Partial) else Partial(reduce_op)
 
 
 @pytest.mark.parametrize("case", range(len(PARTIAL_CASES)))
@@ -39,7 +48,7 @@ def test_reducing_a_sharded_dim_gives_an_exact_partial(mesh, case):
         result = reduction(x)
     assert list(records) == []
     if mesh.size() > 1:
-        assert result.placements == (Partial(reduce_op),) * mesh.ndim
+        assert result.placements == (_partial(reduce_op),) * mesh.ndim
     torch.testing.assert_close(result.full_tensor(), reduction(full))
 
 
@@ -54,7 +63,7 @@ GATHER_CASES = [
     lambda x: torch.var_mean(x, 0, correction=2),
     lambda x: torch.std_mean(x, 0),
     lambda x: x.logsumexp(0),
-    lambda x: torch.linalg.vector_norm(x, dim=0),
+    lambda x: torch.linalg.vector_norm(x, -2, dim=0),  # negative orders do not combine
 ]
 
 
@@ -110,6 +119,42 @@ def test_reducing_an_unsharded_dim_is_local_and_keeps_the_shard(mesh):
             column_sums = mixed.sum(0)
         assert list(records) == [] and column_sums.placements == (Partial(), Shard(0))
         torch.testing.assert_close(column_sums.full_tensor(), full.sum(0))
+
+
+@spmd(meshes=[(2,), (4,), (2, 2)])
+def test_norms_of_norms_stay_partial_and_every_use_gets_the_one_device_value(mesh):
+    """Per-tensor p-norms of sharded data stay NormPartial through `stack` and the norm of the stack
+    (clip_grad_norm_'s total: no collective), and whatever reads them later gets the one-device
+    value: arithmetic (one all_reduce), a norm of another order, a stack with a negative replicated
+    value, full_tensor, backward."""
+    generator = torch.Generator().manual_seed(0)
+    fulls = [torch.randn(5, 3, dtype=torch.float64, generator=generator),
+             torch.randn(3, 6, dtype=torch.float64, generator=generator)]
+    placements = [[Shard(0)] * mesh.ndim, [Shard(1)] + [Replicate()] * (mesh.ndim - 1)]
+    minus = torch.tensor(-1.5, dtype=torch.float64)
+    for order in (2.0, 3.0, 1.0, INFINITY):
+        leaves = [distribute_tensor(full, mesh, where).requires_grad_() for full, where in zip(fulls, placements)]
+        references = [full.clone().requires_grad_() for full in fulls]
+        with shardtensor.strict_mode(), comm.observe() as records:
+            norms = [torch.linalg.vector_norm(leaf, order) for leaf in leaves]
+            total = torch.linalg.vector_norm(torch.stack(norms), order)
+        assert list(records) == [] and total.placements == (NormPartial(order),) * mesh.ndim, order
+        expected_norms = [torch.linalg.vector_norm(reference, order) for reference in references]
+        expected = torch.linalg.vector_norm(torch.stack(expected_norms), order)
+        with comm.observe() as records:
+            scaled = total * 2 + 1
+        assert [record.kind for record in records] == ["all_reduce"], (order, records)
+        torch.testing.assert_close(scaled.full_tensor(), expected * 2 + 1)
+        other = 2.0 if order != 2.0 else 3.0
+        torch.testing.assert_close(torch.linalg.vector_norm(torch.stack(norms), other).full_tensor(),
+                                   torch.linalg.vector_norm(torch.stack(expected_norms), other))
+        replicated = distribute_tensor(minus, mesh, [Replicate()] * mesh.ndim)
+        torch.testing.assert_close(torch.stack(norms + [replicated]).full_tensor(), torch.stack(expected_norms + [minus]))
+        total.backward()
+        expected.backward()
+        for leaf, reference in zip(leaves, references):
+            assert leaf.grad.placements == leaf.placements
+            torch.testing.assert_close(leaf.grad.full_tensor(), reference.grad)
 
 
 @spmd(meshes=[(2,), (4,), (2, 2)])
@@ -238,10 +283,11 @@ def test_sharded_reduced_dims_give_partials_without_communication(mesh):
         (lambda a, b: a.histc(5, -1, 1), ("sum",)),
         (lambda a, b: torch.histogram(a, 4, range=(-1.0, 1.0), weight=b.abs()), ("sum", None)),  # (counts, edges)
         (lambda a, b: torch.histogram(a, EDGES), ("sum", None)),
-        (lambda a, b: torch.dist(a, b, 1), ("sum",)),
-        (lambda a, b: torch.dist(a, b, INFINITY), ("max",)),
+        (lambda a, b: torch.dist(a, b, 1), (NormPartial(1),)),
+        (lambda a, b: torch.dist(a, b), (NormPartial(2),)),
+        (lambda a, b: torch.dist(a, b, INFINITY), (NormPartial(INFINITY),)),
         (lambda a, b: torch.dist(a, b, -INFINITY), ("min",)),
-        (lambda a, b: aten.norm.ScalarOpt_dim(a, INFINITY, [0]), ("max",)),
+        (lambda a, b: aten.norm.ScalarOpt_dim(a, INFINITY, [0]), (NormPartial(INFINITY),)),
     ]
     for function, reduce_ops in cases:
         with shardtensor.strict_mode(), comm.observe() as records:
@@ -249,7 +295,7 @@ def test_sharded_reduced_dims_give_partials_without_communication(mesh):
         assert list(records) == []  # Partial(max)/(min) wait until the value is asked for
         for result, reference, reduce_op in zip(results, _values(function(full, full.flip(1))), reduce_ops):
             if mesh.size() > 1:
-                assert result.placements == (Replicate() if reduce_op is None else Partial(reduce_op),) * mesh.ndim
+                assert result.placements == (Replicate() if reduce_op is None else _partial(reduce_op),) * mesh.ndim
             torch.testing.assert_close(result.full_tensor(), reference)
 
 

@@ -104,6 +104,24 @@ def test_optimizer_step_after_backward_is_local_and_matches_single_device(mesh):
 
 
 @spmd(meshes=[(2,), (2, 2)])
+def test_a_second_backward_accumulates_and_reduces_all_gradients_together(mesh):
+    """Gradient accumulation without zeroing, data parallel: the second backward's Partial gradients
+    are added to the reduced ones without a collective (`.grad` made a Partial operand again, on one
+    rank) and reduced together at the end: one all_reduce per backward, like the first."""
+    program = programs.data_parallel_mlp()
+    parameters, inputs = programs.distribute(program, shardtensor, mesh, tp_mesh_dim=mesh.ndim - 1)
+    reference_parameters, reference_inputs = programs.single_device(program)
+    for _ in range(3):
+        with CommDebugMode() as backward:
+            programs.loss_of(program, parameters, inputs, shardtensor).backward()
+        assert backward.get_comm_counts() == {"all_reduce": 1}
+        programs.loss_of(program, reference_parameters, reference_inputs).backward()
+    for name, parameter in parameters.items():
+        assert parameter.grad.sharding == parameter.sharding, name
+        assert_close(parameter.grad.full_tensor(), reference_parameters[name].grad, msg=name)
+
+
+@spmd(meshes=[(2,), (2, 2)])
 def test_partial_gradient_of_a_sharded_leaf_is_reduce_scattered_to_its_shard(mesh):
     """`x @ w` with the batch and `w` both sharded on dim 0: the rule gathers `w`, so `w`'s gradient
     is a full-size Partial on every rank; after backward it is `w`'s own shard."""

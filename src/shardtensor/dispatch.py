@@ -17,11 +17,12 @@ import logging
 from collections import Counter
 
 import torch
+from torch._C import _increment_version
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import ops  # noqa: F401  (registers every op family)
 from . import plan_cache, propagation
-from .input_moves import KeptMoves, moved_local, with_kept_moves
+from .input_moves import KeptMoves, moved_local, moved_locals, with_kept_moves
 from .layout import Layout
 from .list_plans import ListPlan, is_multi_tensor, list_key
 from .modes import describe, implicit_communication_error, is_explicit, is_strict
@@ -310,14 +311,21 @@ def _run(dtensor_class: type, op, flat, tree, positions, dtensors, mutated_dtens
     copies: dict[int, tuple[object, Layout, torch.Tensor]] = {}  # id(copy) -> (mutated DTensor, copy's layout, copy)
     passed_through: dict[int, object] = {}
     mutated_ids = {id(dtensor) for dtensor in mutated_dtensors}
+    moving = {(id(dtensor), target): (dtensor, target, id(dtensor) in mutated_ids)
+              for dtensor, target in zip(dtensors, input_layouts) if target != dtensor.sharding}
+    moved_inputs = {}  # Partial inputs needing only an all_reduce are reduced together
+    if len(moving) > 1:
+        moved_inputs = dict(zip(moving, moved_locals(*zip(*moving.values()), mesh)))
     for index, dtensor, target in zip(positions, dtensors, input_layouts):
         local = dtensor._local_tensor
         if target != dtensor.sharding:
             moved = True
+            local = moved_inputs.get((id(dtensor), target))
             if id(dtensor) in mutated_ids:
-                local = redistribute_local_tensor(local, dtensor.sharding, target, mesh)
+                if local is None:
+                    local = redistribute_local_tensor(dtensor._local_tensor, dtensor.sharding, target, mesh)
                 copies[id(local)] = (dtensor, target, local)
-            else:
+            elif local is None:
                 local = moved_local(dtensor, target, mesh)
         else:
             passed_through[id(local)] = dtensor
@@ -326,6 +334,8 @@ def _run(dtensor_class: type, op, flat, tree, positions, dtensors, mutated_dtens
     result = op(*local_args, **local_kwargs) if local_op is None else local_op(mesh, *local_args, **local_kwargs)
     for dtensor, layout, local in copies.values():
         write_back(op, dtensor, local, layout, mesh)
+    if mutated_dtensors and is_multi_tensor(op):  # the dispatcher does not count these writes (see ListPlan)
+        _increment_version(list(mutated_dtensors))
     outputs, output_tree = tree_flatten(result)
     wrapped = []
     for position, output in enumerate(outputs):

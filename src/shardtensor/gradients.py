@@ -18,22 +18,25 @@ autograd engine callback) all of them are re-laid at once:
   the planner (a reduce_scatter, or a local slice for a Replicate gradient).
 
 After backward `.grad` has the leaf's placements and shard sizes, so an optimizer step runs
-locally. Accumulating into an existing `.grad` (a second backward without zeroing) adds the new
-gradient in the existing gradient's layout, which reduces it per parameter inside backward.
+locally. Accumulating into an existing `.grad` (a second backward without zeroing): a Partial
+gradient of a Replicate leaf turns the existing `.grad` back into a Partial operand (locally), adds
+to it, and is reduced with the others at the end of backward (one all_reduce per bucket again);
+other layouts are added in the existing gradient's layout (moved per parameter).
 """
 
 from __future__ import annotations
 
 import collections
+import functools
+import weakref
 
 import torch
 
-from . import comm
-from .placement import Partial, Replicate
 from .redistribute import redistribute_local_tensor
+from .redistribute.buckets import reduce_in_buckets, reduction_only
 from .spec import DTensorSpec, contiguous_stride
 
-__all__ = ["watch_leaves", "partial_reduction"]
+__all__ = ["watch_leaves"]
 
 _grad_enabled = torch.is_grad_enabled
 
@@ -64,7 +67,25 @@ def _watch(dtensor) -> None:
     if dtensor.requires_grad and dtensor.is_leaf and not dtensor.__dict__.get("_gradient_watched"):
         dtensor._gradient_watched = True
         with torch._C.DisableTorchFunctionSubclass():  # registering is itself a torch function
+            dtensor.register_hook(functools.partial(_before_accumulating, weakref.ref(dtensor)))
             dtensor.register_post_accumulate_grad_hook(_on_accumulated)
+
+
+def _before_accumulating(leaf_reference, incoming) -> None:
+    """A later backward brings a gradient that is the leaf's layout but Partial (data parallel)
+    while `.grad` already holds a reduced one: `.grad` becomes a Partial operand again, locally
+    (one rank keeps it, the others zeros), so the sum accumulates without a collective and the end
+    of backward reduces all such gradients together instead of one add each reducing its own."""
+    leaf = leaf_reference()
+    existing = None if leaf is None else leaf.grad
+    if (
+        not isinstance(existing, type(leaf)) or not isinstance(incoming, type(leaf))
+        or existing.sharding != leaf.sharding or incoming.device_mesh != leaf.device_mesh
+        or reduction_only(incoming.sharding, leaf.sharding) is None
+    ):
+        return
+    local = redistribute_local_tensor(existing._local_tensor, existing.sharding, incoming.sharding, leaf.device_mesh)
+    _set_grad(leaf, local, incoming.sharding)
 
 
 def _on_accumulated(leaf) -> None:
@@ -80,51 +101,22 @@ def _on_accumulated(leaf) -> None:
 def _relay_pending() -> None:
     """At the end of backward: every set-aside gradient moved to its leaf's layout."""
     leaves, _Pending.leaves = _Pending.leaves, []
-    groups: dict[tuple, list] = collections.defaultdict(list)
-    for leaf in leaves:
-        grad = leaf.grad
-        if not isinstance(grad, type(leaf)) or grad.sharding == leaf.sharding:
-            continue  # replaced meanwhile (the user's hook), or already there
-        reduction = partial_reduction(grad.sharding, leaf.sharding)
-        if reduction is None:
-            local = redistribute_local_tensor(grad._local_tensor, grad.sharding, leaf.sharding, leaf.device_mesh)
-            _set_grad(leaf, local)
-        else:
-            groups[(id(leaf.device_mesh), reduction, grad.dtype, grad.device)].append(leaf)
-    for (_, (mesh_dims, reduce_op), _, _), members in groups.items():
-        _reduce_together(members, mesh_dims, reduce_op)
+    by_mesh: dict[int, list] = collections.defaultdict(list)
+    for leaf in leaves:  # a gradient replaced meanwhile (the user's hook) may be there already
+        if isinstance(leaf.grad, type(leaf)) and leaf.grad.sharding != leaf.sharding:
+            by_mesh[id(leaf.device_mesh)].append(leaf)
+    for members in by_mesh.values():
+        mesh = members[0].device_mesh
+        locals_ = [leaf.grad._local_tensor for leaf in members]
+        sources = [leaf.grad.sharding for leaf in members]
+        targets = [leaf.sharding for leaf in members]
+        for leaf, local, source, target, reduced in zip(
+            members, locals_, sources, targets, reduce_in_buckets(locals_, sources, targets, mesh)
+        ):
+            _set_grad(leaf, reduced if reduced is not None else redistribute_local_tensor(local, source, target, mesh))
 
 
-def partial_reduction(have, want) -> tuple[tuple[int, ...], str] | None:
-    """(Partial mesh dims, reduce op) when layout `have` is layout `want` but Partial where `want` is
-    Replicate (one reduce op on all of them), else None."""
-    mesh_dims, reduce_ops = [], set()
-    for mesh_dim, (have_placement, want_placement) in enumerate(zip(have.placements, want.placements)):
-        if have_placement == want_placement:
-            continue
-        if not (isinstance(have_placement, Partial) and isinstance(want_placement, Replicate)):
-            return None
-        mesh_dims.append(mesh_dim)
-        reduce_ops.add(have_placement.reduce_op)
-    if len(reduce_ops) != 1 or reduce_ops & {"product"} or have.pieces != want.pieces:
-        return None
-    return tuple(mesh_dims), reduce_ops.pop()
-
-
-def _reduce_together(leaves: list, mesh_dims: tuple[int, ...], reduce_op: str) -> None:
-    """One all_reduce of every gradient's shard, flattened into one buffer."""
-    mesh = leaves[0].device_mesh
-    locals_ = [leaf.grad._local_tensor for leaf in leaves]
-    flat = torch.cat([local.reshape(-1) for local in locals_])
-    reduced = comm.all_reduce(flat, mesh, mesh_dims if len(mesh_dims) > 1 else mesh_dims[0], reduce_op=reduce_op)
-    offset = 0
-    for leaf, local in zip(leaves, locals_):
-        count = local.numel()
-        _set_grad(leaf, reduced[offset:offset + count].view(local.shape))
-        offset += count
-
-
-def _set_grad(leaf, local: torch.Tensor) -> None:
-    """`leaf.grad` becomes `local` in the leaf's layout (contiguous, like a fresh gradient)."""
-    spec = DTensorSpec(leaf.device_mesh, leaf.sharding, contiguous_stride(leaf.shape), leaf.grad.dtype)
+def _set_grad(leaf, local: torch.Tensor, layout=None) -> None:
+    """`leaf.grad` becomes `local` in the leaf's layout, or `layout` (contiguous, like a fresh gradient)."""
+    spec = DTensorSpec(leaf.device_mesh, layout or leaf.sharding, contiguous_stride(leaf.shape), leaf.grad.dtype)
     leaf.grad = type(leaf)(local.contiguous(), spec)

@@ -16,14 +16,16 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
+from collections.abc import Sequence
 
 import torch
 
 from .layout import Layout
 from .redistribute import redistribute_local_tensor
+from .redistribute.buckets import reduce_in_buckets
 from .spec import DTensorSpec, interned_spec
 
-__all__ = ["KeptMoves", "moved_local", "with_kept_moves"]
+__all__ = ["KeptMoves", "moved_local", "moved_locals", "with_kept_moves"]
 
 
 @dataclasses.dataclass(slots=True)
@@ -62,13 +64,44 @@ def moved_local(dtensor, target: Layout, mesh) -> torch.Tensor:
     local = dtensor._local_tensor
     if not source.partial_mesh_dims():
         return redistribute_local_tensor(local, source, target, mesh)
+    kept = _kept_result(dtensor, target)
+    if kept is not None:
+        return kept
+    return _keep(dtensor, target, redistribute_local_tensor(local, source, target, mesh))
+
+
+def moved_locals(dtensors: Sequence, targets: Sequence[Layout], written: Sequence[bool], mesh) -> list[torch.Tensor]:
+    """Each DTensor's shard moved to its target, the Partial ones that need only an all_reduce
+    reduced together (`reduce_in_buckets`): an op reading or updating many Partial gradients (a
+    multi-tensor optimizer step) issues one collective per bucket, not one per tensor. Inputs the
+    op reads move as with `moved_local` (kept for later readers); `written` ones get a moved copy."""
+    results = [None if writes else _kept_result(dtensor, target) for dtensor, target, writes in zip(dtensors, targets, written)]
+    waiting = [index for index, result in enumerate(results) if result is None and dtensors[index]._spec.layout.partial_mesh_dims()]
+    reduced = reduce_in_buckets([dtensors[index]._local_tensor for index in waiting],
+                                [dtensors[index]._spec.layout for index in waiting], [targets[index] for index in waiting], mesh)
+    for index, result in zip(waiting, reduced):
+        if result is not None:
+            results[index] = result if written[index] else _keep(dtensors[index], targets[index], result)
+    for index, (dtensor, target, writes) in enumerate(zip(dtensors, targets, written)):
+        if results[index] is None:
+            results[index] = (redistribute_local_tensor(dtensor._local_tensor, dtensor._spec.layout, target, mesh)
+                              if writes else moved_local(dtensor, target, mesh))
+    return results
+
+
+def _kept_result(dtensor, target: Layout) -> torch.Tensor | None:
     kept = dtensor.__dict__.get("_moved")
-    if kept is not None and kept.target == target and kept.valid_for(dtensor, local):
+    if kept is not None and kept.target == target and kept.valid_for(dtensor, dtensor._local_tensor):
         return kept.result
-    result = redistribute_local_tensor(local, source, target, mesh)
-    if kept is None:
+    return None
+
+
+def _keep(dtensor, target: Layout, result: torch.Tensor) -> torch.Tensor:
+    """Remember `result` as `dtensor`'s shard moved to `target` (see the module's docstring)."""
+    if "_moved" not in dtensor.__dict__:
         KeptMoves.count += 1
         weakref.finalize(dtensor, _forget)
+    local = dtensor._local_tensor
     dtensor._moved = _Kept(target, local, _versions(dtensor, local, result), result)
     return result
 

@@ -150,7 +150,9 @@ class ListPlan(CachedPlan):
             interned_spec(DTensorSpec(mesh, layout, meta.stride, meta.dtype))
             for layout, meta in zip(decision.output_layouts, decision.output_metas)
         )
-        return cls(dtensor_class, op, call, output_specs, args, kwargs)
+        # The dispatcher does not count a multi-tensor op's writes into DTensors: the plan does, so
+        # that a kept move (`input_moves`) of a written Partial tensor is not reused.
+        return cls(dtensor_class, op, call, output_specs, args, kwargs, _written_lists(dtensor_class, op, args))
 
     def run(self, args: tuple, kwargs: dict):
         local_args = list(args)
@@ -202,13 +204,18 @@ def learn_function(dtensor_class: type, function, key: tuple, args: tuple, kwarg
         return
     if len(args) > len(plan.op._schema.arguments):
         return
-    written = tuple(
-        position for position, argument in enumerate(plan.op._schema.arguments[:len(args)])
-        if argument.alias_info is not None and argument.alias_info.is_write and _is_dtensor_list(dtensor_class, args[position])
-    )
+    written = _written_lists(dtensor_class, plan.op, args)
     if any(name in kwargs for name in _written_names(plan.op)):
         return
     store_function_plan(key, ListPlan(dtensor_class, plan.op, function, plan.output_specs, args, kwargs, written, returned))
+
+
+def _written_lists(dtensor_class: type, op, args: tuple) -> tuple[int, ...]:
+    """Positions of the DTensor lists among `args` that `op` writes."""
+    return tuple(
+        position for position, argument in enumerate(op._schema.arguments[:len(args)])
+        if argument.alias_info is not None and argument.alias_info.is_write and _is_dtensor_list(dtensor_class, args[position])
+    )
 
 
 def _written_names(op) -> list[str]:

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["Placement", "Shard", "Replicate", "Partial", "REDUCE_OPS", "normalize_placements"]
+__all__ = ["Placement", "Shard", "Replicate", "Partial", "NormPartial", "REDUCE_OPS", "normalize_placements"]
 
 REDUCE_OPS = ("sum", "avg", "max", "min", "product")
 
@@ -115,11 +115,79 @@ class Partial(Placement):
             return value
         return torch.full_like(value, self.identity(value.dtype))
 
+    @property
+    def collective_op(self) -> str:
+        """The reduce op of the collective (all_reduce, reduce_scatter) that combines the operands."""
+        return self.reduce_op
+
+    def to_collective(self, operand: torch.Tensor) -> torch.Tensor:
+        """What a rank sends into that collective for its `operand`: the operand itself."""
+        return operand
+
+    def from_collective(self, reduced: torch.Tensor) -> torch.Tensor:
+        """The value from the collective's result: the result itself."""
+        return reduced
+
     def __str__(self) -> str:
         return f"P({self.reduce_op})"
 
     def __repr__(self) -> str:
         return f"Partial(reduce_op={self.reduce_op!r})"
+
+
+@dataclass(frozen=True, slots=True)
+class NormPartial(Partial):
+    """Each rank holds the p-norm (`order` > 0, or inf) of its part of the data; the value is the
+    p-norm of those norms: (sum of operand ** p) ** (1 / p), or their max for inf.
+
+    This is what a vector norm over a sharded dim gives, and the norm of a vector of such norms
+    with the same order is again one (the p-th powers of all shards of all entries add up), so
+    `clip_grad_norm_` reduces once for all its gradients. Operands are norms (>= 0), or one rank's
+    copy of a replicated value (any sign: the powers keep the sign, so it comes back exactly).
+    """
+
+    reduce_op: str = field(default="norm", init=False, repr=False)
+    order: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.order, (int, float)) and not isinstance(self.order, bool) and self.order > 0):
+            raise ValueError(
+                f"NormPartial(order={self.order!r}) is not supported; the order must be a number > 0 or "
+                f"math.inf (norms of order 0 add up as Partial('sum'), of order -inf as Partial('min'))"
+            )
+        object.__setattr__(self, "order", float(self.order))
+
+    def identity(self, dtype: torch.dtype) -> float:
+        """0: a norm of nothing, and no contribution to a sum of powers or a max of norms."""
+        return 0.0
+
+    def operand_of(self, value: torch.Tensor, first: bool) -> torch.Tensor:
+        """The first rank keeps `value`, the others 0 (for inf: every rank keeps it; max of copies)."""
+        if first or self.order == math.inf:
+            return value
+        return torch.zeros_like(value)
+
+    @property
+    def collective_op(self) -> str:
+        return "max" if self.order == math.inf else "sum"
+
+    def to_collective(self, operand: torch.Tensor) -> torch.Tensor:
+        """operand ** p with its sign kept (a replicated value's one copy may be negative)."""
+        if self.order in (1.0, math.inf):
+            return operand
+        return operand.abs().pow(self.order).copysign(operand)
+
+    def from_collective(self, reduced: torch.Tensor) -> torch.Tensor:
+        """The p-th root of the summed powers, sign kept."""
+        if self.order in (1.0, math.inf):
+            return reduced
+        return reduced.abs().pow(1.0 / self.order).copysign(reduced)
+
+    def __str__(self) -> str:
+        return f"P({self.order:g}-norm)"
+
+    def __repr__(self) -> str:
+        return f"NormPartial(order={self.order!r})"
 
 
 def _placements_error(placements: object, ndim: int, mesh_ndim: int, problem: str) -> ValueError:

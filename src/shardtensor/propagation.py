@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Callable, Sequence
 
 import torch
@@ -21,11 +21,11 @@ from torch.utils._pytree import tree_flatten
 
 from .layout import Layout
 from .log import DEBUG, log_decision, propagation_logger
-from .placement import Placement, Shard
+from .placement import REDUCE_OPS, NormPartial, Partial, Placement, Shard
 from .row_costs import choose_rows
 from .rules import (
-    ComposedRule, DataDependentOutput, Decision, OpCall, OutVariantRule, ResizesWritten, ShardingRule, TensorMeta,
-    run_on_meta,
+    ComposedRule, DataDependentOutput, Decision, OpCall, OutVariantRule, ResizesWritten, Row, ShardingRule, TensorMeta,
+    rows_keeping_self, run_on_meta,
 )
 
 __all__ = ["decide", "clear_cache", "MAX_DECISIONS", "decisions_made", "decision_cache_hits"]
@@ -235,8 +235,40 @@ def decide(
     return decision
 
 
+def _with_norm_partials(rows: Sequence[Row], layouts: Sequence[Layout]) -> Sequence[Row]:
+    """The rows, and for each NormPartial among the input layouts the rows a rule gives alike for
+    every reduce op: an op that keeps any Partial (it moves, copies or zero-fills elements, whatever
+    combines them) keeps a p-norm's too, so stacked per-tensor norms stay unreduced."""
+    norms = sorted({p for layout in layouts for p in layout.placements if isinstance(p, NormPartial)},
+                   key=lambda placement: placement.order)
+    if not norms:
+        return rows
+    reduce_ops_of: defaultdict[tuple, set[str]] = defaultdict(set)
+    for row in rows:
+        reduce_ops = {p.reduce_op for p in row.outputs + row.inputs if isinstance(p, Partial)}
+        if len(reduce_ops) == 1:
+            template = tuple(None if isinstance(p, Partial) else p for p in row.outputs + row.inputs)
+            reduce_ops_of[(template, len(row.outputs), row.collectives)] |= reduce_ops
+    added = []
+    for (template, outputs, collectives), reduce_ops in reduce_ops_of.items():
+        if reduce_ops >= set(REDUCE_OPS):
+            for norm in norms:
+                placements = tuple(norm if p is None else p for p in template)
+                added.append(Row(placements[:outputs], placements[outputs:], collectives))
+    return list(rows) + added
+
+
+def _keeping_written_self(call: OpCall, rows: Sequence[Row], layouts: Sequence[Layout]) -> Sequence[Row]:
+    """`rows_keeping_self` for an op writing into its first argument (`lerp_`, `addcmul_`)."""
+    first = call.op._schema.arguments[0] if call.op._schema.arguments else None
+    if first is None or first.alias_info is None or not first.alias_info.is_write or not call.args \
+            or not isinstance(call.args[0], TensorMeta):
+        return rows
+    return rows_keeping_self(rows, layouts[0])
+
+
 def _decide_rows(call: OpCall, layouts: Sequence[Layout], rule: ShardingRule, coordinate: Sequence[int]) -> Decision:
-    rows = rule.rows_for_layouts(call, layouts)
+    rows = _keeping_written_self(call, _with_norm_partials(rule.rows_for_layouts(call, layouts), layouts), layouts)
     if not rows:
         raise NotImplementedError(f"the sharding rule of {call.op} returned no way to compute it")
     mesh_shape = layouts[0].mesh_shape

@@ -118,8 +118,10 @@ class _Blocks:
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def _fill_box(values: torch.Tensor, blocks: _Blocks, shape: Sequence[int], offset: Sequence[int]) -> None:
-    """Write the box `offset + values.shape` of the global tensor into `values`, in O(its size).
+def _fill_box(values: torch.Tensor, blocks: _Blocks, shape: Sequence[int], offset: Sequence[int],
+              below: float | None = None) -> None:
+    """Write the box `offset + values.shape` of the global tensor into `values`, in O(its size)
+    (with `below`: whether each value is below it, chunk by chunk).
 
     The box is walked in chunks of consecutive indices of one `split` tensor dim (the outermost
     whose rows fit in a block). A chunk is as long as fits in the block where it starts, so most
@@ -129,8 +131,11 @@ def _fill_box(values: torch.Tensor, blocks: _Blocks, shape: Sequence[int], offse
     """
     ndim = len(shape)
     local_shape = tuple(values.shape)
+    def write(destination: torch.Tensor, drawn: torch.Tensor) -> None:
+        destination.copy_(drawn if below is None else drawn.lt(below))
+
     if ndim == 0:
-        values.copy_(blocks.range(0, 1).reshape(()))
+        write(values, blocks.range(0, 1).reshape(()))
         return
     strides = _contiguous_strides(shape)
     split = 0
@@ -150,7 +155,7 @@ def _fill_box(values: torch.Tensor, blocks: _Blocks, shape: Sequence[int], offse
             count = min(local_shape[split] - first, max(1, (room - inner_extent) // row + 1))
             drawn = blocks.range(start, start + (count - 1) * row + inner_extent)
             box = drawn.as_strided((count, *inner_shape), (row, *inner_strides), drawn.storage_offset())
-            destination[first : first + count].copy_(box)
+            write(destination[first : first + count], box)
             first += count
 
 
@@ -166,6 +171,7 @@ def random_shard(
     device: torch.device | str = "cpu",
     parameters: tuple = (),
     out: torch.Tensor | None = None,
+    below: float | None = None,
 ) -> torch.Tensor:
     """The box `offset + local_shape` of the global random tensor of `shape`.
 
@@ -173,7 +179,9 @@ def random_shard(
     (`random_shard("uniform_", ..., parameters=(-1.0, 1.0))`). Time and memory are linear in the
     blocks the box touches (its size, for boxes of whole rows), never in the global size: blocks
     are drawn one at a time and copied into the result, or into `out` (a tensor of `local_shape`,
-    written in place) so that filling an existing shard needs no second shard.
+    written in place) so that filling an existing shard needs no second shard. With `below`, the
+    result is the bool mask `values < below` (dropout's and bernoulli's keep masks), compared block
+    by block: the values are drawn in `dtype` as always, but never held for the whole box.
 
     >>> full = random_shard("rand", (3, 4), (0, 0), (3, 4), seed=0, counter=0, dtype=torch.float32)
     >>> torch.equal(random_shard("rand", (3, 4), (1, 2), (2, 2), seed=0, counter=0,
@@ -184,12 +192,12 @@ def random_shard(
     if method not in FILLS:
         raise ValueError(f"random_shard kind must be 'rand', 'randn' or one of {FILLS}, got {kind!r}")
     if out is None:
-        out = torch.empty(tuple(local_shape), dtype=dtype, device=device)
+        out = torch.empty(tuple(local_shape), dtype=dtype if below is None else torch.bool, device=device)
     elif tuple(out.shape) != tuple(local_shape):
         raise ValueError(f"random_shard out= has shape {tuple(out.shape)}, but the box has shape {tuple(local_shape)}")
     # torch's own check of the parameters (uniform_(2, 1), exponential_(-1), ...) on an empty tensor: a rank
     # whose box is empty raises as the others do, instead of running on into their next collective.
     getattr(torch.empty(0, dtype=dtype, device=out.device), method)(*parameters)
     if out.numel():
-        _fill_box(out, _Blocks(method, math.prod(shape), seed, counter, dtype, parameters), shape, offset)
+        _fill_box(out, _Blocks(method, math.prod(shape), seed, counter, dtype, parameters), shape, offset, below)
     return out

@@ -20,7 +20,7 @@ from .placement import Placement
 __all__ = [
     "Row", "LocalCollective", "TensorMeta", "PlainTensor", "DataDependentOutput", "ResizesWritten", "OpCall",
     "schema_positions", "ShardingRule", "RowsRule", "OutVariantRule", "ComposedRule", "Decision",
-    "TYPE_ONLY", "SIGN", "run_on_meta",
+    "TYPE_ONLY", "SIGN", "run_on_meta", "rows_keeping_self",
 ]
 
 
@@ -152,6 +152,16 @@ class ResizesWritten(Exception):
     def __init__(self, message: str, functional_op):
         super().__init__(message)
         self.functional_op = functional_op
+
+
+def rows_keeping_self(rows: Sequence[Row], written: Layout) -> Sequence[Row]:
+    """The rows of an op writing into its first input that keep it where it lies (`written`'s
+    placements), when some do. Computing into a moved copy moves the result back when it is written
+    (a Partial copy of a Replicate tensor reduced, a Shard copy gathered): a collective per call that
+    the row cost does not see, where moving the other inputs costs at most as much (and a
+    multi-tensor call reduces them together: `exp_avg.lerp_(grad)` with a Partial gradient)."""
+    placements = set(written.placements)
+    return [row for row in rows if row.inputs[0] in placements] or rows
 
 
 class ShardingRule:

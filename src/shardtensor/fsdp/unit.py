@@ -20,11 +20,11 @@ from torch import nn
 
 from .. import comm
 from ..dtensor import DTensor
-from ..gradients import partial_reduction
 from ..spec import DTensorSpec, contiguous_stride
 from ..layout import Layout
 from ..mesh import DeviceMesh
 from ..placement import Placement, Replicate, Shard
+from ..redistribute.buckets import all_reduce_together, reduction_only
 from .policies import MixedPrecisionPolicy
 
 __all__ = ["ParameterSlot", "ParameterUnit", "Reduction"]
@@ -482,7 +482,7 @@ class ParameterUnit:
             if grad is None or slot.unsharded_spec is None:
                 continue
             target = slot.unsharded_spec.layout
-            reduction = partial_reduction(grad.sharding, target) if grad.sharding != target else None
+            reduction = reduction_only(grad.sharding, target) if grad.sharding != target else None
             if reduction is not None:
                 groups.setdefault((grad.device_mesh, reduction, grad.dtype), []).append(index)
                 continue
@@ -492,10 +492,8 @@ class ParameterUnit:
                 locals_[index] = self._checked_local(slot, grad)
         for (mesh, (mesh_dims, reduce_op), _), indices in groups.items():
             pieces = [grads[index].to_local() for index in indices]
-            flat = torch.cat([piece.reshape(-1) for piece in pieces])
-            summed = comm.all_reduce(flat, mesh, mesh_dims if len(mesh_dims) > 1 else mesh_dims[0], reduce_op=reduce_op)
-            for index, piece in zip(indices, summed.split([piece.numel() for piece in pieces])):
-                locals_[index] = piece.view(self.slots[index].unsharded_shape)
+            for index, summed in zip(indices, all_reduce_together(pieces, mesh, mesh_dims, reduce_op)):
+                locals_[index] = summed.view(self.slots[index].unsharded_shape)
         return locals_
 
     @staticmethod

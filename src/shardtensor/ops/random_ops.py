@@ -31,14 +31,14 @@ def _draw(kind: str, layout: Layout, coordinate: Sequence[int], parameters: tupl
     """A function `(mesh, dtype, out=None) -> this coordinate's box of the next global random tensor`.
 
     With `out` (the shard itself, for in-place ops) the values are written into it, so filling a
-    shard needs no second shard.
+    shard needs no second shard; with `below`, the box is the bool mask `values < below`.
     """
     shape, offset, local_shape = layout.shape, layout.local_offset(coordinate), layout.local_shape(coordinate)
 
-    def draw(mesh, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    def draw(mesh, dtype: torch.dtype, out: torch.Tensor | None = None, below: float | None = None) -> torch.Tensor:
         seed, counter = next_random_call(mesh)
         return random_shard(kind, shape, offset, local_shape, seed=seed, counter=counter, dtype=dtype,
-                            parameters=parameters, out=out)
+                            parameters=parameters, out=out, below=below)
 
     return draw
 
@@ -118,10 +118,12 @@ class ThresholdRandom(ShardingRule):
 
         def bernoulli(mesh, tensor, *args, **kwargs):
             probability = self.probability(tensor, args, kwargs)
-            if not isinstance(probability, torch.Tensor):  # torch's own check of a number p, alike on every rank
+            if isinstance(probability, torch.Tensor):
+                values = draw(mesh, probability.dtype) < probability
+            else:  # torch's own check of a number p, alike on every rank; then the float64 draws
+                # compared block by block: a bool mask, never a float64 shard
                 torch.empty(0, device=tensor.device).bernoulli_(probability)
-            uniform = draw(mesh, probability.dtype if isinstance(probability, torch.Tensor) else torch.float64)
-            values = uniform < probability
+                values = draw(mesh, torch.float64, below=probability)
             if self.in_place:
                 return tensor.copy_(values)
             return values.to(tensor.dtype)
@@ -163,7 +165,7 @@ class NativeDropout(ShardingRule):
         def dropout(mesh, tensor, probability, train):
             if train is False:
                 return tensor.clone(), torch.ones_like(tensor, dtype=torch.bool)
-            keep = draw(mesh, torch.float64) < 1 - probability
+            keep = draw(mesh, torch.float64, below=1 - probability)  # float64 draws, compared block by block
             scale = 0.0 if probability >= 1 else 1 / (1 - probability)
             return tensor * keep * scale, keep
 

@@ -22,7 +22,7 @@ import torch
 
 from .. import comm
 from ..layout import Layout
-from ..placement import Partial, Replicate, Shard
+from ..placement import NormPartial, Partial, Replicate, Shard
 from ..rules import LocalCollective, OpCall, Row, ShardingRule, TensorMeta
 from .common import dim_argument, normalized_dim
 from .registry import pointwise, register_rule
@@ -97,7 +97,8 @@ class ReductionRule(ShardingRule):
             elif isinstance(sharded_gives, tuple):
                 rows.append(Row(tuple(Partial(reduce_op) for reduce_op in sharded_gives), (Shard(dim),)))
             elif sharded_gives is not None:
-                rows.append(Row((Partial(sharded_gives),) * outputs, (Shard(dim),)))
+                gives = sharded_gives if isinstance(sharded_gives, Partial) else Partial(sharded_gives)
+                rows.append(Row((gives,) * outputs, (Shard(dim),)))
         if self.partial_passes is not None:
             rows.append(Row((Partial(self.partial_passes),) * outputs, (Partial(self.partial_passes),)))
         return rows
@@ -119,15 +120,25 @@ class ReductionRule(ShardingRule):
         return functools.partial(_reduce_empty_as_identity, call.op, sharded, Partial(fill).identity(call.inputs[0].dtype))
 
 
-# The vector norm of a sharded dim combines exactly for these orders, and an empty shard reads as the
-# identity of this reduce op (|x| >= 0, so the sum's 0 is the identity of their max).
-_NORM_COMBINE = {math.inf: ("max", "sum"), -math.inf: ("min", "min"), 0: ("sum", None), 1: ("sum", None)}
+def _norm_combine(order) -> tuple[Partial | None, str | None]:
+    """(the Partial a p-norm over a sharded dim gives, the reduce op whose identity an empty shard
+    reads as): a NormPartial for orders > 0 (the empty shard of inf reads as 0, the identity of a
+    max of |x|), a count's sum for 0, a min for -inf; None for negative orders (gathered)."""
+    order = 2.0 if order is None else order
+    if order == -math.inf:
+        return Partial("min"), "min"
+    if order == 0:
+        return Partial("sum"), None
+    if order > 0:
+        return NormPartial(order), "sum" if order == math.inf else None
+    return None, None
 
 
 @dataclass(frozen=True, slots=True)
 class VectorNormRule(ReductionRule):
-    """`linalg_vector_norm` (order argument `ord`) and `norm` (`p`, None meaning 2): shards combine
-    for orders inf/-inf (max/min) and 0/1 (sum); other orders gather the reduced dim."""
+    """`linalg_vector_norm` (order argument `ord`) and `norm` (`p`, None meaning 2): a sharded dim
+    gives the Partial of its order (`_norm_combine`), and the norm of a NormPartial of the same
+    order is one again (no reduction: clip_grad_norm_'s norm of norms); negative orders gather."""
 
     order_argument: str = "ord"
 
@@ -135,8 +146,15 @@ class VectorNormRule(ReductionRule):
     def __name__(self) -> str:
         return "vector_norm"
 
-    def combine(self, call: OpCall) -> tuple[str | None, str | None]:
-        return _NORM_COMBINE.get(call.argument(self.order_argument), (None, None))
+    def combine(self, call: OpCall) -> tuple[str | Partial | None, str | None]:
+        return _norm_combine(call.argument(self.order_argument))
+
+    def rows(self, call: OpCall) -> Sequence[Row]:
+        rows = list(ReductionRule.rows(self, call))  # slots dataclass: no zero-argument super()
+        gives, _ = self.combine(call)
+        if isinstance(gives, NormPartial):
+            rows.append(Row((gives,) * _tensor_outputs(call), (gives,)))
+        return rows
 
 
 def _aminmax_empty_as_identity(mesh, tensor, *, dim=None, keepdim=False):
@@ -178,19 +196,19 @@ def _local_dist(identity_of: str, mesh, self, other, p=2):
 
 class DistRule(ShardingRule):
     """dist(self, other, p): the inputs shard like a pointwise difference; a sharded dim gives the
-    Partial of the p-norm (sum for p in 0, 1; max/min for inf/-inf), other p only Replicate."""
+    Partial of the p-norm (`_norm_combine`: a NormPartial for p > 0), negative p only Replicate."""
 
     __name__ = "dist"
 
     def rows(self, call: OpCall) -> Sequence[Row]:
-        combined, _ = _NORM_COMBINE.get(call.argument("p"), (None, None))
+        combined, _ = _norm_combine(call.argument("p"))
         rows = pointwise(call)
         if combined is None:
             return rows[:1]
-        return rows[:1] + [Row((Partial(combined),), row.inputs) for row in rows[1:]]
+        return rows[:1] + [Row((combined,), row.inputs) for row in rows[1:]]
 
     def local_op(self, call: OpCall, input_layouts: Sequence[Layout], coordinate: Sequence[int]):
-        _, identity_of = _NORM_COMBINE.get(call.argument("p"), (None, None))
+        _, identity_of = _norm_combine(call.argument("p"))
         return None if identity_of is None else functools.partial(_local_dist, identity_of)
 
 

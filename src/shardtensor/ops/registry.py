@@ -17,7 +17,9 @@ import torch
 
 from ..placement import REDUCE_OPS, Partial, Replicate, Shard
 from ..propagation import clear_cache
-from ..rules import OpCall, OutVariantRule, ResizesWritten, Row, RowsRule, ShardingRule, TensorMeta, run_on_meta
+from ..rules import (
+    OpCall, OutVariantRule, ResizesWritten, Row, RowsRule, ShardingRule, TensorMeta, rows_keeping_self, run_on_meta,
+)
 from .common import one_input_row
 
 __all__ = [
@@ -83,7 +85,8 @@ class InPlaceVariantRule(ShardingRule):
 
     def rows_for_layouts(self, call, layouts):
         rule, functional_call = self._functional(call)
-        return [row for row in rule.rows_for_layouts(functional_call, layouts) if row.outputs[0] == row.inputs[0]]
+        rows = [row for row in rule.rows_for_layouts(functional_call, layouts) if row.outputs[0] == row.inputs[0]]
+        return rows_keeping_self(rows, layouts[0])
 
     def global_outputs(self, call: OpCall) -> list[TensorMeta | None]:
         result = run_on_meta(self.functional_op, call.args, dict(call.kwargs))[0]

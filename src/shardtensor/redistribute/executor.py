@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from .. import comm
-from ..placement import Replicate
+from ..placement import Partial, Replicate
 from .planner import (
     ALL_GATHER,
     ALL_REDUCE,
@@ -234,9 +234,10 @@ class _Assembled:
 
 def _flattened_reduction(local: torch.Tensor, step: Step, mesh, coordinate: tuple[int, ...], *, async_op: bool):
     """One all_reduce or reduce_scatter over the sub-mesh of `step.mesh_dim` flattened row-major."""
-    reduce_op = step.source_placement[0].reduce_op
+    source = step.source_placement[0]
     if step.collective == ALL_REDUCE:
-        return comm.all_reduce(local, mesh, step.mesh_dim, reduce_op=reduce_op, async_op=async_op)
+        return _reduced(source, local, async_op, lambda operands, reduce_op: comm.all_reduce(
+            operands, mesh, step.mesh_dim, reduce_op=reduce_op, async_op=async_op))
     dim = step.target_placement[0].dim
     sizes = []
     for peer_position in itertools.product(*(range(step.before.mesh_shape[m]) for m in step.mesh_dim)):
@@ -244,7 +245,17 @@ def _flattened_reduction(local: torch.Tensor, step: Step, mesh, coordinate: tupl
         for mesh_dim, position in zip(step.mesh_dim, peer_position):
             peer[mesh_dim] = position
         sizes.append(step.after.local_shape(peer)[dim])
-    return comm.reduce_scatter(local, mesh, step.mesh_dim, reduce_op=reduce_op, dim=dim, sizes=sizes, async_op=async_op)
+    return _reduced(source, local, async_op, lambda operands, reduce_op: comm.reduce_scatter(
+        operands, mesh, step.mesh_dim, reduce_op=reduce_op, dim=dim, sizes=sizes, async_op=async_op))
+
+
+def _reduced(source, local: torch.Tensor, async_op: bool, collective):
+    """`collective(operands, reduce_op)` (an all_reduce or reduce_scatter) run the way the Partial
+    `source` combines: its operands and reduce op in, its value out (a p-norm's powers and root)."""
+    result = collective(source.to_collective(local), source.collective_op)
+    if type(source) is Partial:  # plain reduce ops: the collective's result is the value
+        return result
+    return _Assembled(result, source.from_collective) if async_op else source.from_collective(result)
 
 
 def _run_step(local: torch.Tensor, step: Step, mesh, coordinate: tuple[int, ...], *, async_op: bool = False):
@@ -275,10 +286,10 @@ def _run_step(local: torch.Tensor, step: Step, mesh, coordinate: tuple[int, ...]
             concat_dim=source.dim, concat_sizes=concat_sizes, async_op=async_op,
         )
     if collective == ALL_REDUCE:
-        return comm.all_reduce(local, mesh, mesh_dim, reduce_op=source.reduce_op, async_op=async_op)
+        return _reduced(source, local, async_op, lambda operands, reduce_op: comm.all_reduce(
+            operands, mesh, mesh_dim, reduce_op=reduce_op, async_op=async_op))
     if collective == REDUCE_SCATTER:
         sizes = step.after.sizes_along(mesh_dim, target.dim, coordinate)
-        return comm.reduce_scatter(
-            local, mesh, mesh_dim, reduce_op=source.reduce_op, dim=target.dim, sizes=sizes, async_op=async_op
-        )
+        return _reduced(source, local, async_op, lambda operands, reduce_op: comm.reduce_scatter(
+            operands, mesh, mesh_dim, reduce_op=reduce_op, dim=target.dim, sizes=sizes, async_op=async_op))
     raise ValueError(f"unknown collective {collective!r} in step {step}")

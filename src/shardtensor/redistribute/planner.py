@@ -365,14 +365,14 @@ def _check(source: Layout, target: Layout) -> None:
             "A redistribute keeps the global shape; reshape separately.",
         )
     reduced_ops = {
-        placement.reduce_op
+        placement
         for mesh_dim, placement in enumerate(source.placements)
         if isinstance(placement, Partial) and target.placements[mesh_dim] != placement
     }
-    source_ops = {placement.reduce_op for placement in source.placements if isinstance(placement, Partial)}
+    source_ops = {placement for placement in source.placements if isinstance(placement, Partial)}
     if reduced_ops and len(source_ops) > 1:
         raise _plan_error(
-            source, target, f"the source mixes Partial reduce ops {sorted(source_ops)}",
+            source, target, f"the source mixes Partial reduce ops {sorted(map(str, source_ops))}",
             "Their reduction order is ambiguous; reduce to one reduce op before redistributing.",
         )
 
