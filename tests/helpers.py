@@ -17,6 +17,7 @@ import math
 import torch
 
 from shardtensor import DTensor, comm
+from shardtensor.layout import Layout
 from shardtensor.placement import Partial, Shard
 from shardtensor.random import BLOCK_SIZE
 
@@ -59,6 +60,22 @@ def layout_box(full: torch.Tensor, layout, coordinate) -> torch.Tensor:
     for dim, (start, length) in enumerate(zip(layout.local_offset(coordinate), layout.local_shape(coordinate))):
         local = local.narrow(dim, start, length)
     return local
+
+
+def seeded_randn(shape, seed: int) -> torch.Tensor:
+    """A float64 tensor of standard normal values from its own seeded generator."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=generator, dtype=torch.float64)
+
+
+def sharded_leaf(full: torch.Tensor, mesh, placements, shard_sizes=None):
+    """A DTensor of `full` with exact (possibly uneven) shard sizes `{mesh_dim: sizes}`, differentiable
+    back to a per-rank leaf and keeping its own gradient (`retain_grad`)."""
+    layout = Layout.create(mesh.shape, placements, full.shape, shard_sizes=shard_sizes)
+    local = layout_box(full, layout, mesh.get_coordinate()).clone().requires_grad_()
+    dtensor = DTensor.from_local(local, mesh, placements, shape=full.shape, shard_sizes=shard_sizes)
+    dtensor.retain_grad()
+    return dtensor
 
 
 def partial_and_value(mesh, shape, reduce_op: str = "sum", *, seed: int = 0, dtype=torch.float64):

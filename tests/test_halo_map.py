@@ -4,29 +4,15 @@ computation, forward and backward, with halo rows moved point to point only."""
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import layout_box
+from helpers import layout_box, seeded_randn as _randn, sharded_leaf as _sharded
 from spmd import spmd
 from torch.testing import assert_close
 
 from shardtensor import DTensor, Replicate, Shard, distribute_tensor
 from shardtensor.debug import CommDebugMode
 from shardtensor.experimental import halo_map
-from shardtensor.layout import Layout
 
 R = Replicate()
-
-
-def _randn(shape, seed):
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=generator, dtype=torch.float64)
-
-
-def _sharded(full, mesh, placements, shard_sizes=None):
-    layout = Layout.create(mesh.shape, placements, full.shape, shard_sizes=shard_sizes)
-    local = layout_box(full, layout, mesh.get_coordinate()).clone().requires_grad_()
-    dtensor = DTensor.from_local(local, mesh, placements, shape=full.shape, shard_sizes=shard_sizes)
-    dtensor.retain_grad()
-    return dtensor
 
 
 def _laplacian(u):

@@ -2,32 +2,16 @@
 single-device computation (input, weight and bias gradients), on 2 and 4 ranks and 2x2, even and
 uneven shards, shards thinner than the halo, stride, dilation, groups, 'same' padding, 1-d to 3-d."""
 
-import torch
 import torch.nn.functional as F
-from helpers import layout_box
+from helpers import layout_box, seeded_randn as _randn, sharded_leaf as _sharded
 from spmd import example_note, spmd
 from torch.testing import assert_close
 
 from shardtensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from shardtensor.debug import CommDebugMode
 from shardtensor.debug.comm_mode import CommBytes
-from shardtensor.layout import Layout
 
 R = Replicate()
-
-
-def _randn(shape, seed):
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=generator, dtype=torch.float64)
-
-
-def _sharded(full, mesh, placements, shard_sizes=None):
-    """A leaf DTensor of `full` with exact (possibly uneven) shard sizes `{mesh_dim: sizes}`."""
-    layout = Layout.create(mesh.shape, placements, full.shape, shard_sizes=shard_sizes)
-    local = layout_box(full, layout, mesh.get_coordinate()).clone().requires_grad_()
-    dtensor = DTensor.from_local(local, mesh, placements, shape=full.shape, shard_sizes=shard_sizes)
-    dtensor.retain_grad()
-    return dtensor
 
 
 def _like(full, dtensor):
