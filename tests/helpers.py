@@ -6,6 +6,8 @@ compares a DTensor's local tensor with it checks the library against an independ
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from shardtensor.placement import Shard
@@ -41,3 +43,19 @@ def layout_box(full: torch.Tensor, layout, coordinate) -> torch.Tensor:
     for dim, (start, length) in enumerate(zip(layout.local_offset(coordinate), layout.local_shape(coordinate))):
         local = local.narrow(dim, start, length)
     return local
+
+
+def gloo_worker_threads() -> int:
+    """How many gloo worker threads this process runs (c10d names them `pt_gloo_runloop`; Linux only).
+
+    Each live gloo process group has its own; c10d's destroy_process_group does not stop them, only
+    freeing the group does. One still running while Python finalizes can abort the process.
+    """
+    count = 0
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as name:
+                count += name.read().strip() == "pt_gloo_runloop"
+        except OSError:  # the thread ended meanwhile
+            pass
+    return count
