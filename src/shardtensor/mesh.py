@@ -400,7 +400,7 @@ def _rebuild_mesh(device_type: str, ranks: list, mesh_dim_names: tuple[str, ...]
         raise _other_world_error(ranks, world_size, current_size)
     world_generation()  # forget the groups of a destroyed world before looking them up
     rank = dist.get_rank()
-    mesh = torch.tensor(ranks, dtype=torch.int64)
+    mesh = torch.tensor(ranks, dtype=torch.int64, device="cpu")
     position = (mesh == rank).nonzero()
     coordinate = None if position.numel() == 0 else position[0].tolist()
     for mesh_dim in range(mesh.ndim):
@@ -491,7 +491,7 @@ def init_device_mesh(
             f"mesh_shape {mesh_shape} holds {math.prod(mesh_shape)} ranks but the world has {world_size}; "
             f"choose a shape whose sizes multiply to {world_size}"
         )
-    ranks = torch.arange(world_size, dtype=torch.int64).view(mesh_shape)
+    ranks = torch.arange(world_size, dtype=torch.int64, device="cpu").view(mesh_shape)
     return DeviceMesh(device_type, ranks, mesh_dim_names=names)
 
 

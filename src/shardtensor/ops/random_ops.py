@@ -27,17 +27,17 @@ aten = torch.ops.aten
 
 
 def _draw(kind: str, layout: Layout, coordinate: Sequence[int], parameters: tuple = ()):
-    """A function `(mesh, dtype, out=None) -> this coordinate's box of the next global random tensor`.
+    """A function `(mesh, dtype, device, out=None) -> this coordinate's box of the next global random tensor`.
 
     With `out` (the shard itself, for in-place ops) the values are written into it, so filling a
     shard needs no second shard.
     """
     shape, offset, local_shape = layout.shape, layout.local_offset(coordinate), layout.local_shape(coordinate)
 
-    def draw(mesh, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    def draw(mesh, dtype: torch.dtype, device: torch.device, out: torch.Tensor | None = None) -> torch.Tensor:
         seed, counter = next_random_call(mesh)
         return random_shard(kind, shape, offset, local_shape, seed=seed, counter=counter, dtype=dtype,
-                            parameters=parameters, out=out)
+                            device=device, parameters=parameters, out=out)
 
     return draw
 
@@ -69,7 +69,7 @@ class InPlaceRandom(ShardingRule):
         draw = _draw(self.kind, input_layouts[0], coordinate, self.parameters(call))
 
         def fill(mesh, tensor, *args, **kwargs):
-            return draw(mesh, tensor.dtype, out=tensor)
+            return draw(mesh, tensor.dtype, tensor.device, out=tensor)
 
         return on_shards(call.op, fill)
 
@@ -91,7 +91,7 @@ class LikeRandom(ShardingRule):
 
         def like(mesh, *args, **kwargs):
             result = call.op(*args, **kwargs)  # the right dtype, device and local shape
-            return draw(mesh, result.dtype, out=result)
+            return draw(mesh, result.dtype, result.device, out=result)
 
         return on_shards(call.op, like)
 
@@ -114,7 +114,8 @@ class ThresholdRandom(ShardingRule):
 
         def bernoulli(mesh, tensor, *args, **kwargs):
             probability = self.probability(tensor, args, kwargs)
-            uniform = draw(mesh, probability.dtype if isinstance(probability, torch.Tensor) else torch.float64)
+            uniform_dtype = probability.dtype if isinstance(probability, torch.Tensor) else torch.float64
+            uniform = draw(mesh, uniform_dtype, tensor.device)
             values = uniform < probability
             if self.in_place:
                 return tensor.copy_(values)
@@ -154,7 +155,7 @@ class NativeDropout(ShardingRule):
         def dropout(mesh, tensor, probability, train):
             if train is False:
                 return tensor.clone(), torch.ones_like(tensor, dtype=torch.bool)
-            keep = draw(mesh, torch.float64) < 1 - probability
+            keep = draw(mesh, torch.float64, tensor.device) < 1 - probability
             scale = 0.0 if probability >= 1 else 1 / (1 - probability)
             return tensor * keep * scale, keep
 
@@ -173,7 +174,7 @@ class NormalWithTensorMean(ShardingRule):
         draw = _draw("randn", input_layouts[0], coordinate)
 
         def normal(mesh, mean, std=1.0, **kwargs):
-            return mean + std * draw(mesh, mean.dtype)
+            return mean + std * draw(mesh, mean.dtype, mean.device)
 
         return on_shards(call.op, normal)
 
