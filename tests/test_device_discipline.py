@@ -3,7 +3,9 @@ belongs to, and its collectives refuse tensors on a device the mesh's backend ca
 
 There is no GPU here, so the first tests run ops on CPU DTensors with PyTorch's default device set to
 `meta`: a tensor the library creates without `device=` lands on meta and fails (or gives a meta
-result) instead of silently working as it would on a CPU-only machine. Values are compared with the
+result) instead of silently working as it would on a CPU-only machine. `torch.set_default_device` is
+a torch-function mode, which torch pops before a tensor subclass's `__torch_function__` runs, so the
+library's `__torch_dispatch__` is also run inside it (patched here for the block). Values are compared with the
 single-device results computed before the default device changes.
 """
 
@@ -20,12 +22,23 @@ from shardtensor import Replicate, Shard, comm, distribute_tensor
 MESHES = [(1,), (2,)]
 
 
+_library_dispatch = shardtensor.DTensor.__dict__["__torch_dispatch__"]
+
+
+@classmethod
+def _dispatch_on_meta_default(cls, *args, **kwargs):
+    with torch.device("meta"):
+        return _library_dispatch.__func__(cls, *args, **kwargs)
+
+
 @contextlib.contextmanager
 def _default_device_meta():
     torch.set_default_device("meta")
+    shardtensor.DTensor.__torch_dispatch__ = _dispatch_on_meta_default
     try:
         yield
     finally:
+        shardtensor.DTensor.__torch_dispatch__ = _library_dispatch
         torch.set_default_device(None)
 
 
