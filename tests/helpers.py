@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 
 import torch
 
@@ -142,3 +143,19 @@ def documented_random(kind: str, shape, *, seed: int, counter: int, dtype=torch.
         method = _RANDOM_METHODS.get(kind, kind)
         blocks.append(getattr(torch.empty(length, dtype=dtype), method)(*parameters, generator=generator))
     return torch.cat(blocks).reshape(tuple(shape))
+
+
+def gloo_worker_threads() -> int:
+    """How many gloo worker threads this process runs (c10d names them `pt_gloo_runloop`; Linux only).
+
+    Each live gloo process group has its own; c10d's destroy_process_group does not stop them, only
+    freeing the group does. One still running while Python finalizes can abort the process.
+    """
+    count = 0
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as name:
+                count += name.read().strip() == "pt_gloo_runloop"
+        except OSError:  # the thread ended meanwhile
+            pass
+    return count

@@ -129,6 +129,8 @@ def distribute_tensor(
     layout = Layout.create(mesh.shape, placements, tensor.shape)
     coordinate = mesh.get_coordinate()
     data = tensor.detach()
+    if data.device.type != mesh.device_type and not data.is_meta:
+        data = data.to(mesh.device_type)  # as PyTorch: shards live on the mesh's device (a CPU tensor to CUDA)
     if coordinate is None:  # a rank outside the mesh takes no part and holds no elements
         local = data.new_empty((0,) * max(data.ndim, 1))
     elif src_data_rank is None or data.is_meta:  # a meta tensor has no data to send: slice it here

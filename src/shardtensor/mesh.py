@@ -1,14 +1,16 @@
 """`DeviceMesh`: an n-d array of global ranks over torch.distributed process groups.
 
 A mesh dim (`mesh_dim`, an int or a name) is an axis of that array; a rank's `coordinate` is its
-position in it. For every mesh dim the mesh keeps the process group of the ranks that share this
+position in it. For every mesh dim the mesh names the process group of the ranks that share this
 rank's coordinate on the other mesh dims. Groups are created once per distinct rank set and shared
 by all meshes and sub-meshes (c10d needs every rank of the world to create groups in one order).
 
 A mesh belongs to the world (default process group) it was built in: after `destroy_process_group`
 and a new `init_process_group`, the library forgets the old world's groups, new meshes get new groups
 and an old mesh raises a clear error when used. At interpreter exit the library destroys the groups it
-created, then the default group if it initialized it (see `release_process_groups`).
+created, then the default group if it initialized it, and drops every reference it holds to a group
+(see `release_process_groups`). Meshes name their groups by rank set and look them up in the library's
+registry, so a mesh or DTensor the program still holds keeps no process group alive.
 
     >>> mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))  # doctest: +SKIP
     >>> mesh["tp"].get_local_rank(), mesh.get_coordinate()  # doctest: +SKIP
@@ -38,7 +40,8 @@ _groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
 _local_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
 # Every group this library created in the current world, oldest first (destroyed at exit).
 _created_groups: list[dist.ProcessGroup] = []
-# The default group the caches above belong to, and a count of the worlds seen in this process.
+# The default group the caches above belong to, and a count of the worlds seen in this process (and of
+# releases: a mesh built before a release is of an old world).
 _world_group: dist.ProcessGroup | None = None
 _generation = 0
 _library_default_group: dist.ProcessGroup | None = None  # the default group `_ensure_default_group` made
@@ -153,26 +156,35 @@ def on_new_world(forget: Callable[[], None]) -> None:
 
 
 def release_process_groups() -> None:
-    """Destroy the groups this library created, newest first, then the default group if it made it.
+    """Destroy the groups this library created, newest first, then the default group if it made it,
+    and forget every group of this world (meshes built before raise a clear error when used).
 
     Runs at interpreter exit (and when a `spawn` worker stops). Destroying a group is local, no
-    barrier, so ranks may exit in any order. Without it, gloo's worker threads may drop their last
-    tensors while Python finalizes, which aborts the process ("terminate called without an active
-    exception"). Groups the user made are left alone; so is a world that changed since.
+    barrier, so ranks may exit in any order. c10d's destroy does not stop a gloo group's worker
+    threads: only freeing the group does (its destructor joins them). A thread still alive when
+    Python finalizes aborts the process ("terminate called without an active exception") when it
+    drops the last collective's tensors and finds no interpreter. So the library also drops its own
+    references here (registry, caches); a mesh holds no group, only its rank sets. Groups the user
+    made are not destroyed; so is a world that changed since.
     """
+    global _world_group, _library_default_group, _generation
     world = dist.GroupMember.WORLD
-    if world is None or world is not _world_group:
-        return
-    for group in reversed(_created_groups):
-        try:
-            dist.destroy_process_group(group)
-        except ValueError:  # the user destroyed it already
-            pass
+    if world is not None and world is _world_group:
+        for group in reversed(_created_groups):
+            try:
+                dist.destroy_process_group(group)
+            except ValueError:  # the user destroyed it already
+                pass
+        if world is _library_default_group:
+            dist.destroy_process_group()
     _groups.clear()
     _local_groups.clear()
     _created_groups.clear()
-    if world is _library_default_group:
-        dist.destroy_process_group()
+    for forget in _forget_callbacks:
+        forget()
+    _world_group = None
+    _library_default_group = None
+    _generation += 1
 
 
 def _register_exit_handler() -> None:
@@ -196,7 +208,7 @@ class DeviceMesh:
     other meshes, because it may create process groups.
     """
 
-    def __init__(self, device_type: str, mesh, *, mesh_dim_names: tuple[str, ...] | None = None, _groups_by_dim=None):
+    def __init__(self, device_type: str, mesh, *, mesh_dim_names: tuple[str, ...] | None = None, _groups_exist=False):
         if device_type not in _DEVICE_BACKENDS:
             raise _device_type_error(device_type)
         ranks = torch.as_tensor(mesh, dtype=torch.int64, device="cpu").detach().clone()
@@ -222,19 +234,18 @@ class DeviceMesh:
         position = (ranks == self._rank).nonzero()
         self._coordinate = None if position.numel() == 0 else [int(c) for c in position[0].tolist()]
         self._hash = hash((device_type, tuple(flat), tuple(ranks.shape), names, self._generation))
-        if _groups_by_dim is None:
-            _groups_by_dim = [self._create_groups(mesh_dim) for mesh_dim in range(ranks.ndim)]
-        self._groups_by_dim = list(_groups_by_dim)
+        if not _groups_exist:
+            for mesh_dim in range(ranks.ndim):
+                self._create_groups(mesh_dim)
         self._group_ranks = [self._line_through_me(mesh_dim) for mesh_dim in range(ranks.ndim)]
+        # This rank's group per mesh dim, named by its sorted ranks (None outside the mesh): the
+        # registry owns the groups, so that releasing them frees them (see `release_process_groups`).
+        self._group_keys = [None if line is None else tuple(sorted(line)) for line in self._group_ranks]
 
-    def _create_groups(self, mesh_dim: int) -> dist.ProcessGroup | None:
-        """Create all groups along `mesh_dim` (same order on every rank); return this rank's."""
-        mine = None
+    def _create_groups(self, mesh_dim: int) -> None:
+        """Create all groups along `mesh_dim`, in the same order on every rank."""
         for line in _rank_lines(self.mesh, mesh_dim):
-            group = _group_for(line)
-            if self._rank in line:
-                mine = group
-        return mine
+            _group_for(line)
 
     def _line_through_me(self, mesh_dim: int) -> tuple[int, ...] | None:
         return _line_through(self.mesh, self._coordinate, mesh_dim)
@@ -283,9 +294,12 @@ class DeviceMesh:
         if self._coordinate is None:
             raise _not_in_mesh_error(self, "get_group")
         self.check_world("get_group")
-        if self._groups_by_dim[mesh_dim] is None:  # a one-rank group: only this rank takes part
-            self._groups_by_dim[mesh_dim] = local_group([self._rank])
-        return self._groups_by_dim[mesh_dim]
+        key = self._group_keys[mesh_dim]
+        if len(key) == dist.get_world_size():
+            return dist.group.WORLD
+        if len(key) == 1:  # a one-rank group, made on demand: only this rank takes part
+            return local_group(key)
+        return _groups[key]
 
     def check_world(self, what: object) -> None:
         """Raise a clear error when the world this mesh was built in has been destroyed since."""
@@ -323,11 +337,11 @@ class DeviceMesh:
         kept = [self._mesh_dim_index(name) for name in names]
         if self._coordinate is None:
             raise _not_in_mesh_error(self, "slicing")
+        self.check_world("slicing")
         index = [slice(None) if mesh_dim in kept else self._coordinate[mesh_dim] for mesh_dim in range(self.ndim)]
         remaining = [mesh_dim for mesh_dim in range(self.ndim) if mesh_dim in kept]
         sub_ranks = self.mesh[tuple(index)].permute([remaining.index(mesh_dim) for mesh_dim in kept])
-        groups = [self._groups_by_dim[mesh_dim] for mesh_dim in kept]
-        return DeviceMesh(self.device_type, sub_ranks, mesh_dim_names=names, _groups_by_dim=groups)
+        return DeviceMesh(self.device_type, sub_ranks, mesh_dim_names=names, _groups_exist=True)
 
     # --- current-mesh stack, identity ------------------------------------------------------------
     def __enter__(self) -> DeviceMesh:
@@ -386,22 +400,15 @@ def _rebuild_mesh(device_type: str, ranks: list, mesh_dim_names: tuple[str, ...]
         raise _other_world_error(ranks, world_size, current_size)
     world_generation()  # forget the groups of a destroyed world before looking them up
     rank = dist.get_rank()
-    mesh = torch.tensor(ranks, dtype=torch.int64)
+    mesh = torch.tensor(ranks, dtype=torch.int64, device="cpu")
     position = (mesh == rank).nonzero()
     coordinate = None if position.numel() == 0 else position[0].tolist()
-    groups = []
     for mesh_dim in range(mesh.ndim):
-        line = _line_through(mesh, coordinate, mesh_dim)
-        key = None if line is None else tuple(sorted(line))
-        if key is None:
-            groups.append(None)  # outside the mesh: no group
-        elif len(key) == world_size:
-            groups.append(dist.group.WORLD)
-        elif len(key) == 1 or key in _groups:
-            groups.append(_groups.get(key))  # a one-rank group is made on demand (get_group)
-        else:
-            raise _missing_group_error(ranks, key)
-    return DeviceMesh(device_type, mesh, mesh_dim_names=mesh_dim_names, _groups_by_dim=groups)
+        line = _line_through(mesh, coordinate, mesh_dim)  # None outside the mesh: no group
+        # The world's group always exists; a one-rank group is made on demand (get_group).
+        if line is not None and 1 < len(line) < world_size and tuple(sorted(line)) not in _groups:
+            raise _missing_group_error(ranks, tuple(sorted(line)))
+    return DeviceMesh(device_type, mesh, mesh_dim_names=mesh_dim_names, _groups_exist=True)
 
 
 torch.serialization.add_safe_globals([_rebuild_mesh])  # `torch.load` (weights_only) may rebuild meshes
@@ -450,7 +457,8 @@ def _unknown_name_error(mesh: DeviceMesh, name: str) -> KeyError:
 
 def _old_world_error(mesh: DeviceMesh, what: object) -> RuntimeError:
     return RuntimeError(
-        f"{what}: {mesh!r} belongs to a process-group world that was destroyed (destroy_process_group); "
+        f"{what}: {mesh!r} belongs to a process-group world that was destroyed (destroy_process_group, "
+        "or the library released its groups: shardtensor.mesh.release_process_groups); "
         "its groups are gone. Build a new mesh in the current world (init_device_mesh) and distribute "
         "the data again (distribute_tensor, or from_local of the local tensors saved before)"
     )
@@ -483,7 +491,7 @@ def init_device_mesh(
             f"mesh_shape {mesh_shape} holds {math.prod(mesh_shape)} ranks but the world has {world_size}; "
             f"choose a shape whose sizes multiply to {world_size}"
         )
-    ranks = torch.arange(world_size, dtype=torch.int64).view(mesh_shape)
+    ranks = torch.arange(world_size, dtype=torch.int64, device="cpu").view(mesh_shape)
     return DeviceMesh(device_type, ranks, mesh_dim_names=names)
 
 

@@ -103,7 +103,9 @@ class _Blocks:
         if self._last is None or self._last[0] != index:
             length = min(BLOCK_SIZE, self.total - index * BLOCK_SIZE)
             generator = torch.Generator().manual_seed(_block_seed(self.seed, self.counter, index))
-            values = getattr(torch.empty(length, dtype=self.dtype), self.method)(*self.parameters, generator=generator)
+            # Drawn on the CPU by a CPU generator whatever the data's device, so that every device
+            # gets the same numbers; `_fill_box` copies them into the shard on its device.
+            values = getattr(torch.empty(length, dtype=self.dtype, device="cpu"), self.method)(*self.parameters, generator=generator)
             self._last = (index, values)
         return self._last[1]
 

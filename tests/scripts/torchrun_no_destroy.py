@@ -1,10 +1,34 @@
 """Run under torchrun with 4 ranks: a 2x2 mesh, a redistribute and a full_tensor, and no
 destroy_process_group at the end; the process must still exit with code 0 (the library tears down
-the process groups it created at interpreter exit)."""
+the process groups it created at interpreter exit).
+
+The abort this guards against is a race (a gloo worker thread dropping the last collective's tensors
+while Python finalizes), so the script also checks its cause, which is not a race: once the library's
+exit handler has run, no gloo worker thread is left. atexit runs handlers last-in first-out, so the
+check, registered before the library registers its handler, runs after it; it exits with code 3.
+"""
+
+import atexit
+import os
+import sys
+from pathlib import Path
 
 import torch
 
-from shardtensor import Replicate, Shard, distribute_tensor, init_device_mesh
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/, for helpers
+from helpers import gloo_worker_threads  # noqa: E402
+
+from shardtensor import Replicate, Shard, distribute_tensor, init_device_mesh  # noqa: E402
+
+
+def _check_no_gloo_worker_left():
+    left = gloo_worker_threads()
+    if left:
+        print(f"rank {os.environ['RANK']}: {left} gloo worker threads outlived the library's exit handler", flush=True)
+        os._exit(3)
+
+
+atexit.register(_check_no_gloo_worker_left)
 
 mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
 full = torch.arange(40.0).reshape(10, 4)

@@ -29,7 +29,7 @@ def all_gather(tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: MeshDims, *, di
     Even sizes use one all_gather; uneven sizes use an all_to_all that sends this piece to every
     peer, so no padding moves.
     """
-    peers = _peers(mesh, mesh_dim)
+    peers = _peers(mesh, mesh_dim, tensor)
     sizes = _check_sizes("all_gather", "sizes", sizes, peers)
     dim = dim % tensor.ndim
     if tensor.shape[dim] != sizes[peers.coordinate]:
@@ -79,7 +79,7 @@ def all_gather_into(output: torch.Tensor, tensor: torch.Tensor, mesh: DeviceMesh
     copied after the collective (when c10d's group order is coordinate order; else one reordering
     copy). Recorded as one "all_gather".
     """
-    peers = _peers(mesh, mesh_dim)
+    peers = _peers(mesh, mesh_dim, output, tensor)
     sizes = _check_sizes("all_gather_into", "sizes", sizes, peers)
     if tensor.ndim != 1 or output.ndim != 1 or not output.is_contiguous() or output.numel() != sum(sizes) \
             or tensor.numel() != sizes[peers.coordinate] or output.dtype != tensor.dtype:
@@ -131,7 +131,7 @@ def all_to_all(tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: MeshDims, *, sp
     split_sizes[this coordinate] on `split_dim` (Shard(concat_dim) -> Shard(split_dim)). With
     split_dim == concat_dim this re-splits one dim from one set of piece sizes to another.
     """
-    peers = _peers(mesh, mesh_dim)
+    peers = _peers(mesh, mesh_dim, tensor)
     split_sizes = _check_sizes("all_to_all", "split_sizes", split_sizes, peers)
     concat_sizes = _check_sizes("all_to_all", "concat_sizes", concat_sizes, peers)
     split_dim, concat_dim = split_dim % tensor.ndim, concat_dim % tensor.ndim
@@ -167,7 +167,7 @@ def all_to_all(tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: MeshDims, *, sp
 
 def all_reduce(tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: MeshDims, *, reduce_op: str, async_op: bool = False):
     """Reduce over the peers; returns a new tensor (the input is never written)."""
-    peers = _peers(mesh, mesh_dim)
+    peers = _peers(mesh, mesh_dim, tensor)
     op = _reduce_op("all_reduce", reduce_op, tensor.dtype)
     if peers.size == 1:
         return _identity(tensor, async_op)
@@ -186,7 +186,7 @@ def all_reduce(tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: MeshDims, *, re
 def reduce_scatter(tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: MeshDims, *, reduce_op: str, dim: int,
                    sizes: Sequence[int], async_op: bool = False):
     """This coordinate's piece (size sizes[coordinate] on `dim`) of the tensor reduced over the peers."""
-    peers = _peers(mesh, mesh_dim)
+    peers = _peers(mesh, mesh_dim, tensor)
     sizes = _check_sizes("reduce_scatter", "sizes", sizes, peers)
     op = _reduce_op("reduce_scatter", reduce_op, tensor.dtype)
     dim = dim % tensor.ndim
@@ -245,7 +245,7 @@ def _reduce_scatter_uneven(tensor: torch.Tensor, pieces: Sequence[torch.Tensor],
 
 def broadcast(tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: MeshDims, *, src: int = 0, async_op: bool = False):
     """Coordinate `src`'s tensor on every peer, as a new tensor; other ranks pass a tensor of the same shape."""
-    peers = _peers(mesh, mesh_dim)
+    peers = _peers(mesh, mesh_dim, tensor)
     if not 0 <= src < peers.size:
         raise _sizes_error("broadcast", "src", src, peers, f"a coordinate in [0, {peers.size})")
     if peers.size == 1:
@@ -270,7 +270,7 @@ def scatter(pieces: Sequence[torch.Tensor] | None, mesh: DeviceMesh, mesh_dim: M
     its own piece. Point-to-point sends move exact bytes (empty pieces move nothing); `src` gets its
     own piece back as is. Pieces may be views of one tensor: each is made contiguous only when sent.
     """
-    peers = _peers(mesh, mesh_dim)
+    peers = _peers(mesh, mesh_dim, *(pieces or ()))
     if not 0 <= src < peers.size:
         raise _sizes_error("scatter", "src", src, peers, f"a coordinate in [0, {peers.size})")
     me = peers.coordinate

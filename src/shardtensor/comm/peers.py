@@ -11,6 +11,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from ..mesh import DeviceMesh, local_group, on_new_world
@@ -40,8 +41,11 @@ _peers_cache: dict[tuple[DeviceMesh, MeshDims], _Peers] = {}
 on_new_world(_peers_cache.clear)  # peers hold the groups of the world they were made in
 
 
-def _peers(mesh: DeviceMesh, mesh_dim: MeshDims) -> _Peers:
+def _peers(mesh: DeviceMesh, mesh_dim: MeshDims, *tensors: torch.Tensor) -> _Peers:
     mesh.check_world("a collective")
+    for tensor in tensors:  # the collective's tensors must be on the mesh's device (gloo: cpu, nccl: cuda)
+        if tensor.device.type != mesh.device_type:
+            raise _device_error(tensor, mesh)
     key = (mesh, mesh_dim)
     peers = _peers_cache.get(key)
     if peers is None:
@@ -78,6 +82,14 @@ def _flattened_peers(mesh: DeviceMesh, mesh_dims: tuple) -> _Peers:
     if len(ranks) > 1:
         group = dist.group.WORLD if len(ranks) == dist.get_world_size() else local_group(ranks)
     return _make_peers(indices, ranks, ranks.index(mesh.get_rank()), group)
+
+
+def _device_error(tensor: torch.Tensor, mesh: DeviceMesh) -> ValueError:
+    return ValueError(
+        f"a collective over {mesh!r} got a tensor on device {tensor.device} (shape {tuple(tensor.shape)}); "
+        f"the mesh's collectives take tensors on its device type {mesh.device_type!r}: move the tensor "
+        f"with .to({mesh.device_type!r}), or build the mesh for device type {tensor.device.type!r}"
+    )
 
 
 def _sizes_error(function: str, what: str, given, peers: _Peers, expected: str) -> ValueError:

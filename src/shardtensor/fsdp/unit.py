@@ -101,7 +101,7 @@ def combined_mesh(data_parallel: DeviceMesh, tensor_parallel: DeviceMesh) -> Dev
             "on mesh['tp']",
         )
     lines = comm.all_gather_object(tensor_parallel.mesh.tolist(), data_parallel, None)
-    ranks = torch.tensor(lines, dtype=torch.int64).view(*data_parallel.shape, *tensor_parallel.shape)
+    ranks = torch.tensor(lines, dtype=torch.int64, device="cpu").view(*data_parallel.shape, *tensor_parallel.shape)
     names = None
     if data_parallel.mesh_dim_names is not None and tensor_parallel.mesh_dim_names is not None:
         names = data_parallel.mesh_dim_names + tensor_parallel.mesh_dim_names

@@ -150,7 +150,7 @@ def _start_agreement(checks: list[_Check], mesh, mesh_dims: tuple[int, ...], arg
     """
     excesses = [value for check in checks for value in _excess(check, check.fetch(args, kwargs))]
     mesh_dim = mesh_dims if len(mesh_dims) > 1 else mesh_dims[0]
-    handle = comm.all_reduce(torch.tensor(excesses), mesh, mesh_dim, reduce_op="max", async_op=True)
+    handle = comm.all_reduce(torch.tensor(excesses, device=mesh.device_type), mesh, mesh_dim, reduce_op="max", async_op=True)
     return max(excesses) <= 0, handle
 
 

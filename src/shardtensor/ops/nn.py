@@ -325,7 +325,7 @@ def _picked(tensor, target, weight, ignore_index, first, columns):
     """Per row: (value at the target if it lies in this rank's columns else 0, the target's weight)."""
     valid = target != ignore_index
     safe_target = torch.where(valid, target, 0)
-    weights = weight[safe_target] if weight is not None else torch.ones(target.shape, dtype=tensor.dtype)
+    weights = weight[safe_target] if weight is not None else torch.ones(target.shape, dtype=tensor.dtype, device=tensor.device)
     weights = torch.where(valid, weights, 0)
     local = safe_target - first
     inside = valid & (local >= 0) & (local < columns)
@@ -333,7 +333,7 @@ def _picked(tensor, target, weight, ignore_index, first, columns):
         values = tensor.gather(1, local.clamp(0, columns - 1).unsqueeze(1)).squeeze(1)
         values = torch.where(inside, values, 0)
     else:
-        values = torch.zeros(target.shape, dtype=tensor.dtype)
+        values = torch.zeros(target.shape, dtype=tensor.dtype, device=tensor.device)
     return values, weights, inside, local.clamp(0, max(columns - 1, 0))
 
 
@@ -351,7 +351,7 @@ def _class_sharded_nll(first: int, columns: int, batch_mesh_dims: tuple[int, ...
         losses = -values * weights
         total_weight = weights.sum()
         if reduction == _NONE:
-            return losses, torch.zeros((), dtype=tensor.dtype)
+            return losses, torch.zeros((), dtype=tensor.dtype, device=tensor.device)
         if reduction == _SUM:
             return losses.sum(), total_weight
         total_weight = _all_reduce(total_weight, mesh, batch_mesh_dims, "sum")

@@ -28,17 +28,18 @@ aten = torch.ops.aten
 
 
 def _draw(kind: str, layout: Layout, coordinate: Sequence[int], parameters: tuple = ()):
-    """A function `(mesh, dtype, out=None) -> this coordinate's box of the next global random tensor`.
+    """A function `(mesh, dtype, device, out=None) -> this coordinate's box of the next global random tensor`.
 
     With `out` (the shard itself, for in-place ops) the values are written into it, so filling a
     shard needs no second shard; with `below`, the box is the bool mask `values < below`.
     """
     shape, offset, local_shape = layout.shape, layout.local_offset(coordinate), layout.local_shape(coordinate)
 
-    def draw(mesh, dtype: torch.dtype, out: torch.Tensor | None = None, below: float | None = None) -> torch.Tensor:
+    def draw(mesh, dtype: torch.dtype, device: torch.device, out: torch.Tensor | None = None,
+             below: float | None = None) -> torch.Tensor:
         seed, counter = next_random_call(mesh)
         return random_shard(kind, shape, offset, local_shape, seed=seed, counter=counter, dtype=dtype,
-                            parameters=parameters, out=out, below=below)
+                            device=device, parameters=parameters, out=out, below=below)
 
     return draw
 
@@ -70,7 +71,7 @@ class InPlaceRandom(ShardingRule):
         draw = _draw(self.kind, input_layouts[0], coordinate, self.parameters(call))
 
         def fill(mesh, tensor, *args, **kwargs):
-            return draw(mesh, tensor.dtype, out=tensor)
+            return draw(mesh, tensor.dtype, tensor.device, out=tensor)
 
         return on_shards(call.op, fill)
 
@@ -92,7 +93,7 @@ class LikeRandom(ShardingRule):
 
         def like(mesh, *args, **kwargs):
             result = call.op(*args, **kwargs)  # the right dtype, device and local shape
-            return draw(mesh, result.dtype, out=result)
+            return draw(mesh, result.dtype, result.device, out=result)
 
         return on_shards(call.op, like)
 
@@ -119,11 +120,11 @@ class ThresholdRandom(ShardingRule):
         def bernoulli(mesh, tensor, *args, **kwargs):
             probability = self.probability(tensor, args, kwargs)
             if isinstance(probability, torch.Tensor):
-                values = draw(mesh, probability.dtype) < probability
+                values = draw(mesh, probability.dtype, tensor.device) < probability
             else:  # torch's own check of a number p, alike on every rank; then the float64 draws
                 # compared block by block: a bool mask, never a float64 shard
                 torch.empty(0, device=tensor.device).bernoulli_(probability)
-                values = draw(mesh, torch.float64, below=probability)
+                values = draw(mesh, torch.float64, tensor.device, below=probability)
             if self.in_place:
                 return tensor.copy_(values)
             return values.to(tensor.dtype)
@@ -165,7 +166,7 @@ class NativeDropout(ShardingRule):
         def dropout(mesh, tensor, probability, train):
             if train is False:
                 return tensor.clone(), torch.ones_like(tensor, dtype=torch.bool)
-            keep = draw(mesh, torch.float64, below=1 - probability)  # float64 draws, compared block by block
+            keep = draw(mesh, torch.float64, tensor.device, below=1 - probability)  # compared block by block
             scale = 0.0 if probability >= 1 else 1 / (1 - probability)
             return tensor * keep * scale, keep
 
@@ -185,7 +186,7 @@ class NormalWithTensorMean(ShardingRule):
 
         def normal(mesh, mean, std=1.0, **kwargs):
             torch.empty(0, dtype=mean.dtype, device=mean.device).normal_(0.0, std)  # torch's check of std, every rank
-            return mean + std * draw(mesh, mean.dtype)
+            return mean + std * draw(mesh, mean.dtype, mean.device)
 
         return on_shards(call.op, normal)
 

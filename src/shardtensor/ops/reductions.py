@@ -215,7 +215,7 @@ class DistRule(ShardingRule):
 def _agreed_on_every_shard(op, mesh_dims: tuple[int, ...], mesh, *args, **kwargs) -> bool:
     """`op` (equal, allclose) on this rank's shards, then the AND of every shard's answer over
     `mesh_dims`, so that every rank returns the same bool."""
-    local = torch.tensor(op(*args, **kwargs))
+    local = torch.tensor(op(*args, **kwargs), device=args[0].device)
     return bool(comm.all_reduce(local, mesh, mesh_dims, reduce_op="min").item())
 
 

@@ -106,9 +106,9 @@ class _ClassShardedCrossEntropy(torch.autograd.Function):
         targets = torch.zeros_like(log_probs)
         local_target = safe_target - first
         inside = valid & (local_target >= 0) & (local_target < columns)
-        if columns:
-            rows = torch.nonzero(inside).squeeze(1)
-            targets[rows, local_target[rows]] = (1 - smoothing) * target_weight[rows]
+        if columns:  # one write per row (0 where the target lies elsewhere): no nonzero(), no host sync
+            picked = torch.where(inside, (1 - smoothing) * target_weight, 0).to(targets.dtype)
+            targets.scatter_(1, local_target.clamp(0, columns - 1).unsqueeze(1), picked.unsqueeze(1))
         targets = targets + (smoothing / classes) * weight[first : first + columns]
         row_sums = (1 - smoothing) * target_weight + (smoothing / classes) * weight.sum()
         grad_logits = scale.unsqueeze(1) * (log_probs.exp() * row_sums.unsqueeze(1) - targets)
