@@ -33,6 +33,7 @@ from .plain_tensors import created_by_torch
 from .plan_cache import Plan, counts_of, fast_key, key_modes, plans, record, recording, strip_values, template
 from .propagation import decide
 from .propagation import key_modes as key_modes_by_op
+from .random import same_draws_on_every_rank
 from .redistribute import redistribute_local_tensor
 from .rules import DataDependentOutput, Decision, OpCall, PlainTensor, ResizesWritten, TensorMeta
 from .spec import DTensorSpec
@@ -267,6 +268,9 @@ def _fallback(dtensor_class: type, op, flat, tree, positions, dtensors, mutated_
     if name not in fallback_counts:
         logger.info("%s has no sharding rule: gathering its inputs (%s) to Replicate", name, describe(dtensors))
     fallback_counts[name] += 1
+    if torch.Tag.nondeterministic_seeded in op.tags:  # every rank computes the whole op: draw alike
+        with same_draws_on_every_rank(mesh):
+            return _run(dtensor_class, op, flat, tree, positions, dtensors, mutated_dtensors, mesh, replicated, None, None)
     return _run(dtensor_class, op, flat, tree, positions, dtensors, mutated_dtensors, mesh, replicated, None, None)
 
 

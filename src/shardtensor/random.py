@@ -20,17 +20,18 @@ a program that draws random DTensors from several threads must order those calls
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
 from . import comm
 
-__all__ = ["BLOCK_SIZE", "FILLS", "manual_seed", "random_shard", "next_random_call"]
+__all__ = ["BLOCK_SIZE", "FILLS", "manual_seed", "random_shard", "next_random_call", "same_draws_on_every_rank"]
 
 BLOCK_SIZE = 2**16
 
@@ -72,6 +73,20 @@ def next_random_call(mesh) -> tuple[int, int]:
         call = (_seed, _counter)
         _counter += 1
     return call
+
+
+@contextlib.contextmanager
+def same_draws_on_every_rank(mesh) -> Iterator[None]:
+    """Inside the block, torch's default generators (CPU, and the current CUDA device on a CUDA mesh)
+    are seeded with the hash of (seed, counter, -1) of the next random call, alike on every rank, and
+    restored afterwards: a random op without a rule of its own (poisson, multinomial...), computed whole
+    on every rank by the replicate fallback, then draws the same values everywhere, a function of the
+    seed and the call number (the op's own `generator=` argument, when given, is used instead)."""
+    seed, counter = next_random_call(mesh)
+    devices = [torch.cuda.current_device()] if mesh.device_type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(_block_seed(seed, counter, -1))
+        yield
 
 
 def _block_seed(seed: int, counter: int, block: int) -> int:
