@@ -256,6 +256,19 @@ def test_observe_nests_and_counts(mesh):
     assert comm.call_counts["all_reduce"] == before + 2
 
 
+@spmd(meshes=[(4,)])
+def test_records_name_the_mesh_dims_they_ran_over(mesh):
+    """A record carries the names of its group's mesh dims on the issuing mesh (a sub-mesh names its own)."""
+    named = DeviceMesh("cpu", [[0, 1], [2, 3]], mesh_dim_names=("dp", "tp"))
+    with comm.observe() as records:
+        comm.all_reduce(torch.ones(2), named, "tp", reduce_op="sum")
+        comm.all_reduce(torch.ones(2), named, ("dp", "tp"), reduce_op="sum")
+        comm.all_reduce(torch.ones(2), named["dp"], 0, reduce_op="sum")
+        comm.all_reduce(torch.ones(2), DeviceMesh("cpu", [[0, 1], [2, 3]]), 1, reduce_op="sum")
+    assert [record.mesh_dim_names for record in records] == [("tp",), ("dp", "tp"), ("dp",), None]
+    assert [record.mesh_dim for record in records] == [1, (0, 1), 0, 1]
+
+
 @spmd(meshes=[(2,)])
 def test_size_errors_teach(mesh):
     with pytest.raises(ValueError, match="2 non-negative sizes"):

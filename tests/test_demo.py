@@ -5,6 +5,7 @@ and exits 0."""
 
 import collections
 import copy
+import re
 import subprocess
 import sys
 
@@ -173,6 +174,8 @@ def test_the_demo_trains_on_a_2x2_mesh_like_one_device_and_resumes_on_another_me
     assert "losses agree with one device (2 steps" in first.stdout and "mesh 2x2" in first.stdout
     assert "(dp x tp, fully_shard on dp)" in " ".join(first.stdout.split())  # rich wraps lines at 80 columns
     assert "collectives of one training step" in first.stdout
+    for mesh_dim in ("dp", "tp"):  # fully_shard's gathers and sequence parallelism's, each on its own row
+        assert re.search(rf"all_gather\s+│\s+{mesh_dim}\s+│", first.stdout), first.stdout
     for warning in ("Failed to initialize NumPy", "leaked"):
         assert warning not in first.stderr
     resumed = _run([*common, "--steps", "4", "--mesh", "1x2", "--data-parallel", "ddp"])

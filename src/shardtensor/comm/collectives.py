@@ -22,6 +22,10 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+def _record_on(kind: str, peers: _Peers, bytes_sent: int, bytes_received: int) -> None:
+    _record(kind, peers.mesh_dim, peers.size, bytes_sent, bytes_received, peers.mesh_dim_names)
+
+
 def all_gather(tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: MeshDims, *, dim: int,
                sizes: Sequence[int], async_op: bool = False):
     """Concatenate along `dim` every peer's tensor (peer c's has size sizes[c] on `dim`).
@@ -42,7 +46,7 @@ def all_gather(tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: MeshDims, *, di
     local = _wire(tensor).contiguous()
     others = [c for c in range(peers.size) if c != peers.coordinate]
     row = math.prod(_with_size(local.shape, dim, 1))
-    _record("all_gather", peers.mesh_dim, peers.size, _nbytes(local) * len(others),
+    _record_on("all_gather", peers, _nbytes(local) * len(others),
             sum(sizes[c] for c in others) * row * local.element_size())
     if len(set(sizes)) == 1:
         output = local.new_empty(peers.size * local.numel())
@@ -92,7 +96,7 @@ def all_gather_into(output: torch.Tensor, tensor: torch.Tensor, mesh: DeviceMesh
         return _identity(output, async_op)
     local = _wire(tensor).contiguous()
     wire_output = _wire(output)
-    _record("all_gather", peers.mesh_dim, peers.size, _nbytes(local) * (peers.size - 1),
+    _record_on("all_gather", peers, _nbytes(local) * (peers.size - 1),
             (sum(sizes) - sizes[peers.coordinate]) * local.element_size())
     target = wire_output if peers.in_coordinate_order else torch.empty_like(wire_output)
     group_sizes = [sizes[c] for c in peers.group_order]
@@ -155,7 +159,7 @@ def all_to_all(tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: MeshDims, *, sp
     send = [None if c == me else pieces[c] for c in range(peers.size)]
     shapes = [None if c == me else _with_size(receive_shape, concat_dim, concat_sizes[c]) for c in range(peers.size)]
     work, received, sent_bytes, received_bytes = _exchange(send, shapes, local, peers, async_op)
-    _record("all_to_all", peers.mesh_dim, peers.size, sent_bytes, received_bytes)
+    _record_on("all_to_all", peers, sent_bytes, received_bytes)
 
     def finish() -> torch.Tensor:
         arrived = received()
@@ -178,7 +182,7 @@ def all_reduce(tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: MeshDims, *, re
     else:
         buffer = tensor.clone(memory_format=torch.contiguous_format)
     traffic = 2 * (peers.size - 1) * _nbytes(buffer) // peers.size
-    _record("all_reduce", peers.mesh_dim, peers.size, traffic, traffic)
+    _record_on("all_reduce", peers, traffic, traffic)
     work = dist.all_reduce(buffer, op=_REDUCE_OPS[op], group=peers.group, async_op=async_op)
     return _complete(work, lambda: buffer.to(torch.bool) if tensor.dtype == torch.bool else buffer, async_op)
 
@@ -201,7 +205,7 @@ def reduce_scatter(tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: MeshDims, *
     pieces = local.split(sizes, dim)
     me = peers.coordinate
     output = torch.empty(pieces[me].shape, dtype=local.dtype, device=local.device)
-    _record("reduce_scatter", peers.mesh_dim, peers.size, _nbytes(local) - _nbytes(output),
+    _record_on("reduce_scatter", peers, _nbytes(local) - _nbytes(output),
             (peers.size - 1) * _nbytes(output))
     if len(set(sizes)) == 1:
         if dim == 0 and peers.in_coordinate_order:
@@ -254,10 +258,10 @@ def broadcast(tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: MeshDims, *, src
         collective_check.agree("broadcast", peers, tensor, (tuple(tensor.shape), src))
     if peers.coordinate == src:
         buffer = tensor.clone(memory_format=torch.contiguous_format)
-        _record("broadcast", peers.mesh_dim, peers.size, _nbytes(buffer) * (peers.size - 1), 0)
+        _record_on("broadcast", peers, _nbytes(buffer) * (peers.size - 1), 0)
     else:
         buffer = torch.empty_like(tensor, memory_format=torch.contiguous_format)
-        _record("broadcast", peers.mesh_dim, peers.size, 0, _nbytes(buffer))
+        _record_on("broadcast", peers, 0, _nbytes(buffer))
     work = dist.broadcast(_wire(buffer), src=peers.ranks[src], group=peers.group, async_op=async_op)
     return _complete(work, lambda: buffer, async_op)
 
@@ -289,7 +293,7 @@ def scatter(pieces: Sequence[torch.Tensor] | None, mesh: DeviceMesh, mesh_dim: M
         collective_check.agree("scatter", peers, template, (src,))
     if me != src:
         buffer = torch.empty(shape, dtype=dtype, device=mesh.device_type)
-        _record("scatter", peers.mesh_dim, peers.size, 0, _nbytes(buffer))
+        _record_on("scatter", peers, 0, _nbytes(buffer))
         work = dist.irecv(_wire(buffer), src=peers.ranks[src], group=peers.group) if buffer.numel() else None
         if work is not None and not async_op:
             work.wait()
@@ -308,5 +312,5 @@ def scatter(pieces: Sequence[torch.Tensor] | None, mesh: DeviceMesh, mesh_dim: M
             works.append(work)
         else:
             work.wait()
-    _record("scatter", peers.mesh_dim, peers.size, sent_bytes, 0)
+    _record_on("scatter", peers, sent_bytes, 0)
     return _complete(works, lambda: pieces[me], async_op)

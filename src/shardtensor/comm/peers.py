@@ -31,6 +31,7 @@ class _Peers:
     group_order: tuple[int, ...]  # coordinates in c10d group-rank order (sorted by global rank)
     group_rank: tuple[int, ...]  # coordinate -> c10d group rank
     group: Any
+    mesh_dim_names: tuple[str, ...] | None  # the names of `mesh_dim` on the mesh, for the records
 
     @property
     def in_coordinate_order(self) -> bool:
@@ -55,15 +56,19 @@ def _peers(mesh: DeviceMesh, mesh_dim: MeshDims, *tensors: torch.Tensor) -> _Pee
             index = mesh._mesh_dim_index(mesh_dim[0] if isinstance(mesh_dim, tuple) else mesh_dim)
             ranks = mesh.group_ranks(index)
             group = mesh.get_group(index) if len(ranks) > 1 else None
-            peers = _make_peers(index, ranks, mesh.get_local_rank(index), group)
+            peers = _make_peers(index, ranks, mesh.get_local_rank(index), group, _names(mesh, (index,)))
         _peers_cache[key] = peers
     return peers
 
 
-def _make_peers(mesh_dim, ranks: tuple[int, ...], coordinate: int, group) -> _Peers:
+def _make_peers(mesh_dim, ranks: tuple[int, ...], coordinate: int, group, names) -> _Peers:
     group_order = tuple(sorted(range(len(ranks)), key=lambda position: ranks[position]))
     group_rank = tuple(group_order.index(position) for position in range(len(ranks)))
-    return _Peers(mesh_dim, len(ranks), coordinate, ranks, group_order, group_rank, group)
+    return _Peers(mesh_dim, len(ranks), coordinate, ranks, group_order, group_rank, group, names)
+
+
+def _names(mesh: DeviceMesh, indices: tuple[int, ...]) -> tuple[str, ...] | None:
+    return None if mesh.mesh_dim_names is None else tuple(mesh.mesh_dim_names[index] for index in indices)
 
 
 def _flattened_peers(mesh: DeviceMesh, mesh_dims: tuple) -> _Peers:
@@ -81,7 +86,7 @@ def _flattened_peers(mesh: DeviceMesh, mesh_dims: tuple) -> _Peers:
     group = None
     if len(ranks) > 1:
         group = dist.group.WORLD if len(ranks) == dist.get_world_size() else local_group(ranks)
-    return _make_peers(indices, ranks, ranks.index(mesh.get_rank()), group)
+    return _make_peers(indices, ranks, ranks.index(mesh.get_rank()), group, _names(mesh, indices))
 
 
 def _device_error(tensor: torch.Tensor, mesh: DeviceMesh) -> ValueError:

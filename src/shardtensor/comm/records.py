@@ -22,6 +22,9 @@ class CommRecord:
     2 * (n-1) / n * bytes. reduce_scatter: sent = input bytes minus this rank's piece, received =
     (n-1) * this rank's piece. broadcast and scatter: the source sends each peer its bytes
     directly, the others receive theirs. send / recv / batch_p2p: the tensors' bytes, group_size 2.
+    `mesh_dim_names`: the names of the group's mesh dims on the mesh that issued it (FSDP's "dp" sub-mesh
+    and tensor parallelism's "tp" label their own), None for unnamed meshes and point to point; not
+    compared, so records built by hand in tests equal recorded ones.
     """
 
     kind: str
@@ -29,6 +32,7 @@ class CommRecord:
     group_size: int
     bytes_sent: int
     bytes_received: int
+    mesh_dim_names: tuple[str, ...] | None = dataclasses.field(default=None, compare=False)
 
 
 _observers: list[list[CommRecord]] = []
@@ -49,10 +53,11 @@ def observe():
                 break
 
 
-def _record(kind: str, mesh_dim: int | tuple[int, ...] | None, group_size: int, bytes_sent: int, bytes_received: int) -> None:
+def _record(kind: str, mesh_dim: int | tuple[int, ...] | None, group_size: int, bytes_sent: int, bytes_received: int,
+            mesh_dim_names: tuple[str, ...] | None = None) -> None:
     call_counts[kind] += 1
     if _observers:
-        record = CommRecord(kind, mesh_dim, group_size, bytes_sent, bytes_received)
+        record = CommRecord(kind, mesh_dim, group_size, bytes_sent, bytes_received, mesh_dim_names)
         for records in _observers:
             records.append(record)
 

@@ -14,7 +14,6 @@ from rich.table import Table
 
 from ..debug import visualize_sharding
 from ..dtensor import DTensor
-from ..mesh import DeviceMesh
 from .data import Corpus
 
 __all__ = ["Progress", "generate", "LOSS_TOLERANCE"]
@@ -31,23 +30,19 @@ class ComparisonError(RuntimeError):
     """The parallel training's losses left the one-device training's by more than float rounding."""
 
 
-def _mesh_dim_name(mesh: DeviceMesh | str, mesh_dim) -> str:
-    if isinstance(mesh, str):  # the phase's mesh dims by name, when records of several meshes mix
-        return mesh
-    dims = mesh_dim if isinstance(mesh_dim, tuple) else (mesh_dim,)
-    return "+".join(mesh.mesh_dim_names[dim] if mesh.mesh_dim_names else str(dim) for dim in dims)
+def _mesh_dim_label(record) -> str:
+    if record.mesh_dim_names is not None:
+        return "+".join(record.mesh_dim_names)
+    return "point to point" if record.mesh_dim is None else str(record.mesh_dim)
 
 
-def communication_table(phases) -> Table:
-    """The collectives of one step on this rank, by kind and mesh dim; `phases` pairs each list of
-    records with the mesh they were issued on (the model's on "tp", the gradients' on the world), or
-    with the names of its mesh dims when it mixes meshes (FSDP's "dp" and tensor parallelism's "tp")."""
+def communication_table(records) -> Table:
+    """The collectives of one step on this rank, by kind and the mesh dims they ran over."""
     calls, sent = collections.Counter(), collections.Counter()
-    for mesh, records in phases:
-        for record in records:
-            key = (record.kind, _mesh_dim_name(mesh, record.mesh_dim))
-            calls[key] += 1
-            sent[key] += record.bytes_sent
+    for record in records:
+        key = (record.kind, _mesh_dim_label(record))
+        calls[key] += 1
+        sent[key] += record.bytes_sent
     table = Table(title="collectives of one training step (rank 0)", title_justify="left")
     for column in ("collective", "mesh dim", "calls", "KiB sent"):
         table.add_column(column, justify="right" if column in ("calls", "KiB sent") else "left")
@@ -107,7 +102,7 @@ class Progress:
             self.differences.append(abs(loss - reference_loss))
         self.bar.update(self.task, advance=1, status=status)
 
-    def finish(self, mesh: DeviceMesh, step_communication, model, sample: str) -> None:
+    def finish(self, step_communication, model, sample: str) -> None:
         self.bar.stop()
         self.console.print(f"model: {_global_parameters(model):,} parameters")
         if step_communication:

@@ -163,13 +163,9 @@ def train(options: Options) -> None:
             _step(reference_optimizer)
         if progress is not None:
             progress.update(step, loss_value, reference_loss, tokens.numel() / elapsed)
-    step_communication = []
-    if options.steps > start:
-        # FSDP's collectives (on "dp") come in the same forward/backward as tensor parallelism's (on "tp").
-        model_mesh_dims = "dp+tp" if fsdp and mesh.size(0) > 1 else "tp"
-        step_communication = [(model_mesh_dims, model_records), (mesh, gradient_records)]
+    step_communication = model_records + gradient_records if options.steps > start else []
     if options.checkpoint:
         save_checkpoint(options.checkpoint, model, optimizer, options.steps, reference, reference_optimizer)
     sample = report.generate(model, corpus, options, device)
     if progress is not None:
-        progress.finish(mesh, step_communication, model, sample)
+        progress.finish(step_communication, model, sample)
