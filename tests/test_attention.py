@@ -4,19 +4,25 @@ their decisions through `propagation.decide` against independent expectations: b
 sharding passes through with no move, and every result with batch and heads dims comes out sharded
 like the query with the local shapes that torch's own meta kernel gives on the local inputs (uneven
 shards too); mixed inputs meet on one dim with the expected moves; dropout runs whole, seeded.
-The CPU kernel runs for real in tests/test_nn.py (`F.scaled_dot_product_attention` on DTensors).
+The CPU kernel runs for real in tests/test_nn.py (`F.scaled_dot_product_attention` on DTensors);
+the last tests run the efficient kernel's rules on real shards through a CPU stand-in for its CUDA
+kernel (registered for the test only), values and gradients against the stand-in on one device.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 
 import pytest
 import torch
-from helpers import local_piece
+from helpers import local_piece, seeded_randn, with_fallback_draws
+from spmd import spmd
+from torch.testing import assert_close
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from shardtensor import propagation
+import shardtensor
+from shardtensor import comm, distribute_tensor, propagation
 from shardtensor.layout import Layout
 from shardtensor.ops.attention import KERNELS
 from shardtensor.ops.registry import RULES
@@ -257,10 +263,90 @@ def test_a_rank_without_heads_makes_empty_results_without_the_kernel(name, backw
     tensors, layouts, decision = _decide(op, args, kwargs, sharded, (4,), (3,))
     assert decision.local_op is not None
     flat, tree = tree_flatten((args, kwargs))
-    local = {id(tensor): torch.zeros(layout.local_shape((3,)), dtype=tensor.dtype) for tensor, layout in zip(tensors, layouts)}
+    local = {id(tensor): torch.zeros(layout.local_shape((3,)), dtype=tensor.dtype)
+             for tensor, layout in zip(tensors, layouts)}
     local_args, local_kwargs = tree_unflatten([local.get(id(value), value) for value in flat], tree)
     results = tree_flatten(decision.local_op(object(), *local_args, **local_kwargs))[0]
     for result, layout in zip(results, decision.output_layouts):
         if layout is not None:
             assert result.device.type == "cpu" and tuple(result.shape) == layout.local_shape((3,))
     assert _decide(op, args, kwargs, sharded, (4,), (0,))[2].local_op is None
+
+
+# ---- the efficient kernel on real shards, through a CPU stand-in ------------------------------------
+
+
+def _probabilities(query, key, attn_bias, scale, dropout_p, seed):
+    """Softmax of the scores and the dropout factor (0 or 1 / (1 - p)) of the mask drawn from `seed`."""
+    scale = query.size(-1) ** -0.5 if scale is None else scale
+    probabilities = (query @ key.transpose(-2, -1) * scale + attn_bias).softmax(-1)
+    generator = torch.Generator().manual_seed(int(seed))
+    kept = torch.rand(probabilities.shape, generator=generator, dtype=probabilities.dtype) >= dropout_p
+    return probabilities, kept / (1 - dropout_p), scale
+
+
+def _efficient_on_cpu(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False, *, scale=None):
+    """The CUDA kernel's results from math, without `is_causal`: it takes its philox seed from torch's
+    generator and draws its dropout mask from it, as the kernel does; logsumexp padded to 32 rows."""
+    seed = torch.randint(2**62, (), dtype=torch.int64)
+    probabilities, factor, scale = _probabilities(query, key, attn_bias, scale, dropout_p, seed)
+    output = (probabilities * factor) @ value
+    logsumexp = (query @ key.transpose(-2, -1) * scale + attn_bias).logsumexp(-1).float()
+    rows = -(-query.size(2) // 32) * 32 if compute_log_sumexp else 0
+    padded = torch.nn.functional.pad(logsumexp, (0, rows - query.size(2)))[..., :rows]
+    return output.transpose(1, 2).contiguous().transpose(1, 2), padded, seed, torch.zeros((), dtype=torch.int64)
+
+
+def _efficient_backward_on_cpu(grad_out_, query, key, value, attn_bias, out, logsumexp, philox_seed, philox_offset,
+                               dropout_p, grad_input_mask, is_causal=False, *, scale=None):
+    """Gradients of the stand-in's output, replaying its dropout mask from `philox_seed`."""
+    probabilities, factor, scale = _probabilities(query, key, attn_bias, scale, dropout_p, philox_seed)
+    grad_value = (probabilities * factor).transpose(-2, -1) @ grad_out_
+    grad_probabilities = (grad_out_ @ value.transpose(-2, -1)) * factor
+    grad_scores = probabilities * (grad_probabilities - (grad_probabilities * probabilities).sum(-1, keepdim=True))
+    return grad_scores @ key * scale, grad_scores.transpose(-2, -1) @ query * scale, grad_value, grad_scores
+
+
+@contextlib.contextmanager
+def _efficient_kernel_on_cpu():
+    with torch.library._scoped_library("aten", "IMPL") as library:
+        library.impl("_scaled_dot_product_efficient_attention", _efficient_on_cpu, "CPU")
+        library.impl("_scaled_dot_product_efficient_attention_backward", _efficient_backward_on_cpu, "CPU")
+        yield
+
+
+def _efficient_attention_and_grads(tensors, dropout_p, grad):
+    """Output, logsumexp and the gradients of q, k, v, bias of the efficient kernel (`grad` flowing
+    back), and the collectives issued meanwhile."""
+    with comm.observe() as records:
+        output, logsumexp, _, _ = aten._scaled_dot_product_efficient_attention(*tensors, True, dropout_p, False)
+        output.backward(grad)
+    return [output, logsumexp] + [tensor.grad for tensor in tensors], list(records)
+
+
+@spmd(meshes=[(2,), (2, 2)])
+def test_efficient_kernel_on_shards_equals_one_device(mesh):
+    """Batch or heads shards (5 and 3: uneven, none on one of 4 ranks) compute with no communication;
+    with dropout every rank computes the whole op drawing the mask the fallback's seed gives, and
+    the backward replays it."""
+    shapes = [(BATCH, HEADS, QUERIES, FEATURES), (BATCH, HEADS, KEYS, FEATURES), (BATCH, HEADS, KEYS, FEATURES),
+              (BATCH, HEADS, QUERIES, KEYS)]
+    fulls = [seeded_randn(shape, seed) for seed, shape in enumerate(shapes)]
+    grad_full = seeded_randn(shapes[0], 9)
+    with _efficient_kernel_on_cpu():
+        for dropout_p, placement in [(0.0, Shard(0)), (0.0, Shard(1)), (0.4, Shard(1))]:
+            placements = (placement,) * mesh.ndim
+            expected, _ = with_fallback_draws(lambda: _efficient_attention_and_grads(
+                [full.clone().requires_grad_() for full in fulls], dropout_p, grad_full), seed=3, counter=0)
+            leaves = [distribute_tensor(full, mesh, placements).requires_grad_() for full in fulls]
+            grad = distribute_tensor(grad_full, mesh, placements if dropout_p == 0 else (R,) * mesh.ndim)
+            shardtensor.random.manual_seed(3)
+            results, records = _efficient_attention_and_grads(leaves, dropout_p, grad)
+            if dropout_p == 0:
+                assert records == [] and results[0].placements == placements == results[2].placements
+            else:
+                every_rank = comm.all_gather_object(results[0].to_local(), mesh, None)
+                assert results[0].placements == (R,) * mesh.ndim
+                assert all(torch.equal(local, every_rank[0]) for local in every_rank)
+            for result, single_device in zip(results, expected):
+                assert_close(result.full_tensor(), single_device)
