@@ -97,7 +97,7 @@ def _result_placement(kind: str, meta: TensorMeta, dim: int, mask_placement):
     return mask_placement if kind == LIKE_MASK else R
 
 
-def attention_rows(call: OpCall, kernel: Kernel, metas) -> list[Row]:
+def _attention_rows(call: OpCall, kernel: Kernel, metas) -> list[Row]:
     """Replicate, and rows sharding batch (dim 0) or heads (dim 1) of every tensor laid out like the
     query, its mask following by broadcast. `metas` are the op's global results (None: not a tensor)."""
     names = call.input_names()
@@ -135,8 +135,8 @@ class Attention(ShardingRule):
 
     With dropout_p > 0 it runs whole (Replicate), its draws seeded alike on every rank. A rank whose
     shard holds no batch or no heads (2 heads on 4 ranks) returns empty results without calling the
-    kernel: the CPU kernel dies of a division by zero on zero heads, flash refuses a batch of zero,
-    and the other ranks would be left waiting.
+    kernel: the CPU kernel dies of a division by zero on zero heads (the other ranks would be left
+    waiting), and the CUDA kernels have never been run on empty shards.
     """
 
     def __init__(self, name: str, kernel: Kernel):
@@ -146,7 +146,7 @@ class Attention(ShardingRule):
         metas = self.global_outputs(call)
         if call.argument("dropout_p") > 0:
             return [Row((R,) * sum(meta is not None for meta in metas), (R,) * len(call.inputs))]
-        return attention_rows(call, self.kernel, metas)
+        return _attention_rows(call, self.kernel, metas)
 
     def local_op(self, call, input_layouts, coordinate):
         if call.argument("dropout_p") > 0:
