@@ -145,6 +145,19 @@ def documented_random(kind: str, shape, *, seed: int, counter: int, dtype=torch.
     return torch.cat(blocks).reshape(tuple(shape))
 
 
+def with_fallback_draws(function, *, seed: int, counter: int):
+    """`function()` on one device with torch's generator seeded as the replicate fallback seeds it for
+    random call `counter` after `manual_seed(seed)` (`random.same_draws_on_every_rank` documents it:
+    blake2b("seed:counter:-1"), 63 bits), then restored."""
+    digest = hashlib.blake2b(f"{seed}:{counter}:-1".encode(), digest_size=8).digest()
+    generator_state = torch.get_rng_state()
+    torch.manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
+    try:
+        return function()
+    finally:
+        torch.set_rng_state(generator_state)
+
+
 def gloo_worker_threads() -> int:
     """How many gloo worker threads this process runs (c10d names them `pt_gloo_runloop`; Linux only).
 

@@ -116,6 +116,25 @@ def test_random_ops_draw_on_the_data_device_and_do_not_depend_on_the_layout(mesh
 
 
 @spmd(meshes=MESHES)
+def test_attention_on_a_rank_without_heads_makes_its_results_on_the_data_device(mesh):
+    """One head on 2 ranks: the rank without it builds empty results (`ops/attention.py`) instead of
+    calling the kernel, forward and backward."""
+    fulls = [torch.randn(2, 1, 3, 4, generator=torch.Generator().manual_seed(seed)) for seed in range(3)]
+    leaves = [distribute_tensor(full, mesh, [Shard(1)]).requires_grad_() for full in fulls]
+    references = [full.clone().requires_grad_() for full in fulls]
+    grad_full = torch.randn(2, 1, 3, 4, generator=torch.Generator().manual_seed(3))
+    grad = distribute_tensor(grad_full, mesh, [Shard(1)])
+    with _default_device_meta():
+        out = F.scaled_dot_product_attention(*leaves, is_causal=True)
+        out.backward(grad)
+    expected = F.scaled_dot_product_attention(*references, is_causal=True)
+    expected.backward(grad_full)
+    torch.testing.assert_close(_full(out), expected)
+    for leaf, reference in zip(leaves, references):
+        torch.testing.assert_close(_full(leaf.grad), reference.grad)
+
+
+@spmd(meshes=MESHES)
 def test_meshes_and_redistribute_under_a_meta_default_device(mesh):
     full = torch.arange(10.0).reshape(5, 2)
     with _default_device_meta():

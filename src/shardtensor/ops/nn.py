@@ -1,4 +1,4 @@
-"""Sharding rules: nn ops (softmax, norms, embedding, nll_loss, convolution, attention).
+"""Sharding rules: nn ops (softmax, norms, embedding, nll_loss, convolution; attention is `ops/attention.py`).
 
 These are the aten ops that `torch.nn.functional` reaches on CPU, forward and backward. Most keep a
 Shard on the dims the op treats independently (batch, heads, non-softmax dims) and give Partial(sum)
@@ -25,7 +25,7 @@ from .. import comm
 from ..layout import Layout
 from ..placement import Partial, Replicate, Shard
 from ..rules import LocalCollective, OpCall, Row, ShardingRule, TensorMeta
-from .common import dim_argument, empty_shard_results, on_shards
+from .common import dim_argument, on_shards
 from .index_checks import IndexArgument, with_index_checks
 from .registry import register_rule
 
@@ -487,50 +487,6 @@ class ConvolutionBackward(ShardingRule):
         return convolution_backward
 
 
-# ---- scaled dot product attention -------------------------------------------------------------------
-
-
-def _attention_rows(call: OpCall, outputs: int, attention_inputs: int, query: TensorMeta) -> list[Row]:
-    """Rows sharding batch (dim 0) or heads (dim 1) of every attention tensor; a mask follows by broadcast."""
-    mask = call.argument("attn_mask")
-    rows = [Row((R,) * outputs, (R,) * len(call.inputs))]
-    for dim in (0, 1):
-        if dim == 1 and any(meta.shape[1] != query.shape[1] for meta in call.inputs[:attention_inputs]):
-            continue  # grouped-query attention: heads of key/value differ
-        mask_placement = ()
-        if isinstance(mask, TensorMeta):
-            mask_dim = dim - (4 - mask.ndim)
-            spans = mask_dim >= 0 and mask.shape[mask_dim] == query.shape[dim]
-            mask_placement = (Shard(mask_dim) if spans else R,)
-        rows.append(Row((Shard(dim),) * outputs, (Shard(dim),) * attention_inputs + mask_placement))
-    return rows
-
-
-class Attention(ShardingRule):
-    """`_scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p, ...)` -> (out, logsumexp), and
-    its backward `(grad_out, q, k, v, out, logsumexp, dropout_p, is_causal, attn_mask, scale)` -> grads
-    of q, k, v.
-
-    With dropout_p > 0 it stays Replicate: its dropout draws torch's per-rank generator. A rank whose
-    shard holds no heads (2 heads on 4 ranks) returns empty results without calling the CPU kernel,
-    which dies of a division by zero on zero heads and would leave the other ranks waiting.
-    """
-
-    def __init__(self, name: str, backward: bool):
-        self.__name__, self.backward = name, backward
-
-    def rows(self, call: OpCall) -> list[Row]:
-        outputs, attention_inputs = (3, 6) if self.backward else (2, 3)
-        if call.argument("dropout_p") > 0:
-            return [Row((R,) * outputs, (R,) * len(call.inputs))]
-        return _attention_rows(call, outputs, attention_inputs, call.inputs[int(self.backward)])
-
-    def local_op(self, call, input_layouts, coordinate):
-        if all(layout.local_shape(coordinate)[1] for layout in input_layouts if layout.ndim == 4):
-            return None
-        return on_shards(call.op, lambda mesh, *args, **kwargs: empty_shard_results(call.op, args, kwargs))
-
-
 register_rule([aten._softmax.default], Softmax("softmax", log=False, backward=False))
 register_rule([aten._log_softmax.default], Softmax("log_softmax", log=True, backward=False))
 register_rule([aten._softmax_backward_data.default], Softmax("softmax_backward", log=False, backward=True))
@@ -540,6 +496,3 @@ register_rule([aten.embedding.default], Embedding())
 register_rule([aten.embedding_dense_backward.default], EmbeddingBackward())
 register_rule([aten.nll_loss_forward.default], NllLoss())
 register_rule([aten.nll_loss_backward.default], NllLossBackward())
-register_rule([aten._scaled_dot_product_flash_attention_for_cpu.default], Attention("attention", backward=False))
-register_rule([aten._scaled_dot_product_flash_attention_for_cpu_backward.default],
-              Attention("attention_backward", backward=True))
