@@ -104,6 +104,32 @@ def test_max_and_min_partials(mesh):
 
 
 @spmd()
+def test_in_place_scaling_of_max_and_min_partials_by_a_negative_number_reduces_first(mesh):
+    """x.mul_(-1) of a P(max) x: the negated operands are a P(min)'s, but x keeps its placement in
+    place; so x is reduced first and holds its new value as a P(max) again (out of place, -x is P(min))."""
+    calls = {"mul_(-1)": lambda t: t.mul_(-1), "neg_": lambda t: t.neg_(), "div_(-2)": lambda t: t.div_(-2),
+             "mul_(-0.5)": lambda t: t.mul_(-0.5), "__imul__(-3)": lambda t: t.__imul__(-3),
+             "_foreach_mul_(-1)": lambda t: torch._foreach_mul_([t], -1), "_foreach_neg_": lambda t: torch._foreach_neg_([t])}
+    for reduce_op in ("max", "min"):
+        for name, call in calls.items():
+            x, value = _partial(mesh, reduce_op)
+            placements = x.placements
+            with shardtensor.strict_mode(), comm.observe() as records:
+                call(x)
+            call(value)
+            assert x.placements == placements, (reduce_op, name)
+            reduced_once = ["all_reduce"] if mesh.size() > 1 else []  # over every mesh dim at once
+            assert [record.kind for record in records] == reduced_once, (reduce_op, name, records)
+            _check(x, value, exact=True)
+    for reduce_op in ("max", "min"):  # a positive scale keeps the Partial, without communication
+        x, value = _partial(mesh, reduce_op)
+        with shardtensor.strict_mode(), comm.observe() as records:
+            x.mul_(2)
+        assert list(records) == []
+        _check(x, value * 2, (Partial(reduce_op),) * mesh.ndim, exact=True)
+
+
+@spmd()
 def test_partial_avg_commutes_with_adding_a_replicated_value(mesh):
     average, value = _partial(mesh, "avg")
     with shardtensor.strict_mode(), comm.observe() as records:

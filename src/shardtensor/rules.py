@@ -155,11 +155,17 @@ class ResizesWritten(Exception):
 
 
 def rows_keeping_self(rows: Sequence[Row], written: Layout) -> Sequence[Row]:
-    """The rows of an op writing into its first input that keep it where it lies (`written`'s
-    placements), when some do. Computing into a moved copy moves the result back when it is written
-    (a Partial copy of a Replicate tensor reduced, a Shard copy gathered): a collective per call that
-    the row cost does not see, where moving the other inputs costs at most as much (and a
-    multi-tensor call reduces them together: `exp_avg.lerp_(grad)` with a Partial gradient)."""
+    """The rows of an op writing into its first input in which the result lies like that input, and
+    of those the ones that keep it where it lies (`written`'s placements), when some do.
+
+    The result is written into the input's shard and keeps its placement, so a row that changes it
+    is wrong in place: `x.mul_(-1)` of a P(max) `x` holds the operands of a P(min), and its own
+    P(max) would read them as a maximum. Computing into a moved copy moves the result back when it
+    is written (a Partial copy of a Replicate tensor reduced, a Shard copy gathered): a collective
+    per call that the row cost does not see, where moving the other inputs costs at most as much
+    (and a multi-tensor call reduces them together: `exp_avg.lerp_(grad)` with a Partial gradient).
+    """
+    rows = [row for row in rows if row.outputs[0] == row.inputs[0]]
     placements = set(written.placements)
     return [row for row in rows if row.inputs[0] in placements] or rows
 
