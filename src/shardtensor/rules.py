@@ -8,6 +8,7 @@ so that the op modules that write rules import only these values.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -20,7 +21,7 @@ from .placement import Placement
 __all__ = [
     "Row", "LocalCollective", "TensorMeta", "PlainTensor", "DataDependentOutput", "ResizesWritten", "OpCall",
     "schema_positions", "ShardingRule", "RowsRule", "OutVariantRule", "ComposedRule", "Decision",
-    "TYPE_ONLY", "SIGN", "run_on_meta", "rows_keeping_self",
+    "TYPE_ONLY", "SIGN", "sign_of", "run_on_meta", "rows_keeping_self",
 ]
 
 
@@ -324,6 +325,17 @@ class Decision:
 # How a non-tensor argument's value enters a cache key when it does not decide (`ShardingRule.value_keys`).
 TYPE_ONLY = "type"
 SIGN = "sign"
+
+
+def sign_of(value: int | float) -> int | None:
+    """What of a SIGN argument decides: its sign (-1, 0 or 1), or None when it is not finite.
+
+    Scaling every operand of a Partial by inf or NaN is not scaling their reduction (a sum of +inf
+    and -inf operands is NaN where inf times the sum is +-inf), so such a scale is a class of its own.
+    """
+    if not math.isfinite(value):
+        return None
+    return (value > 0) - (value < 0)
 
 
 _META = torch.device("meta")
