@@ -60,7 +60,11 @@ def test_full_state_dict_of_fully_shard_equals_single_device_training(mesh):
     else:
         assert offloaded == ({}, {})
     sharded_state, _ = get_state_dict(model, optimizer)  # without options: still this rank's shards
-    assert all(isinstance(value, DTensor) for value in sharded_state.values())
+    offloaded_shards, _ = get_state_dict(model, optimizer, options=StateDictOptions(cpu_offload=True))
+    for name, value in sharded_state.items():
+        assert isinstance(value, DTensor) and isinstance(offloaded_shards[name], DTensor), name
+        assert offloaded_shards[name].placements == value.placements and offloaded_shards[name].device.type == "cpu"
+        assert torch.equal(offloaded_shards[name].to_local(), value.to_local()), name
 
 
 @spmd(meshes=[(4,), (2, 2)])

@@ -243,16 +243,15 @@ def _sharded_options(options):
     return options, dataclasses.replace(options, full_state_dict=False, cpu_offload=False)
 
 
-def _gathered(value, cpu_offload: bool):
-    """`value` (a state dict or a part of it) with every DTensor made a full plain tensor, on CPU if asked.
-
-    Every rank walks the same structure in the same order, so the gathers of the ranks match up.
-    """
+def _converted(value, gather: bool, cpu_offload: bool):
+    """`value` (a state dict or a part of it) with every DTensor made a full plain tensor (`gather`), and
+    every tensor moved to CPU (`cpu_offload`). Every rank walks the same structure in the same order,
+    so the gathers of the ranks match up."""
     if isinstance(value, dict):
-        return {key: _gathered(item, cpu_offload) for key, item in value.items()}
+        return {key: _converted(item, gather, cpu_offload) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(_gathered(item, cpu_offload) for item in value)
-    if isinstance(value, CheckpointableMixin):
+        return type(value)(_converted(item, gather, cpu_offload) for item in value)
+    if gather and isinstance(value, CheckpointableMixin):
         value = value.full_tensor()
     if isinstance(value, torch.Tensor):
         return value.detach().cpu() if cpu_offload else value.detach()
@@ -262,12 +261,13 @@ def _gathered(value, cpu_offload: bool):
 def _finish(state: dict, options) -> dict:
     """torch's semantics of `full_state_dict` and `cpu_offload` on a state dict holding our DTensors:
     gathered on every rank; with both options, only global rank 0 keeps it (the others get {})."""
-    if options.full_state_dict:
-        state = _gathered(state, options.cpu_offload)
-        if options.cpu_offload and torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
-            return {}
+    if not (options.full_state_dict or options.cpu_offload):
         return state
-    return _gathered(state, True) if options.cpu_offload else state
+    state = _converted(state, options.full_state_dict, options.cpu_offload)
+    if options.full_state_dict and options.cpu_offload and torch.distributed.is_initialized() \
+            and torch.distributed.get_rank() != 0:
+        return {}
+    return state
 
 
 def _shape_error(path: str, given: torch.Tensor, template) -> ValueError:
