@@ -1,16 +1,18 @@
 """API misuse raises a clear exception on every rank, before any collective, and never hangs.
 
 Sparse (COO, CSR), nested and quantized inputs are refused up front by distribute_tensor and
-from_local; meta tensors shard without communication; ranks that pass different dtypes or shapes to
+from_local, and ops that would make or take a sparse tensor next to DTensors raise naming the op; meta tensors shard without communication; ranks that pass different dtypes or shapes to
 from_local(run_check=True) all raise. A hypothesis test draws wrong placements, shapes and dtypes
 (derandomized, so a failure replays) and checks each rank raises the same kind of error.
 """
+
+import re
 
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from shardtensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from shardtensor import DTensor, Partial, Replicate, Shard, comm, distribute_tensor
 from spmd import spmd
 
 
@@ -31,6 +33,31 @@ def test_sparse_nested_and_quantized_inputs_are_refused_on_every_rank(mesh):
     # the same data, dense, still works afterwards (no rank was left inside a collective)
     x = distribute_tensor(dense, mesh, [Shard(0)] * mesh.ndim)
     assert torch.equal(x.full_tensor(), dense)
+
+
+@spmd(meshes=[(2,), (2, 2)])
+def test_sparse_ops_on_dtensors_raise_naming_the_op_on_every_rank_without_communication(mesh):
+    dense = torch.arange(12.0).reshape(3, 4)
+    x = distribute_tensor(dense, mesh, [Shard(0)] * mesh.ndim)
+    values = distribute_tensor(dense[0, :2], mesh, [Shard(0)] * mesh.ndim)
+    calls = {
+        "aten._to_sparse.default": lambda: x.to_sparse(),
+        "aten._to_sparse.sparse_dim": lambda: x.to_sparse(1),
+        "aten._to_sparse_csr.default": lambda: x.to_sparse_csr(),
+        "aten._to_sparse_bsc.default": lambda: x.to_sparse_bsc((1, 2)),
+        "aten._sparse_coo_tensor_with_dims_and_tensors.default":
+            lambda: torch.sparse_coo_tensor(torch.tensor([[0, 2]]), values, (4,)),
+        "aten.sparse_mask.default": lambda: x.sparse_mask(dense.to_sparse()),
+        "aten.mm.default": lambda: torch.mm(x, torch.eye(4).to_sparse()),
+        "aten.mul.Tensor": lambda: x * torch.ones(1, 1).to_sparse(),  # one element: still refused
+    }
+    with comm.observe() as records:
+        for op, call in calls.items():
+            with pytest.raises(NotImplementedError, match=rf"^{re.escape(op)}: .*sparse layouts \(COO, CSR, CSC, BSR, BSC\) "
+                                                          r"are not supported\. Use dense ops on the DTensor"):
+                call()
+    assert records == []
+    assert torch.equal((x * 2).full_tensor(), dense * 2)
 
 
 @spmd(meshes=[(2,), (2, 2)])

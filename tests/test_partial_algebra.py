@@ -1,5 +1,7 @@
 """Partial algebra: elementwise ops keep Partial only where that is exact, and reduce first otherwise."""
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -101,6 +103,55 @@ def test_max_and_min_partials(mesh):
     for result, reference in zip(reduced, expected):
         _check(result, reference, exact=True)
     assert not any(p.is_partial() for result in reduced[:4] for p in result.placements)
+
+
+@spmd()
+def test_in_place_scaling_of_max_and_min_partials_by_a_negative_number_reduces_first(mesh):
+    """x.mul_(-1) of a P(max) x: the negated operands are a P(min)'s, but x keeps its placement in
+    place; so x is reduced first and holds its new value as a P(max) again (out of place, -x is P(min))."""
+    calls = {"mul_(-1)": lambda t: t.mul_(-1), "neg_": lambda t: t.neg_(), "div_(-2)": lambda t: t.div_(-2),
+             "mul_(-0.5)": lambda t: t.mul_(-0.5), "__imul__(-3)": lambda t: t.__imul__(-3),
+             "_foreach_mul_(-1)": lambda t: torch._foreach_mul_([t], -1), "_foreach_neg_": lambda t: torch._foreach_neg_([t])}
+    for reduce_op in ("max", "min"):
+        for name, call in calls.items():
+            x, value = _partial(mesh, reduce_op)
+            placements = x.placements
+            with shardtensor.strict_mode(), comm.observe() as records:
+                call(x)
+            call(value)
+            assert x.placements == placements, (reduce_op, name)
+            reduced_once = ["all_reduce"] if mesh.size() > 1 else []  # over every mesh dim at once
+            assert [record.kind for record in records] == reduced_once, (reduce_op, name, records)
+            _check(x, value, exact=True)
+    for reduce_op in ("max", "min"):  # a positive scale keeps the Partial, without communication
+        x, value = _partial(mesh, reduce_op)
+        with shardtensor.strict_mode(), comm.observe() as records:
+            x.mul_(2)
+        assert list(records) == []
+        _check(x, value * 2, (Partial(reduce_op),) * mesh.ndim, exact=True)
+
+
+@spmd()
+def test_scaling_a_partial_by_inf_or_nan_or_dividing_by_zero_reduces_first(mesh):
+    """inf * (a0 + a1) is not inf * a0 + inf * a1 (operands of both signs give NaN): no Partial row, even
+    right after a finite scale of the same Partial cached its decision and plan."""
+    inf, nan = math.inf, math.nan
+    calls = {"* 2": lambda t: t * 2, "* inf": lambda t: t * inf, "* -inf": lambda t: t * -inf, "* nan": lambda t: t * nan,
+             "/ 0": lambda t: t / 0, "/ -0.0": lambda t: t / -0.0, "/ 4": lambda t: t / 4,
+             "mul_(-inf)": lambda t: t.mul_(-inf), "div_(0)": lambda t: t.div_(0),
+             "_foreach_mul(inf)": lambda t: torch._foreach_mul([t], inf)[0],
+             "_foreach_div(0)": lambda t: torch._foreach_div([t], 0.0)[0]}
+    for reduce_op in ("sum", "avg", "max", "min"):
+        for name, call in calls.items():
+            x, value = _partial(mesh, reduce_op)
+            with shardtensor.strict_mode():
+                result = call(x)
+            torch.testing.assert_close(result.full_tensor(), call(value), rtol=0, atol=0, equal_nan=True,
+                                       msg=lambda message, name=name: f"P({reduce_op}) {name}: {message}")
+            if name in ("* 2", "/ 4") and reduce_op in ("sum", "avg"):
+                assert result.placements == x.placements, name
+            elif name not in ("* 2", "/ 4"):
+                assert not any(p.is_partial() for p in result.placements) or result is x, (reduce_op, name)
 
 
 @spmd()

@@ -40,3 +40,14 @@ def test_normalize_placements():
         normalize_placements(["S0"], 2, 1)
     with pytest.raises(ValueError, match="sequence of Placement"):
         normalize_placements(Shard(0), 2, 1)
+
+
+def test_every_placement_is_exported_where_users_import_placements():
+    import shardtensor
+    from shardtensor import placement, placement_types
+
+    names = ["Placement", "Shard", "Replicate", "Partial", "NormPartial"]
+    for module in (shardtensor, placement_types):
+        assert set(names) <= set(module.__all__), module.__name__
+        assert all(getattr(module, name) is getattr(placement, name) for name in names), module.__name__
+    assert str(shardtensor.NormPartial(2)) == "P(2-norm)" and shardtensor.NormPartial(2).is_partial()

@@ -9,7 +9,7 @@ from .api import distribute_module, distribute_tensor, empty, full, ones, rand, 
 from .dtensor import DTensor
 from .mesh import DeviceMesh, init_device_mesh
 from .modes import explicit_communication, strict_mode, trusted_indices
-from .placement import Partial, Placement, Replicate, Shard
+from .placement import NormPartial, Partial, Placement, Replicate, Shard
 from .random import manual_seed
 
 __all__ = [
@@ -19,6 +19,7 @@ __all__ = [
     "Shard",
     "Replicate",
     "Partial",
+    "NormPartial",
     "Placement",
     "distribute_tensor",
     "distribute_module",

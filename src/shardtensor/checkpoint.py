@@ -7,13 +7,19 @@ hold to load into (`__create_chunk_list__`), and which local tensor backs a chun
 sizes per tensor dim; nested sharding too, since pieces are contiguous), so every rank writes only its
 own shard, a replica is written once (DCP's planner keeps one copy of each box), and loading reads
 into each shard its overlap with every saved box, whatever mesh, layout or plain tensor saved it.
-Nothing here communicates. `pickle`, `torch.save` and `copy.deepcopy` keep this rank's shard and the
-spec; the mesh pickles without its process groups (see `mesh.py`). See docs/checkpoint.md.
+Nothing here communicates, except gathering full state dicts. `pickle`, `torch.save` and `copy.deepcopy`
+keep this rank's shard and the spec; the mesh pickles without its process groups (see `mesh.py`).
+
+`get_state_dict` / `set_state_dict` (and the model / optimizer variants) take the arguments of
+`torch.distributed.checkpoint.state_dict`'s functions, which they call: torch's gathers only its own
+DTensor class for `StateDictOptions(full_state_dict=True)`, so these gather (and, to load, shard) ours.
+See docs/checkpoint.md.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from collections.abc import Sequence
 
@@ -23,7 +29,17 @@ from .layout import Layout
 from .placement import Partial, Replicate, Shard
 from .spec import DTensorSpec
 
-__all__ = ["CheckpointableMixin", "local_box", "offers_shard"]
+__all__ = [
+    "CheckpointableMixin",
+    "local_box",
+    "offers_shard",
+    "get_state_dict",
+    "get_model_state_dict",
+    "get_optimizer_state_dict",
+    "set_state_dict",
+    "set_model_state_dict",
+    "set_optimizer_state_dict",
+]
 
 
 def local_box(layout: Layout, coordinate: Sequence[int]) -> tuple[torch.Size, torch.Size]:
@@ -203,3 +219,165 @@ class CheckpointableMixin:
         if self.grad is not None:
             copied.grad = copy.deepcopy(self.grad, memo)
         return copied
+
+
+# ---- full state dicts: torch.distributed.checkpoint.state_dict's functions, gathering our DTensors ----------
+
+
+def _state_dict_functions():
+    """torch's state-dict module, imported on first use (it imports torch's own DTensor)."""
+    from torch.distributed.checkpoint import state_dict
+
+    return state_dict
+
+
+def _sharded_options(options):
+    """The options torch's functions run with: ours do the gathering, offloading and sharding."""
+    functions = _state_dict_functions()
+    options = options or functions.StateDictOptions()
+    if options.broadcast_from_rank0:
+        raise ValueError(
+            "StateDictOptions(broadcast_from_rank0=True) is not supported for shardtensor DTensors; give every "
+            "rank the full state dict and pass StateDictOptions(full_state_dict=True) instead"
+        )
+    return options, dataclasses.replace(options, full_state_dict=False, cpu_offload=False)
+
+
+def _converted(value, gather: bool, cpu_offload: bool):
+    """`value` (a state dict or a part of it) with every DTensor made a full plain tensor (`gather`), and
+    every tensor moved to CPU (`cpu_offload`). Every rank walks the same structure in the same order,
+    so the gathers of the ranks match up."""
+    if isinstance(value, dict):
+        return {key: _converted(item, gather, cpu_offload) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_converted(item, gather, cpu_offload) for item in value)
+    if gather and isinstance(value, CheckpointableMixin):
+        value = value.full_tensor()
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu() if cpu_offload else value.detach()
+    return value
+
+
+def _finish(state: dict, options) -> dict:
+    """torch's semantics of `full_state_dict` and `cpu_offload` on a state dict holding our DTensors:
+    gathered on every rank; with both options, only global rank 0 keeps it (the others get {})."""
+    if not (options.full_state_dict or options.cpu_offload):
+        return state
+    state = _converted(state, options.full_state_dict, options.cpu_offload)
+    if options.full_state_dict and options.cpu_offload and torch.distributed.is_initialized() \
+            and torch.distributed.get_rank() != 0:
+        return {}
+    return state
+
+
+def _shape_error(path: str, given: torch.Tensor, template) -> ValueError:
+    return ValueError(
+        f"the full state dict's {path!r} has shape {list(given.shape)}, but the model's DTensor there has the "
+        f"global shape {list(template.shape)} (placements {list(template.placements)}); a full state dict holds "
+        f"global tensors of the same shapes as the single-device model's"
+    )
+
+
+def _shard_like(given: torch.Tensor, template, path: str):
+    """This rank's shard of the full tensor `given` in the layout (mesh, placements, shard sizes) of `template`.
+
+    Every rank holds the whole of `given`, so each slices its own box: nothing is sent.
+    """
+    if tuple(given.shape) != tuple(template.shape):
+        raise _shape_error(path, given, template)
+    spec = template._spec
+    coordinate = spec.mesh.get_coordinate()
+    local = given.detach().to(device=template._local_tensor.device, dtype=template.dtype)
+    if coordinate is None:  # outside the mesh: no elements, as the template
+        return type(template)(local.new_empty(template._local_tensor.shape), spec)
+    offsets, sizes = local_box(spec.layout, coordinate)
+    for dim, (start, length) in enumerate(zip(offsets, sizes)):
+        local = local.narrow(dim, start, length)
+    local = spec.layout.operand_of(local.clone(memory_format=torch.contiguous_format), coordinate)
+    return type(template)(local, spec)
+
+
+def _sharded_like(given, template, path: str = ""):
+    """`given` (a full state dict or a part of it) with each plain tensor that stands where `template` holds
+    a DTensor made that DTensor's shard; everything else as given."""
+    if isinstance(given, dict):
+        template = template if isinstance(template, dict) else {}
+        return {key: _sharded_like(item, template.get(key), f"{path}.{key}".lstrip(".")) for key, item in given.items()}
+    if isinstance(given, (list, tuple)) and isinstance(template, (list, tuple)) and len(given) == len(template):
+        return type(given)(_sharded_like(item, other, f"{path}.{index}") for index, (item, other) in enumerate(zip(given, template)))
+    if isinstance(template, CheckpointableMixin) and isinstance(given, torch.Tensor) and not isinstance(given, CheckpointableMixin):
+        return _shard_like(given, template, path)
+    return given
+
+
+def get_model_state_dict(model, *, submodules=None, options=None) -> dict:
+    """`torch.distributed.checkpoint.state_dict.get_model_state_dict`, whose `full_state_dict` and
+    `cpu_offload` options also gather and offload shardtensor DTensors (every rank calls).
+
+    >>> state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))  # doctest: +SKIP
+    """
+    options, sharded = _sharded_options(options)
+    state = _state_dict_functions().get_model_state_dict(model, submodules=submodules, options=sharded)
+    return _finish(state, options)
+
+
+def get_optimizer_state_dict(model, optimizers, *, submodules=None, options=None) -> dict:
+    """`torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`, gathering shardtensor DTensors
+    for `full_state_dict` (every rank calls)."""
+    options, sharded = _sharded_options(options)
+    state = _state_dict_functions().get_optimizer_state_dict(model, optimizers, submodules=submodules, options=sharded)
+    return _finish(state, options)
+
+
+def get_state_dict(model, optimizers, *, submodules=None, options=None) -> tuple[dict, dict]:
+    """`torch.distributed.checkpoint.state_dict.get_state_dict`, gathering shardtensor DTensors for
+    `full_state_dict` (every rank calls): with it, the model's and optimizer's state dicts equal the
+    single-device model's (same keys, full plain tensors).
+
+    >>> from torch.distributed.checkpoint.state_dict import StateDictOptions  # doctest: +SKIP
+    >>> model_state, optimizer_state = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
+    """
+    options, sharded = _sharded_options(options)
+    model_state, optimizer_state = _state_dict_functions().get_state_dict(
+        model, optimizers, submodules=submodules, options=sharded
+    )
+    return _finish(model_state, options), _finish(optimizer_state, options)
+
+
+def set_model_state_dict(model, model_state_dict: dict, *, options=None):
+    """`torch.distributed.checkpoint.state_dict.set_model_state_dict`; with `full_state_dict`, every rank
+    gives the full state dict and keeps its shard of each tensor in the layout of the model's DTensor."""
+    options, sharded = _sharded_options(options)
+    functions = _state_dict_functions()
+    if options.full_state_dict:
+        model_state_dict = _sharded_like(model_state_dict, functions.get_model_state_dict(model, options=sharded))
+    return functions.set_model_state_dict(model, model_state_dict, options=sharded)
+
+
+def set_optimizer_state_dict(model, optimizers, optim_state_dict: dict, *, options=None) -> None:
+    """`torch.distributed.checkpoint.state_dict.set_optimizer_state_dict`; with `full_state_dict`, each
+    state tensor is sharded like the optimizer's own (which is created first if there is none yet)."""
+    options, sharded = _sharded_options(options)
+    functions = _state_dict_functions()
+    if options.full_state_dict:
+        template = functions.get_optimizer_state_dict(model, optimizers, options=sharded)
+        optim_state_dict = _sharded_like(optim_state_dict, template)
+    functions.set_optimizer_state_dict(model, optimizers, optim_state_dict, options=sharded)
+
+
+def set_state_dict(model, optimizers, *, model_state_dict: dict, optim_state_dict: dict, options=None):
+    """`torch.distributed.checkpoint.state_dict.set_state_dict`; with `full_state_dict`, every rank gives
+    the full state dicts (e.g. a single-device model's) and keeps its shards in the model's layouts.
+
+    >>> set_state_dict(model, optimizer, model_state_dict=full_model, optim_state_dict=full_optimizer,  # doctest: +SKIP
+    ...                options=StateDictOptions(full_state_dict=True))
+    """
+    options, sharded = _sharded_options(options)
+    functions = _state_dict_functions()
+    if options.full_state_dict:
+        model_template, optimizer_template = functions.get_state_dict(model, optimizers, options=sharded)
+        model_state_dict = _sharded_like(model_state_dict, model_template)
+        optim_state_dict = _sharded_like(optim_state_dict, optimizer_template)
+    return functions.set_state_dict(
+        model, optimizers, model_state_dict=model_state_dict, optim_state_dict=optim_state_dict, options=sharded
+    )

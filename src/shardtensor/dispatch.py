@@ -28,6 +28,7 @@ from .list_plans import ListPlan, is_multi_tensor, list_key
 from .modes import describe, implicit_communication_error, is_explicit, is_strict
 from .ops.foreach import canonical_arguments
 from .ops.registry import RULES
+from .ops.sparse import sparse_layout_error
 from .placement import Replicate
 from .plain_tensors import created_by_torch
 from .plan_cache import Plan, counts_of, fast_key, key_modes, plans, record, recording, strip_values, template
@@ -100,7 +101,8 @@ def _common_mesh(op, dtensors: list):
 
 def _plain_tensors_as_replicate(dtensor_class: type, op, flat: list, mesh, accepted: bool,
                                 written_ids: frozenset = frozenset()) -> None:
-    """Refuse plain tensors of more than one element, or (for rules that accept them) make them Replicate.
+    """Refuse plain tensors of more than one element, or (for rules that accept them) make them Replicate;
+    refuse sparse ones.
 
     A one-element plain tensor of any shape (`torch.masked.var` divides by a (1, 1, 1) count it builds
     from the global shape) is read as Replicate, as a 0-d one is read as a scalar and as PyTorch's
@@ -110,6 +112,9 @@ def _plain_tensors_as_replicate(dtensor_class: type, op, flat: list, mesh, accep
     full value, not this rank's shard or partial sum.
     """
     accepted = accepted or torch._C._current_autograd_node() is not None
+    for value in flat:
+        if isinstance(value, torch.Tensor) and value.layout != torch.strided:
+            raise sparse_layout_error(op, f"got a plain {value.layout} tensor of shape {tuple(value.shape)} mixed with DTensors")
     for index, value in enumerate(flat):
         if isinstance(value, torch.Tensor) and not isinstance(value, dtensor_class) and (value.ndim > 0 or id(value) in written_ids):
             if accepted or value.numel() == 1 or created_by_torch(value):

@@ -1,5 +1,5 @@
 """Alias of `shardtensor.placement` under PyTorch's module name (`torch.distributed.tensor.placement_types`)."""
 
-from .placement import Partial, Placement, Replicate, Shard
+from .placement import NormPartial, Partial, Placement, Replicate, Shard
 
-__all__ = ["Placement", "Shard", "Replicate", "Partial"]
+__all__ = ["Placement", "Shard", "Replicate", "Partial", "NormPartial"]

@@ -31,7 +31,7 @@ from .mesh import on_new_world
 from .modes import implicit_communication_error, is_explicit
 from .input_moves import moved_local
 from .ops.registry import RULES
-from .rules import SIGN, Decision, PlainTensor, TensorMeta
+from .rules import SIGN, Decision, PlainTensor, TensorMeta, sign_of
 from .spec import DTensorSpec, interned_spec
 from .write_back import mark_views_of_copies, mutated, refuse_writes_into_views_of_copies, returns_view
 
@@ -195,7 +195,7 @@ def _mode_key(value, mode: str | None, key: list, sign_decides: bool = True) -> 
         return False
     key.append(kind)
     if mode == SIGN and sign_decides:
-        key.append((value > 0) - (value < 0))  # NaN: 0, like zero (neither keeps P(max) nor swaps it)
+        key.append(sign_of(value))
     return True
 
 

@@ -8,6 +8,7 @@ so that the op modules that write rules import only these values.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -20,7 +21,7 @@ from .placement import Placement
 __all__ = [
     "Row", "LocalCollective", "TensorMeta", "PlainTensor", "DataDependentOutput", "ResizesWritten", "OpCall",
     "schema_positions", "ShardingRule", "RowsRule", "OutVariantRule", "ComposedRule", "Decision",
-    "TYPE_ONLY", "SIGN", "run_on_meta", "rows_keeping_self",
+    "TYPE_ONLY", "SIGN", "sign_of", "run_on_meta", "rows_keeping_self",
 ]
 
 
@@ -155,11 +156,17 @@ class ResizesWritten(Exception):
 
 
 def rows_keeping_self(rows: Sequence[Row], written: Layout) -> Sequence[Row]:
-    """The rows of an op writing into its first input that keep it where it lies (`written`'s
-    placements), when some do. Computing into a moved copy moves the result back when it is written
-    (a Partial copy of a Replicate tensor reduced, a Shard copy gathered): a collective per call that
-    the row cost does not see, where moving the other inputs costs at most as much (and a
-    multi-tensor call reduces them together: `exp_avg.lerp_(grad)` with a Partial gradient)."""
+    """The rows of an op writing into its first input in which the result lies like that input, and
+    of those the ones that keep it where it lies (`written`'s placements), when some do.
+
+    The result is written into the input's shard and keeps its placement, so a row that changes it
+    is wrong in place: `x.mul_(-1)` of a P(max) `x` holds the operands of a P(min), and its own
+    P(max) would read them as a maximum. Computing into a moved copy moves the result back when it
+    is written (a Partial copy of a Replicate tensor reduced, a Shard copy gathered): a collective
+    per call that the row cost does not see, where moving the other inputs costs at most as much
+    (and a multi-tensor call reduces them together: `exp_avg.lerp_(grad)` with a Partial gradient).
+    """
+    rows = [row for row in rows if row.outputs[0] == row.inputs[0]]
     placements = set(written.placements)
     return [row for row in rows if row.inputs[0] in placements] or rows
 
@@ -318,6 +325,17 @@ class Decision:
 # How a non-tensor argument's value enters a cache key when it does not decide (`ShardingRule.value_keys`).
 TYPE_ONLY = "type"
 SIGN = "sign"
+
+
+def sign_of(value: int | float) -> int | None:
+    """What of a SIGN argument decides: its sign (-1, 0 or 1), or None when it is not finite.
+
+    Scaling every operand of a Partial by inf or NaN is not scaling their reduction (a sum of +inf
+    and -inf operands is NaN where inf times the sum is +-inf), so such a scale is a class of its own.
+    """
+    if not math.isfinite(value):
+        return None
+    return (value > 0) - (value < 0)
 
 
 _META = torch.device("meta")

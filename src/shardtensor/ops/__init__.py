@@ -3,7 +3,7 @@
 Importing this package imports every family module, and each registers its table of rules.
 """
 
-from . import attention, distance, fft, indexing, linalg, matrix, nn, nn_elementwise, nn_spatial, pointwise, random_ops, reductions, registry, shape_ops, tensor_ops, views  # noqa: F401
+from . import attention, distance, fft, indexing, linalg, matrix, nn, nn_elementwise, nn_spatial, pointwise, random_ops, reductions, registry, shape_ops, sparse, tensor_ops, views  # noqa: F401
 from . import spatial_conv  # noqa: F401  (after nn: it registers convolution with nn's rows and its own)
 from . import spatial_pool  # noqa: F401  (after nn_spatial: pooling with PlaneRule's rows and its own)
 from . import spatial_unfold  # noqa: F401  (after nn_spatial: im2col/col2im with PlaneRule's rows and its own)

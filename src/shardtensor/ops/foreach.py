@@ -7,8 +7,8 @@ by the element's single-tensor op's own rule (`_foreach_addcmul_` by `addcmul`'s
 output lies like `self`), then run as one multi-tensor call on the local tensors. The elements of a
 list keep their own layouts: a list may mix `Shard(0)`, `Shard(1)` and `Replicate` parameters.
 
-Scalars do not take part in the decision beyond their sign (the only thing the pointwise rules read
-of a scalar: `P(max) * c` is `P(min)` for a negative `c`), so Adam's bias-corrected step sizes,
+Scalars do not take part in the decision beyond their sign and whether they are finite (the only
+things the pointwise rules read of a scalar: `P(max) * c` is `P(min)` for a negative `c`), so Adam's bias-corrected step sizes,
 new on every step, decide nothing new; the dispatch fast path keys these ops the same way.
 
 Full reductions of every tensor of a list (`_foreach_norm`, `_foreach_powsum`, `_foreach_max`) give
@@ -34,7 +34,7 @@ from .. import comm
 from ..layout import Layout
 from ..placement import Replicate, Shard
 from ..propagation import decide
-from ..rules import ComposedRule, Decision, OpCall, ResizesWritten, TensorMeta, run_on_meta
+from ..rules import ComposedRule, Decision, OpCall, ResizesWritten, TensorMeta, run_on_meta, sign_of
 from .registry import RULES, InPlaceVariantRule, register_rule
 
 __all__ = ["ForeachRule", "ListReductionRule", "FusedStepRule", "canonical_scalar", "canonical_arguments"]
@@ -48,13 +48,16 @@ _PER_ELEMENT_TYPES = ("List[Tensor]", "List[number]")
 
 
 def canonical_scalar(value):
-    """A Python number replaced by one of its type with the same sign (-1, 0, 1): what a rule may
-    read of a scalar. Everything else is returned as it is."""
+    """A Python number replaced by one of its type with the same sign (-1, 0, 1), or inf, -inf and NaN
+    kept (`rules.sign_of`): what a rule may read of a scalar. Everything else is returned as it is."""
     if isinstance(value, bool) or not isinstance(value, numbers.Number):
         return value
     if isinstance(value, complex):
         return complex(1)
-    return type(value)((value > 0) - (value < 0))
+    sign = sign_of(value)
+    if sign is None:
+        return math.nan if math.isnan(value) else value  # one NaN object, so that keys holding it compare equal
+    return type(value)(sign)
 
 
 def canonical_arguments(values: tuple) -> tuple:

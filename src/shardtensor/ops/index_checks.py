@@ -5,7 +5,7 @@ only this rank's shard of the index. When the index is sharded, the rank holding
 raise alone and leave the others waiting in their next collective. So a rule declares which
 arguments hold indices (`IndexArgument`), and its local op checks them first: one fused min/max per
 index tensor, then, when some index is not Replicate on a mesh dim, ONE small all_reduce(max) over
-exactly those mesh dims. Every rank then sees the same worst values and raises the same error, or
+exactly those mesh dims (`agreement.py`). Every rank then sees the same worst values and raises the same error, or
 runs the kernel on indices that are known to be in range. Ranges come from global sizes, so they
 are the same on every rank.
 
@@ -20,11 +20,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import comm
 from ..layout import Layout
 from ..modes import indices_trusted
-from ..placement import Replicate
 from ..rules import OpCall, TensorMeta
+from .agreement import start_agreement, varying_mesh_dims
 
 __all__ = ["IndexArgument", "with_index_checks"]
 
@@ -149,9 +148,7 @@ def _start_agreement(checks: list[_Check], mesh, mesh_dims: tuple[int, ...], arg
     collective can overlap the local kernel.
     """
     excesses = [value for check in checks for value in _excess(check, check.fetch(args, kwargs))]
-    mesh_dim = mesh_dims if len(mesh_dims) > 1 else mesh_dims[0]
-    handle = comm.all_reduce(torch.tensor(excesses, device=mesh.device_type), mesh, mesh_dim, reduce_op="max", async_op=True)
-    return max(excesses) <= 0, handle
+    return max(excesses) <= 0, start_agreement(excesses, mesh, mesh_dims, mesh.device_type)
 
 
 def _finish_agreement(op, checks: list[_Check], handle) -> None:
@@ -173,12 +170,7 @@ def with_index_checks(
     if not found:
         return local_op
     checks = [check for check, _ in found]
-    mesh_dims = tuple(sorted({
-        mesh_dim
-        for _, input_position in found
-        for mesh_dim, placement in enumerate(input_layouts[input_position].placements)
-        if not isinstance(placement, Replicate)
-    }))
+    mesh_dims = varying_mesh_dims([input_layouts[input_position] for _, input_position in found])
     op = call.op
     run = op._op if local_op is None else None
 

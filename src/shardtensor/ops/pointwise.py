@@ -10,8 +10,9 @@ input shards). On top of that, an op family may keep Partial inputs Partial wher
     sum           P(s) + P(s) -> P(s); P(avg) + R -> P(avg)   P(sum) + R is NOT P(sum): R would be
                                                               added once per rank (PEER_BUGS #163193)
     product       P(s) * R, R * P(s), P(s) * c -> P(s);       P * P needs one side reduced first
-                  c > 0 keeps P(max)/P(min), c < 0 swaps them
-    quotient      P(s) / R, P(s) / c -> P(s)                  R / P is not linear in P
+                  c > 0 keeps P(max)/P(min), c < 0 swaps them;
+                  c = +-inf or NaN keeps none                 inf * (a0 + a1) != inf * a0 + inf * a1
+    quotient      P(s) / R, P(s) / c -> P(s), c != 0          R / P is not linear in P
     linear first  backward ops: grad P(s), the rest R -> P(s) d(input) is linear in the incoming grad
     extremum      maximum/minimum(P(x), R) -> P(x);           monotone in each argument
                   maximum(P(max), P(max)) -> P(max)
@@ -29,7 +30,7 @@ from collections.abc import Callable
 import torch
 
 from ..placement import Partial, Placement, Replicate
-from ..rules import SIGN, TYPE_ONLY, OpCall, Row, RowsRule, TensorMeta
+from ..rules import SIGN, TYPE_ONLY, OpCall, Row, RowsRule, TensorMeta, sign_of
 from .registry import pointwise, register_rule
 
 __all__ = ["PARTIAL_FAMILIES", "ComparisonRule"]
@@ -99,13 +100,20 @@ def _sum(call: OpCall) -> list[PartialRow]:
     return [(Partial("avg"), (Partial("avg"),))] if operands == 1 else []
 
 
-def _scaling_by_scalar(call: OpCall) -> list[PartialRow]:
-    """One DTensor operand scaled by a Python number (or a 0-d plain tensor, sign unknown)."""
+def _scaling_by_scalar(call: OpCall, dividing: bool = False) -> list[PartialRow]:
+    """One DTensor operand scaled by a Python number (or a 0-d plain tensor, sign unknown), or divided
+    by one. A scale of inf or NaN, or a division by 0, makes each operand +-inf or NaN, which a
+    reduction does not combine as the scaled value: the Partial is reduced first."""
     rows = [(Partial(op), (Partial(op),)) for op in LINEAR_REDUCE_OPS]
     scalars = [scalar for scalar in _scalars(call) if isinstance(scalar, numbers.Real)]  # a complex one has no sign
-    if len(scalars) == 1 and scalars[0] > 0:
+    if len(scalars) != 1:  # a 0-d tensor or a complex number: linear rows only
+        return rows
+    sign = sign_of(scalars[0])
+    if sign is None or (dividing and sign == 0):
+        return []
+    if sign > 0:
         rows += [(Partial(op), (Partial(op),)) for op in EXTREME_REDUCE_OPS]
-    elif len(scalars) == 1 and scalars[0] < 0:
+    elif sign < 0:
         rows += [(Partial(_FLIPPED[op]), (Partial(op),)) for op in EXTREME_REDUCE_OPS]
     return rows
 
@@ -126,7 +134,7 @@ def _quotient(call: OpCall) -> list[PartialRow]:
     operands = _operand_count(call)
     if operands == 2:
         return [(Partial(op), (Partial(op), Replicate())) for op in LINEAR_REDUCE_OPS]
-    return _scaling_by_scalar(call) if operands == 1 else []
+    return _scaling_by_scalar(call, dividing=True) if operands == 1 else []
 
 
 def _linear_in_first(call: OpCall) -> list[PartialRow]:

@@ -85,8 +85,7 @@ class InPlaceVariantRule(ShardingRule):
 
     def rows_for_layouts(self, call, layouts):
         rule, functional_call = self._functional(call)
-        rows = [row for row in rule.rows_for_layouts(functional_call, layouts) if row.outputs[0] == row.inputs[0]]
-        return rows_keeping_self(rows, layouts[0])
+        return rows_keeping_self(rule.rows_for_layouts(functional_call, layouts), layouts[0])
 
     def global_outputs(self, call: OpCall) -> list[TensorMeta | None]:
         result = run_on_meta(self.functional_op, call.args, dict(call.kwargs))[0]

@@ -6,7 +6,7 @@ wait in their next collective; where a rule computes the values itself (bernoull
 rank would raise and the result would be silently wrong. So a rule declares which arguments must lie
 in a closed range (`ValueRange`), and its local op checks them first: one flag per argument, and when
 some checked argument is not Replicate on a mesh dim, ONE small all_reduce(max) of the flags over
-exactly those mesh dims (the index checks of `index_checks.py` do the same for index values). Every
+exactly those mesh dims (`agreement.py`, which the index checks of `index_checks.py` share). Every
 rank then raises the same error before running the kernel, or none does.
 """
 
@@ -17,10 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import comm
 from ..layout import Layout
-from ..placement import Replicate
 from ..rules import OpCall, schema_positions
+from .agreement import start_agreement, varying_mesh_dims
 
 __all__ = ["ValueRange", "with_value_checks"]
 
@@ -69,12 +68,7 @@ def with_value_checks(
     checked = [value_range for value_range in ranges if value_range.name in names]
     if not checked:
         return local_op
-    mesh_dims = tuple(sorted({
-        mesh_dim
-        for value_range in checked
-        for mesh_dim, placement in enumerate(input_layouts[names.index(value_range.name)].placements)
-        if not isinstance(placement, Replicate)
-    }))
+    mesh_dims = varying_mesh_dims([input_layouts[names.index(value_range.name)] for value_range in checked])
     op = call.op
 
     def compute(mesh, *args, **kwargs):
@@ -87,8 +81,7 @@ def with_value_checks(
         flags = [_outside(value, value_range) for value, value_range in zip(values, checked)]
         if mesh_dims:
             device = next(value.device for value in values if isinstance(value, torch.Tensor))
-            mesh_dim = mesh_dims if len(mesh_dims) > 1 else mesh_dims[0]
-            flags = comm.all_reduce(torch.tensor(flags, device=device), mesh, mesh_dim, reduce_op="max").tolist()
+            flags = start_agreement(flags, mesh, mesh_dims, device).wait().tolist()
         for flag, value_range in zip(flags, checked):
             if flag:
                 raise RuntimeError(_value_error(op, value_range))
