@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from helpers import layout_box, seeded_randn as _randn, sharded_leaf as _sharded
 from spmd import example_note, spmd
+from torch.utils.checkpoint import checkpoint
 from torch.testing import assert_close
 
 from shardtensor import DTensor, Partial, Replicate, Shard, comm, distribute_tensor, halo
@@ -141,8 +142,9 @@ def test_halo_bytes_are_exact_forward_and_backward(mesh):
 def test_backward_rebuilds_the_window_from_the_forwards_halo(mesh):
     """The forward keeps the halo it received with the input's shard, and the backward exchanges only
     the window's gradient (one batch_p2p per sharded dim): for two convolutions of one input (each its
-    own halo) and for a second backward through the same graph. Nothing is kept under no_grad, and an
-    input written in place after the forward fails in backward as it does on one device."""
+    own halo) and for a second backward through the same graph. Nothing is kept under no_grad,
+    activation checkpointing gives the single-device gradient, and an input written in place after
+    the forward fails in backward as it does on one device."""
     placements = [Shard(2)] if mesh.ndim == 1 else [Shard(2), Shard(3)]
     x_full = _randn((2, 4, 8, 7), 0)
     weights = [_randn((3, 4, 3, 3), 1), _randn((3, 4, 5, 5), 2)]
@@ -171,6 +173,18 @@ def test_backward_rebuilds_the_window_from_the_forwards_halo(mesh):
     with torch.no_grad():
         two_convolutions(x.detach(), replicated)
     assert len(halo._kept_halos) == kept
+
+    # Activation checkpointing recomputes the forward in backward (keeping the halo again); the
+    # recomputed inner input is saved as a detached alias, so its window is exchanged again: correct.
+    def checkpointed(field, weight):
+        return checkpoint(lambda t: F.conv2d(F.relu(F.conv2d(t, weight, padding=1)), weight, padding=1), field,
+                          use_reentrant=False)
+
+    square = _randn((4, 4, 3, 3), 3)
+    for field, weight in ((x, distribute_tensor(square, mesh, [R] * mesh.ndim)), (reference, square)):
+        field.grad = None
+        checkpointed(field, weight).sum().backward()
+    assert_close(x.grad.full_tensor(), reference.grad)
 
     for field in (x, reference):
         hidden = field * 1
