@@ -10,8 +10,8 @@ grad, so every layer sends its halo gradients back). Four local gloo ranks, the 
 (4 ranks: even and uneven shard sizes) or H and W (2x2, uneven). Per layout:
 - bytes: the most any rank receives in one step (`comm.observe()`), the field's point-to-point halo
   and the all_reduce of the parameter gradients apart; next to the exact halo (each neighbour's rows
-  once forward, twice backward: the window again and its gradient; on 2x2 the column exchange runs on
-  the tensor widened along H) and to gathering (every layer all_gathers its input forward and its
+  once forward, once backward: the window's gradient, the window itself rebuilt from the forward's
+  kept halo; on 2x2 the column exchange runs on the tensor widened along H) and to gathering (every layer all_gathers its input forward and its
   output gradient backward: the field minus the rank's own piece, twice per layer);
 - time: the slowest rank's median step, next to one process running the same step on the whole
   field (one thread each: the 4 ranks share the machine's cores with everyone else).
@@ -68,10 +68,10 @@ def _median_ms(function, steps: int, barrier=None) -> float:
 
 def _exact_halo_bytes(local_height: int, local_width: int, neighbours: list[int], two_dims: bool) -> int:
     """What one rank receives for one layer: neighbour rows (then columns of the H-widened tensor),
-    once forward and twice backward."""
+    once forward and once backward (the window's gradient; the window comes from the kept halo)."""
     rows = neighbours[0] * CHANNELS * local_width * ITEMSIZE
     columns = neighbours[1] * CHANNELS * (local_height + 2) * ITEMSIZE if two_dims else 0
-    return 3 * (rows + columns)
+    return 2 * (rows + columns)
 
 
 def _sharded(full, mesh, placements, shard_sizes):

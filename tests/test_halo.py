@@ -3,6 +3,8 @@ equals autograd of the single-device pad-and-slice, on 2 and 4 ranks and 2x2, wi
 thin shards and every edge mode. The oracle pads row indices with numpy (`np.pad`), independent of
 the library's own row mapping."""
 
+import dataclasses
+import gc
 from fractions import Fraction
 
 import numpy as np
@@ -11,7 +13,7 @@ import torch
 from spmd import spmd
 from torch.testing import assert_close
 
-from shardtensor import comm
+from shardtensor import comm, halo
 from shardtensor.halo import (
     Exchange, SlidingWindow, differentiable_exchange, exchange, exchange_gradient, exchanged_bytes, output_bounds,
     window_exchange, window_gradient,
@@ -177,6 +179,38 @@ def test_exchange_moves_exactly_the_halo_rows_point_to_point(mesh):
     with comm.observe() as records:  # windows inside the shards: nothing moves
         assert_close(window_exchange(local, mesh, 0, dim, bounds, bounds, "none"), local, rtol=0, atol=0)
     assert records == []
+
+
+@spmd(meshes=[(2,), (2, 2)])
+def test_kept_halo_rebuilds_the_window_without_communicating(mesh):
+    """`exchange(keep=True)` then `exchange(reuse=True)` of the same shard and exchanges: the same
+    window, no collective; other exchanges, or the shard written in place, exchange again; a shard
+    never kept exchanges; the kept rows go with the shard."""
+    heights, widths = (3, 1), (1, 4)
+    steps = (Exchange((0,), 1, _bounds(heights), _windows(heights, (2, 1)), "reflect"),)
+    if mesh.ndim == 2:
+        steps += (Exchange((1,), 2, _bounds(widths), _windows(widths, SlidingWindow(3, padding=1)), "zeros"),)
+    shape = [2, heights[mesh.get_coordinate()[0]], widths[mesh.get_coordinate()[1]] if mesh.ndim == 2 else 3]
+    local = _full(shape, seed=mesh.get_rank())
+    with comm.observe() as records:
+        window = exchange(local, mesh, steps, keep=True)
+    assert len(records) == len(steps)
+    with comm.observe() as records:
+        assert_close(exchange(local, mesh, steps, reuse=True), window, rtol=0, atol=0)
+    assert records == []
+    other_steps = (dataclasses.replace(steps[0], edge="zeros"),) + steps[1:]
+    with comm.observe() as records:
+        exchange(local, mesh, other_steps, reuse=True)
+        exchange(local.clone(), mesh, steps, reuse=True)
+    assert len(records) == 2 * len(steps)
+    local.mul_(2)  # a new version: the kept rows are stale
+    with comm.observe() as records:
+        assert_close(exchange(local, mesh, steps, reuse=True), exchange(local, mesh, steps), rtol=0, atol=0)
+    assert len(records) == 2 * len(steps)
+    kept = len(halo._kept_halos)
+    del local
+    gc.collect()
+    assert len(halo._kept_halos) == kept - 1
 
 
 @spmd(meshes=[(2,)])

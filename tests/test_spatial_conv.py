@@ -2,12 +2,15 @@
 single-device computation (input, weight and bias gradients), on 2 and 4 ranks and 2x2, even and
 uneven shards, shards thinner than the halo, stride, dilation, groups, 'same' padding, 1-d to 3-d."""
 
+import pytest
+import torch
 import torch.nn.functional as F
 from helpers import layout_box, seeded_randn as _randn, sharded_leaf as _sharded
 from spmd import example_note, spmd
+from torch.utils.checkpoint import checkpoint
 from torch.testing import assert_close
 
-from shardtensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from shardtensor import DTensor, Partial, Replicate, Shard, comm, distribute_tensor, halo
 from shardtensor.debug import CommDebugMode
 from shardtensor.debug.comm_mode import CommBytes
 
@@ -116,9 +119,10 @@ def test_conv1d_and_conv3d(mesh):
 @spmd(meshes=[(2,), (4,), (2, 2)])
 def test_halo_bytes_are_exact_forward_and_backward(mesh):
     """A 3x3 'same' conv on even H (and W on 2x2) shards: each neighbour pair swaps one row (then
-    one column) of the local plane, once forward and twice backward (the window again, and its
-    gradient back), in one batch_p2p per sharded dim each. The column exchange runs on the tensor
-    widened along H: its columns are two rows taller (the halo rows, or the zero padding at an edge)."""
+    one column) of the local plane, once forward and once backward (the window's gradient back; the
+    window is rebuilt from the forward's halo), in one batch_p2p per sharded dim each. The column
+    exchange runs on the tensor widened along H: its columns are two rows taller (the halo rows, or
+    the zero padding at an edge)."""
     batch, channels, height, width, itemsize = 2, 4, 8, 8, 8
     placements = [Shard(2)] if mesh.ndim == 1 else [Shard(2), Shard(3)]
     mode = _check(mesh, _conv2d(padding=1), (batch, channels, height, width), (3, channels, 3, 3), placements)
@@ -129,6 +133,62 @@ def test_halo_bytes_are_exact_forward_and_backward(mesh):
     halo = [neighbours[0] * batch * channels * local_width * itemsize]  # rows of H
     if mesh.ndim == 2:
         halo.append(neighbours[1] * batch * channels * (local_height + 2) * itemsize)  # columns of W
-    forward, backward = halo, halo + halo[::-1]  # backward: the window again, then its gradient in reverse order
+    forward, backward = halo, halo[::-1]  # backward: the window's gradient, dims in reverse order
     records = [record for record in mode.records if record.kind == "batch_p2p"]
     assert [(record.bytes_sent, record.bytes_received) for record in records] == [(size, size) for size in forward + backward]
+
+
+@spmd(meshes=[(2,), (2, 2)])
+def test_backward_rebuilds_the_window_from_the_forwards_halo(mesh):
+    """The forward keeps the halo it received with the input's shard, and the backward exchanges only
+    the window's gradient (one batch_p2p per sharded dim): for two convolutions of one input (each its
+    own halo) and for a second backward through the same graph. Nothing is kept under no_grad,
+    activation checkpointing gives the single-device gradient, and an input written in place after
+    the forward fails in backward as it does on one device."""
+    placements = [Shard(2)] if mesh.ndim == 1 else [Shard(2), Shard(3)]
+    x_full = _randn((2, 4, 8, 7), 0)
+    weights = [_randn((3, 4, 3, 3), 1), _randn((3, 4, 5, 5), 2)]
+    x = _sharded(x_full, mesh, placements, {0: [5, 3]})
+    reference = x_full.clone().requires_grad_()
+    replicated = [distribute_tensor(weight, mesh, [R] * mesh.ndim) for weight in weights]
+
+    def two_convolutions(field, weights):
+        return [F.conv2d(field, weight, padding=weight.size(-1) // 2) for weight in weights]
+
+    with comm.observe() as records:
+        outputs = two_convolutions(x, replicated)
+    assert [record.kind for record in records] == ["batch_p2p"] * 2 * mesh.ndim
+    expected = two_convolutions(reference, weights)
+    grads = [_randn(output.shape, 5 + index) for index, output in enumerate(expected)]
+    total = sum((output * _like(grad, output)).sum() for output, grad in zip(outputs, grads))
+    expected_total = sum((output * grad).sum() for output, grad in zip(expected, grads))
+    for attempt in range(2):  # the second backward reads the same kept halo
+        with comm.observe() as records:
+            total.backward(retain_graph=True)
+        assert [record.kind for record in records] == ["batch_p2p"] * 2 * mesh.ndim, (attempt, records)
+        expected_total.backward(retain_graph=True)
+        assert_close(x.grad.full_tensor(), reference.grad)
+
+    kept = len(halo._kept_halos)
+    with torch.no_grad():
+        two_convolutions(x.detach(), replicated)
+    assert len(halo._kept_halos) == kept
+
+    # Activation checkpointing recomputes the forward in backward (keeping the halo again); the
+    # recomputed inner input is saved as a detached alias, so its window is exchanged again: correct.
+    def checkpointed(field, weight):
+        return checkpoint(lambda t: F.conv2d(F.relu(F.conv2d(t, weight, padding=1)), weight, padding=1), field,
+                          use_reentrant=False)
+
+    square = _randn((4, 4, 3, 3), 3)
+    for field, weight in ((x, distribute_tensor(square, mesh, [R] * mesh.ndim)), (reference, square)):
+        field.grad = None
+        checkpointed(field, weight).sum().backward()
+    assert_close(x.grad.full_tensor(), reference.grad)
+
+    for field in (x, reference):
+        hidden = field * 1
+        output = F.conv2d(hidden, weights[0] if field is reference else replicated[0], padding=1)
+        hidden.mul_(2)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            output.sum().backward()

@@ -46,6 +46,12 @@ def _check(function, fulls, mesh, placements, sizes=None):
     kinds = [record.kind for record in forward_records] + [record.kind for record in backward_records]
     # halo exchanges, and the all_reduces of the weight and bias gradients (Partial over the shards)
     assert set(kinds) <= {"batch_p2p", "all_reduce"}, kinds
+    # The backward rebuilds the window from the forward's halo and sends only its gradient back: the
+    # forward's exchanges reversed, each moving the same bytes the other way.
+    forward_halos = [(record.bytes_sent, record.bytes_received) for record in forward_records]
+    backward_halos = [(record.bytes_received, record.bytes_sent) for record in backward_records
+                      if record.kind == "batch_p2p"]
+    assert backward_halos == forward_halos[::-1], (forward_halos, backward_halos)
 
 
 @spmd(meshes=[(2,), (4,), (2, 2)])

@@ -2,7 +2,8 @@
 one device, on 2 and 4 ranks and 2x2 (two spatial dims sharded), even and uneven shards, shards
 thinner than the halo (and empty ones); the output stays sharded on the same dims with exact shard
 sizes, and the communication is a constant pad's nothing, a nearest resample's nothing, and
-otherwise point-to-point only, with the exact halo bytes."""
+otherwise point-to-point only, with the exact halo bytes. Antialiased and area interpolation: the
+values against one device, the field gathered or moved (antialiased) or pooled with halos (area)."""
 
 import pytest
 import torch
@@ -161,6 +162,54 @@ INTERPOLATIONS = {
 def test_interpolate(mesh, case):
     spatial, keywords = INTERPOLATIONS[case]
     _check(mesh, lambda x: F.interpolate(x, **keywords), spatial + 2, communicates=not case.startswith("nearest"))
+
+
+# Antialiased bilinear/bicubic has no rule for spatial shards (`ops/nn_spatial.py`: each output row's
+# taps span the scale's support, not a fixed halo): the planner gathers the spatial dims or moves the
+# field to the batch. 'area' is adaptive average pooling (`ops/spatial_pool.py`): halo exchanges where
+# each rank's cells are the global ones, else a move like the antialiased modes.
+RESAMPLED_WHOLE_OR_POOLED = {
+    "bilinear_aa_down": dict(size=(4, 3), mode="bilinear", antialias=True),
+    "bilinear_aa_up": dict(scale_factor=2, mode="bilinear", antialias=True),
+    "bicubic_aa_down": dict(scale_factor=0.5, mode="bicubic", antialias=True),
+    "bicubic_aa_up_corners": dict(size=(11, 9), mode="bicubic", antialias=True, align_corners=True),
+    "area_down": dict(size=(3, 2), mode="area"),
+    "area_cells_across_shards": dict(size=(4, 5), mode="area"),
+    "area_up": dict(scale_factor=2, mode="area"),
+}
+
+
+@pytest.mark.parametrize("case", list(RESAMPLED_WHOLE_OR_POOLED))
+@spmd(meshes=[(2,), (4,), (2, 2)])
+def test_antialiased_and_area_interpolation(mesh, case):
+    """Values and input gradients equal one device on every layout (even, uneven, thin and empty
+    shards). An antialiased output is never spatially sharded (no rule computes it on spatial shards:
+    the field was gathered or moved); an area output that keeps the input's placements moved by halo
+    exchanges only, forward and backward; every move is a gather, an all_to_all or a halo."""
+    keywords = RESAMPLED_WHOLE_OR_POOLED[case]
+    full = _full(SHAPES[2])
+    reference = full.clone().requires_grad_()
+    expected = F.interpolate(reference, **keywords)
+    grad = _full(expected.shape, seed=1)
+    expected.backward(grad)
+    for placements, shard_sizes in _layouts(mesh, 4):
+        x = _sharded(full, mesh, placements, shard_sizes)
+        with shardtensor.strict_mode(), comm.observe() as forward:
+            y = F.interpolate(x, **keywords)
+        assert_close(y.full_tensor(), expected.detach())
+        grad_like_y = _like(grad, y)
+        with shardtensor.strict_mode(), comm.observe() as backward:
+            y.backward(grad_like_y)
+        assert_close(x.grad.full_tensor(), reference.grad)
+        kinds = [{record.kind for record in records} for records in (forward, backward)]
+        spatial = [placement for placement in y.placements if placement in (Shard(2), Shard(3))]
+        assert kinds[0] | kinds[1] <= {"batch_p2p", "all_gather", "all_to_all"}, (placements, shard_sizes, kinds)
+        if keywords.get("antialias"):
+            assert not spatial, (placements, shard_sizes, y.placements)
+        if case in ("area_down", "area_up"):  # cells inside the shards or one halo row away: pooled in place
+            assert list(y.placements) == list(placements), (placements, shard_sizes, y.placements)
+        elif list(y.placements) == list(placements):
+            assert kinds[0] | kinds[1] <= {"batch_p2p"}, (placements, shard_sizes, kinds)
 
 
 # ---- exact communication ------------------------------------------------------------------------------

@@ -18,6 +18,13 @@ rows are dropped). `Exchange` bundles one dim's geometry; `exchange`/`exchange_g
 in sequence (two spatial dims on two mesh dims: the second on the widened tensor, so corners come
 for free; the adjoint in reverse order); `differentiable_exchange` is the autograd Function.
 
+An op whose backward reads the same window (a convolution's) exchanges with `keep=True`: the rows
+received are remembered with the shard (weakly: they go when it goes; the halo only, not the
+window), and the backward's `exchange(..., reuse=True)` rebuilds the window from the unchanged
+shard and those rows without communicating. Reuse depends only on the shard's lifetime and version
+counter, which SPMD programs change alike on every rank, so the ranks agree on it (a shard written
+through `to_local()` on some ranks only between forward and backward would not).
+
 Output ownership, shared by every spatially sharded op (`output_bounds`): output row o belongs to
 the coordinate that owns input row `clamp(o * stride + offset, 0, N - 1)`. A sliding window
 (`SlidingWindow`: convolution, pooling) uses the centre of its receptive field,
@@ -37,6 +44,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from . import comm
 from .layout import Layout
@@ -376,9 +384,24 @@ def window_exchange(local: torch.Tensor, mesh: DeviceMesh, mesh_dim: MeshDims, d
 
     >>> window = window_exchange(local, mesh, 0, 2, ((0, 4), (4, 8)), ((-1, 5), (3, 9)))  # doctest: +SKIP
     """
-    dim, ranks, plan = _prepare(local, mesh, mesh_dim, dim, shard_bounds, windows, edge, "local")
-    sends = [(_gather_rows(local, dim, positions), ranks[peer]) for peer, positions in plan.sends]
-    buffers = [local, *_swap(sends, [(rows, ranks[peer]) for peer, rows in plan.receives], local, dim)]
+    return _exchange_step(local, mesh, Exchange(_mesh_dims(mesh, mesh_dim), dim, shard_bounds, windows, edge))[0]
+
+
+def _exchange_step(local: torch.Tensor, mesh: DeviceMesh, step: Exchange,
+                   received: Sequence[torch.Tensor] | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """`window_exchange` along `step`: the window and the rows received from the peers (given as
+    `received`, the rows a former exchange of the same shard received: no communication)."""
+    dim, ranks, plan = _prepare(local, mesh, step.mesh_dims, step.dim, step.shard_bounds, step.windows, step.edge,
+                                "local")
+    if received is None:
+        sends = [(_gather_rows(local, dim, positions), ranks[peer]) for peer, positions in plan.sends]
+        received = _swap(sends, [(rows, ranks[peer]) for peer, rows in plan.receives], local, dim)
+    return _assemble(local, list(received), plan, dim, step.edge), list(received)
+
+
+def _assemble(local: torch.Tensor, received: list[torch.Tensor], plan: _Plan, dim: int, edge: Edge) -> torch.Tensor:
+    """The window from the local shard, the rows received (in the plan's order) and the edge's rows."""
+    buffers = [local, *received]
     pieces = []
     for run in plan.runs:
         if run.source == -1:
@@ -463,12 +486,29 @@ class Exchange:
         return self.windows[self.piece(mesh_shape, coordinate)]
 
 
-def exchange(local: torch.Tensor, mesh: DeviceMesh, exchanges: Sequence[Exchange]) -> torch.Tensor:
+# The rows an exchange with `keep` received, for a later `reuse`: shard -> {exchanges: (the shard's
+# version counter then, the rows received per step)}. Weak keys: an entry lives as long as its shard.
+_kept_halos: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def exchange(local: torch.Tensor, mesh: DeviceMesh, exchanges: Sequence[Exchange], *, keep: bool = False,
+             reuse: bool = False) -> torch.Tensor:
     """`window_exchange` along each exchange in order, each on the tensor the last one widened (the
-    corners of two sharded dims come with the second)."""
-    for step in exchanges:
-        local = window_exchange(local, mesh, step.mesh_dims, step.dim, step.shard_bounds, step.windows, step.edge)
-    return local
+    corners of two sharded dims come with the second).
+
+    `keep`: remember the rows received with `local`; `reuse`: if rows were kept for this shard, still
+    unchanged (version counter), and these exchanges, build the window from them without
+    communicating (the module says when ranks agree on that)."""
+    exchanges = tuple(exchanges)
+    kept = _kept_halos.get(local, {}).get(exchanges) if reuse else None
+    kept_rows = kept[1] if kept is not None and kept[0] == local._version else (None,) * len(exchanges)
+    window, received_rows = local, []
+    for step, rows in zip(exchanges, kept_rows):
+        window, received = _exchange_step(window, mesh, step, rows)
+        received_rows.append(received)
+    if keep:
+        _kept_halos.setdefault(local, {})[exchanges] = (local._version, tuple(received_rows))
+    return window
 
 
 def exchange_shape(local_shape: Sequence[int], mesh_shape: Sequence[int], coordinate: Sequence[int],

@@ -11,8 +11,12 @@ dims. Output row o belongs to the coordinate owning input row `o * stride - padd
 stride-1 'same' convolution keeps the input's shard sizes, uneven in, uneven out; shards thinner
 than the halo take rows from farther coordinates; a coordinate may own no output rows.
 
-The backward recomputes the input window, runs the local `convolution_backward` with the same zero
-padding, and sends the window's gradient back to the rows' owners (`halo.exchange_gradient`);
+The backward needs the input window again: autograd saved the input DTensor, not the window (it
+runs below autograd), so the forward keeps the halo rows it received with the input's shard
+(`halo.exchange(keep=True)`: the halo only, freed with the shard) and the backward rebuilds the
+window from them (`reuse=True`) without communicating; only an input the backward sees in another
+layout (moved, or written in place) exchanges again. It runs the local `convolution_backward` with
+the same zero padding, and sends the window's gradient back to the rows' owners (`halo.exchange_gradient`);
 weight and bias gradients are Partial(sum) over the spatial shards. Its grad_output is taken
 sharded exactly like the forward's output, or Replicate (the gradient of a `sum()`), which each
 rank slices. Both declare their exchanges (`LocalCollective("batch_p2p", ...)`) so that the cost
@@ -190,8 +194,8 @@ class SpatialConvolution(Convolution):
         def halo_convolution(mesh, tensor, weight, bias, stride, padding, dilation, *rest):
             if mesh is None:  # shapes only
                 window = tensor.new_empty(exchange_shape(tensor.shape, mesh_shape, coordinate, spatial.exchanges))
-            else:
-                window = exchange(tensor, mesh, spatial.exchanges)
+            else:  # the halo kept for the backward (`SpatialConvolutionBackward`) when it will run
+                window = exchange(tensor, mesh, spatial.exchanges, keep=torch.is_grad_enabled())
             if empty:
                 return window.new_zeros(_local_output_shape(window, weight, (stride, padding, dilation)))
             return convolve(mesh, window, weight, bias, stride, padding, dilation, *rest)
@@ -221,8 +225,8 @@ class SpatialConvolutionBackward(ConvolutionBackward):
         outputs = _masked_outputs((None, P, P), call.argument("output_mask"))
         for dim in _spatial_dims(call, input_meta):
             halo = _halo_bytes(call, input_layout, input_meta, weight_meta, dim)
-            # The input's window again, then its gradient back to the owners.
-            collectives = (LocalCollective("batch_p2p", halo),) * 2 if halo else ()
+            # The window's gradient back to the owners (the window itself from the forward's halo).
+            collectives = (LocalCollective("batch_p2p", halo),) if halo else ()
             row_outputs = tuple(Shard(dim) if placement is None else placement for placement in outputs)
             if grad_sharded_like_output:
                 rows.append(Row(row_outputs, (Shard(dim), Shard(dim), R), collectives))
@@ -265,8 +269,8 @@ class SpatialConvolutionBackward(ConvolutionBackward):
                 grad = grad.narrow(dim, start, stop - start)
             if mesh is None:  # shapes only
                 window = tensor.new_empty(exchange_shape(tensor.shape, mesh_shape, coordinate, spatial.exchanges))
-            else:
-                window = exchange(tensor, mesh, spatial.exchanges)
+            else:  # the forward's halo, if kept for this shard
+                window = exchange(tensor, mesh, spatial.exchanges, reuse=True)
             if empty:
                 results = (torch.zeros_like(window), torch.zeros_like(weight), grad.new_zeros(grad.size(1)))
                 results = tuple(result if wanted else None for result, wanted in zip(results, output_mask))

@@ -13,7 +13,8 @@ on the sharded dims (its rows land on global rows `[i0 * s - p, (i1 - 1) * s - p
 and the rank's output rows are cut from it; rows that no input reaches (stride > kernel, the
 output_padding at the end) hold the bias alone.
 
-The backward recomputes the window, cuts the gradient of its local output from grad_output (taken
+The backward rebuilds the window from the halo the forward kept (`halo.exchange` with keep and
+reuse, as `ops/spatial_conv.py`: no second exchange of the input), cuts the gradient of its local output from grad_output (taken
 sharded like the forward's output, or Replicate and sliced), runs the local `convolution_backward`
 and sends the window's gradient to the rows' owners; weight and bias gradients are Partial(sum)
 (each rank's output rows once).
@@ -166,10 +167,11 @@ def _output_shape(window: torch.Tensor, weight: torch.Tensor, groups: int, plan:
     return [window.size(0), weight.size(1) * groups, *spatial]
 
 
-def _window(tensor, mesh, plan: _Plan, mesh_shape, coordinate) -> torch.Tensor:
+def _window(tensor, mesh, plan: _Plan, mesh_shape, coordinate, backward: bool) -> torch.Tensor:
+    """The input window: the forward keeps its halo (when a backward may run), the backward reuses it."""
     if mesh is None:
         return tensor.new_empty(exchange_shape(tensor.shape, mesh_shape, coordinate, plan.exchanges))
-    return exchange(tensor, mesh, plan.exchanges)
+    return exchange(tensor, mesh, plan.exchanges, keep=not backward and torch.is_grad_enabled(), reuse=backward)
 
 
 def transposed_rows(call: OpCall, layouts: Sequence[Layout]) -> list[Row]:
@@ -194,7 +196,7 @@ def transposed_local_op(call: OpCall, input_layouts: Sequence[Layout], coordinat
     rows = plan.at(mesh_shape, coordinate)
 
     def transposed_convolution(mesh, tensor, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
-        window = _window(tensor, mesh, plan, mesh_shape, coordinate)
+        window = _window(tensor, mesh, plan, mesh_shape, coordinate, backward=False)
         result = window.new_zeros(_output_shape(window, weight, groups, plan, rows))
         if mesh is None:
             return result
@@ -225,14 +227,14 @@ def transposed_backward_rows(call: OpCall, layouts: Sequence[Layout], outputs: t
         matches = grad.shard_order[dim] == tensor.shard_order[dim] and grad.pieces[dim] == pieces
         realigned = grad.shape[dim] == tensor.shape[dim] and pieces != tensor.pieces[dim]
         row_outputs = tuple(Shard(dim) if placement is None else placement for placement in outputs)
-        collectives = _collectives(plan, dim, call.inputs[1], 2)  # the window again, its gradient back
+        collectives = _collectives(plan, dim, call.inputs[1], 1)  # the window's gradient back (the window: kept)
         for grad_placement in ([Shard(dim), R] if matches and not realigned else [R]):
             rows.append(Row(row_outputs, (grad_placement, Shard(dim), R), collectives))
     return rows
 
 
 def transposed_backward_local_op(call: OpCall, input_layouts: Sequence[Layout], coordinate):
-    """The backward's local op: the window again, the gradient of its local output, the local
+    """The backward's local op: the window from the forward's halo, the gradient of its local output, the local
     `convolution_backward`, the window's gradient to its owners; the bias gradient from the
     rank's own output rows."""
     grad_layout, input_layout = input_layouts[0], input_layouts[1]
@@ -248,7 +250,7 @@ def transposed_backward_local_op(call: OpCall, input_layouts: Sequence[Layout], 
         for dim in whole:
             start, stop = rows[dim][0]
             grad = grad.narrow(dim, start, stop - start)
-        window = _window(tensor, mesh, plan, mesh_shape, coordinate)
+        window = _window(tensor, mesh, plan, mesh_shape, coordinate, backward=True)
         grad_window, grad_weight = window.new_zeros(window.shape), weight.new_zeros(weight.shape)
         if mesh is not None and window.numel() and weight.numel():
             stride_, padding_, dilation_, output_padding_ = _local_arguments(plan, rows, stride, padding, dilation,

@@ -10,7 +10,13 @@ exchanges the image rows its blocks read (zero rows for the padding) and unfolds
 rows they cover, and those rows' sums go to their owners (`halo.exchange_gradient`). Its output
 rows are the ones whose blocks these are: the image shards whose `output_bounds` give the blocks'
 shards (for stride 1 exactly the unfolded image's shards; with a larger stride the largest such
-boundaries). A width sharded too keeps `PlaneRule`'s rows (L mixes it with the height).
+boundaries).
+
+A sharded width has no layout on L: a rank's block columns are a strided set of L (a run of columns
+in every block row), and `Shard` gives each coordinate one run. So there is no row for W: the planner
+moves an image sharded on W to one of `PlaneRule`'s rows or the height's (gathering W over its mesh
+dims, H keeping its halo exchange on a 2-D mesh; or the batch), and the values stay the single-device
+ones. (An exact W row would exist only where each coordinate owns at most one block row.)
 """
 
 from __future__ import annotations
@@ -68,18 +74,43 @@ def _plan(call: OpCall, mesh_dims: tuple[int, ...], image_bounds: Bounds, height
     return _Plan(Exchange(mesh_dims, height_dim, image_bounds, windows, "zeros"), blocks, width.output_size(image[-1]))
 
 
-def _collectives(plan: _Plan, row_bytes: int) -> tuple[LocalCollective, ...]:
-    """The exchange of image rows (of `row_bytes` each), or of their sums, as the cost model sees it."""
-    received = plan.received_bytes(row_bytes)
-    return (LocalCollective("batch_p2p", received),) if received else ()
+class _BlockRowsRule(PlaneRule):
+    """`PlaneRule`'s rows, and one more where `_plan` finds an exchange: the input's tensor dim
+    `ndim - dim_from_end` (the image's height, the blocks' L) sharded, and the output's dim of the
+    same index (L, height). Subclasses give `_plan` and `_row_bytes`."""
+
+    def __init__(self, name: str, spatial_rank: int, dim_from_end: int):
+        super().__init__(name, spatial_rank)
+        self.dim_from_end = dim_from_end
+
+    def _plan(self, call: OpCall, layout: Layout) -> _Plan | None:
+        raise NotImplementedError
+
+    def _row_bytes(self, call: OpCall) -> int:
+        """The bytes of one image row (all planes), as the cost model counts them."""
+        raise NotImplementedError
+
+    def rows_for_layouts(self, call, layouts):
+        rows = list(self.rows(call))
+        plan = self._plan(call, layouts[0])
+        if plan is not None:
+            received = plan.received_bytes(self._row_bytes(call))
+            collectives = (LocalCollective("batch_p2p", received),) if received else ()
+            dim = layouts[0].ndim - self.dim_from_end
+            rows.append(Row((Shard(dim),), (Shard(dim),), collectives))
+        return rows
+
+    def local_shape_key(self, call, input_layouts, coordinate):
+        plan = self._plan(call, input_layouts[0])
+        return None if plan is None else plan.at(input_layouts[0].mesh_shape, coordinate)
 
 
-class Unfold(PlaneRule):
+class Unfold(_BlockRowsRule):
     """`im2col(self, kernel_size, dilation, padding, stride)`: `PlaneRule`'s rows, and an image
-    sharded on its height gives blocks sharded on L."""
+    sharded on its height gives blocks sharded on L (none for the width: the module says why)."""
 
     def __init__(self):
-        super().__init__("im2col", 3)
+        super().__init__("im2col", 3, dim_from_end=2)
 
     def _plan(self, call: OpCall, layout: Layout) -> _Plan | None:
         height_dim = layout.ndim - 2
@@ -88,19 +119,9 @@ class Unfold(PlaneRule):
         mesh_dims = layout.shard_order[height_dim]
         return _plan(call, mesh_dims, shard_bounds(layout, height_dim), height_dim, layout.shape)
 
-    def rows_for_layouts(self, call, layouts):
-        rows = list(self.rows(call))
-        plan = self._plan(call, layouts[0])
-        if plan is not None:
-            height_dim = layouts[0].ndim - 2
-            image = call.inputs[0]
-            row_bytes = math.prod(image.shape) // max(image.shape[height_dim], 1) * image.dtype.itemsize
-            rows.append(Row((Shard(height_dim),), (Shard(height_dim),), _collectives(plan, row_bytes)))
-        return rows
-
-    def local_shape_key(self, call, input_layouts, coordinate):
-        plan = self._plan(call, input_layouts[0])
-        return None if plan is None else plan.at(input_layouts[0].mesh_shape, coordinate)
+    def _row_bytes(self, call):
+        image = call.inputs[0]
+        return math.prod(image.shape) // max(image.shape[-2], 1) * image.dtype.itemsize
 
     def local_op(self, call, input_layouts, coordinate):
         plan = self._plan(call, input_layouts[0])
@@ -123,13 +144,13 @@ class Unfold(PlaneRule):
         return unfold
 
 
-class Fold(PlaneRule):
+class Fold(_BlockRowsRule):
     """`col2im(self, output_size, kernel_size, dilation, padding, stride)`: `PlaneRule`'s rows, and
     blocks sharded on L in whole block rows give an image sharded on its height (the module says
     which rows)."""
 
     def __init__(self):
-        super().__init__("col2im", 2)
+        super().__init__("col2im", 2, dim_from_end=1)
 
     def _plan(self, call: OpCall, layout: Layout) -> _Plan | None:
         blocks_dim = layout.ndim - 1
@@ -151,21 +172,11 @@ class Fold(PlaneRule):
         block_bounds = tuple((start, stop) for start, stop in zip(starts, starts[1:] + [rows]))
         return plan if plan.blocks == block_bounds else None
 
-    def rows_for_layouts(self, call, layouts):
-        rows = list(self.rows(call))
-        plan = self._plan(call, layouts[0])
-        if plan is not None:
-            dim = layouts[0].ndim - 1
-            image = call.inputs[0]
-            height, width = _windows(call)
-            channels = image.shape[-2] // (height.kernel_size * width.kernel_size)
-            row_bytes = math.prod(image.shape[:-2]) * channels * call.argument("output_size")[1] * image.dtype.itemsize
-            rows.append(Row((Shard(dim),), (Shard(dim),), _collectives(plan, row_bytes)))
-        return rows
-
-    def local_shape_key(self, call, input_layouts, coordinate):
-        plan = self._plan(call, input_layouts[0])
-        return None if plan is None else plan.at(input_layouts[0].mesh_shape, coordinate)
+    def _row_bytes(self, call):
+        blocks = call.inputs[0]
+        height, width = _windows(call)
+        channels = blocks.shape[-2] // (height.kernel_size * width.kernel_size)
+        return math.prod(blocks.shape[:-2]) * channels * call.argument("output_size")[1] * blocks.dtype.itemsize
 
     def local_op(self, call, input_layouts, coordinate):
         plan = self._plan(call, input_layouts[0])
