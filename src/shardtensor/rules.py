@@ -165,8 +165,9 @@ def rows_keeping_self(rows: Sequence[Row], written: Layout) -> Sequence[Row]:
     is written (a Partial copy of a Replicate tensor reduced, a Shard copy gathered): a collective
     per call that the row cost does not see, where moving the other inputs costs at most as much
     (and a multi-tensor call reduces them together: `exp_avg.lerp_(grad)` with a Partial gradient).
+    An op that returns nothing (a custom op that only mutates its input) has no result to compare.
     """
-    rows = [row for row in rows if row.outputs[0] == row.inputs[0]]
+    rows = [row for row in rows if not row.outputs or row.outputs[0] == row.inputs[0]]
     placements = set(written.placements)
     return [row for row in rows if row.inputs[0] in placements] or rows
 
