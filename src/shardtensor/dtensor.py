@@ -92,6 +92,20 @@ class DTensor(FastTensorMethods, CheckpointableMixin, torch.Tensor):
             _mirror_math_bits(wrapper, local_tensor)
         return wrapper
 
+    @classmethod
+    def _wrap_new(cls, local_tensors, specs) -> list[DTensor]:
+        """`_wrap` of each of a multi-tensor op's outputs, which are new tensors (never conjugate or
+        negative views): no math bits to mirror, one call for the list (24 Adam outputs: ~6 us less)."""
+        wrappers = []
+        for local_tensor, spec in zip(local_tensors, specs):
+            wrapper = _make_wrapper_subclass(
+                cls, spec.layout.shape, spec.stride, None, None, spec.dtype, local_tensor.layout, local_tensor.device
+            )
+            wrapper._local_value = local_tensor
+            wrapper._spec = spec
+            wrappers.append(wrapper)
+        return wrappers
+
     # ---- metadata --------------------------------------------------------------------------------
 
     @property
