@@ -50,6 +50,10 @@ class DTensor(FastTensorMethods, CheckpointableMixin, torch.Tensor):
     tensor([0., 1., 2.])   # on rank 0
     """
 
+    # Slots: read by attribute descriptors instead of the instance dict, which a wrapper then does
+    # not need at all (cheaper to read in a list plan's loops, to create and to free; torch's
+    # `__torch_function__` lookup on each tensor argument skips the dict too).
+    __slots__ = ("_local_value", "_spec")
     _local_value: torch.Tensor | None
     _pending: object | None = None  # an async redistribute's result to wait for (`_wrap` leaves it unset)
     _spec: DTensorSpec
