@@ -77,7 +77,8 @@ class DTensor(FastTensorMethods, CheckpointableMixin, torch.Tensor):
             requires_grad=requires_grad,
         )
         wrapper._local_value = None if pending is not None else local_tensor
-        wrapper._pending = pending
+        if pending is not None:  # else the class default: no instance dict
+            wrapper._pending = pending
         wrapper._spec = interned_spec(spec)
         if local_tensor.is_conj() or local_tensor.is_neg():
             _mirror_math_bits(wrapper, local_tensor)
