@@ -185,3 +185,23 @@ def test_lists_of_unequal_length_raise_on_every_rank(mesh):
     _, dtensors = _lists(mesh, 2)
     with pytest.raises(Exception, match="must have the same|equal length|one entry per tensor"):
         torch._foreach_add(dtensors[0], dtensors[1][:2])
+
+
+@spmd(meshes=[(2,)])
+def test_a_served_list_waits_for_the_data_of_an_async_redistribute(mesh):
+    """A list plan reads the local tensors of a list in C; one still waiting for an async redistribute
+    (no local value yet) is waited for, with the plan still served."""
+    from shardtensor.plan_cache import cache_counts
+
+    fulls, dtensors = _lists(mesh, 1)
+    replicated = [distribute_tensor(full, mesh, [R]) for full in fulls[0]]
+    for _ in range(2):  # learnt, then served
+        torch._foreach_mul(replicated, 3.0)
+    pending = [dtensor.redistribute(mesh, [R], async_op=True) for dtensor in dtensors[0]]
+    assert any(dtensor._local_value is None for dtensor in pending)
+    hits = cache_counts()["aten._foreach_mul.Scalar"].hits
+    result = torch._foreach_mul(pending, 3.0)
+    assert cache_counts()["aten._foreach_mul.Scalar"].hits == hits + 1
+    for dtensor, full in zip(result, fulls[0]):
+        assert dtensor.placements == (R,)
+        assert_close(dtensor.to_local(), full * 3.0)

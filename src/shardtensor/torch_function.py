@@ -28,6 +28,7 @@ Like `dispatch`, this layer is below the DTensor class, which passes itself as `
 
 from __future__ import annotations
 
+import math
 import types
 
 import torch
@@ -76,25 +77,32 @@ class _FunctionPlan:
 fast_path_enabled = True
 
 
-# Functions that read only a tensor's metadata (dtype, global shape), which the wrapper holds: run
-# with `__torch_function__` off they give torch's answer without the normal path's bookkeeping
-# (an optimizer asks `torch.is_complex(p)` of every parameter on every step: 11 us each before).
-METADATA_FUNCTIONS = frozenset((torch.is_complex, torch.is_floating_point, torch.numel))
+# Functions that read only a tensor's metadata (dtype, global shape), which the spec holds: answered
+# from it, as torch answers them from the wrapper (an optimizer asks `torch.is_complex(p)` of every
+# parameter on every step: 11 us each through the normal path, 0.6 us here).
+METADATA_FUNCTIONS = {
+    torch.is_complex: lambda spec: spec.dtype.is_complex,
+    torch.is_floating_point: lambda spec: spec.dtype.is_floating_point,
+    torch.numel: lambda spec: math.prod(spec.layout.shape),
+}
 
 
 def torch_function(cls, function, types, args=(), kwargs=None):
     """`DTensor.__torch_function__`: serve the call from a function plan, or run it normally."""
+    if args and type(args[0]) is list and is_multi_tensor_function(function):  # an optimizer's step
+        return _multi_tensor_call(cls, function, args, kwargs or _NO_KEYWORDS)
     if type(function) is _GETTER:
         with _disabled():
             return function(*args)
-    if function in METADATA_FUNCTIONS:
+    metadata = METADATA_FUNCTIONS.get(function)
+    if metadata is not None:
+        if len(args) == 1 and not kwargs and type(args[0]) is cls:
+            return metadata(args[0]._spec)
         return _run_normally(function, types, args, kwargs or _NO_KEYWORDS)
     if kwargs is None:
         kwargs = _NO_KEYWORDS
     if not kwargs and len(args) == 1 and type(args[0]) is cls:  # `x.relu()`, `x.t()`: no loop
         key = (id(function), id(args[0]._spec))
-    elif args and type(args[0]) is list and is_multi_tensor_function(function):
-        return _multi_tensor_call(cls, function, args, kwargs)
     else:
         key = fast_key(cls, function, args, kwargs)
     plan = function_plans.get(key) if key is not None else None

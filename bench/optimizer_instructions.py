@@ -1,0 +1,78 @@
+"""Instructions per optimizer step (callgrind): shardtensor vs torch.distributed.tensor vs plain tensors.
+
+    valgrind --tool=callgrind --instr-atstart=no --callgrind-out-file=/tmp/cg.ours \\
+        .venv/bin/python bench/optimizer_instructions.py ours /tmp/cg.ours      # or: torch, plain
+
+The timings of `bench_optimizer.py` swing by +-0.1 of the ratio on the shared machine; instruction
+counts do not. On one gloo rank, the workloads of `bench_optimizer.py` (same parameters, same
+placements) run with callgrind's instrumentation switched on around 5 and then 25 steps (through
+`callgrind_control`, which dumps each phase to `OUT.N`); the difference over 20 steps is one
+step's count, without the toggling's own cost. Instructions are not time (memory stalls are left
+out), but they show where a Python-level overhead goes and do not depend on the load.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import torch
+
+WORKLOADS = ("AdamW(foreach=True).step()", "Adam(foreach=True).step()", "SGD(momentum=0.9, foreach=True).step()")
+SHORT, LONG = 5, 25
+
+
+def _control(*options: str) -> None:
+    command = ["callgrind_control", *options, str(os.getpid())]
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _instructions(dump: str) -> int:
+    with open(dump) as file:
+        return next(int(line.split()[1]) for line in file if line.startswith("totals:"))
+
+
+def main() -> None:
+    import torch.distributed as dist
+
+    import bench_optimizer
+
+    library_name, out = sys.argv[1], sys.argv[2]
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 500))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    if library_name == "ours":
+        import shardtensor as library
+
+        mesh = library.init_device_mesh("cpu", (1,))
+    elif library_name == "torch":
+        from torch.distributed import tensor as library
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (1,))
+    else:
+        library, mesh = None, None
+    placements = [None] if library is None else [library.Shard(0), library.Shard(1), library.Replicate()]
+    workloads = bench_optimizer._workloads(library, mesh, placements)
+    dumps = 0
+    for name in WORKLOADS:
+        step = workloads[name]
+        for _ in range(3):  # warm: decisions cached
+            step()
+        counts = []
+        for steps in (SHORT, LONG):
+            _control("--instr=on")
+            for _ in range(steps):
+                step()
+            _control("--instr=off")
+            _control("--dump")
+            dumps += 1
+            counts.append(_instructions(f"{out}.{dumps}"))
+        print(f"{library_name} | {name} | {(counts[1] - counts[0]) / (LONG - SHORT) / 1e6:.2f} M instructions per step")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
