@@ -27,8 +27,13 @@ MODULE_PAIRS = [
 ]
 
 
-# Class plumbing, not API: weak references, and pickling (ours pickles through `__reduce__`, tested by behaviour).
-_PLUMBING = {"__slots__", "__weakref__", "__dict__", "__getstate__", "__setstate__", "__reduce__", "__reduce_ex__"}
+# Class plumbing, not API: Python's bookkeeping of a class, weak references, and pickling (ours pickles through
+# `__reduce__`, tested by behaviour).
+_PLUMBING = {
+    "__module__", "__doc__", "__annotations__", "__firstlineno__", "__static_attributes__", "__orig_bases__",
+    "__parameters__", "__abstractmethods__", "__slots__", "__weakref__", "__dict__",
+    "__getstate__", "__setstate__", "__reduce__", "__reduce_ex__",
+}
 
 
 def public_names(module) -> list[str]:
@@ -98,6 +103,8 @@ def missing_names() -> list[str]:
                     if not hasattr(our_object, member):
                         missing.append(f"{torch_name}.{name}.{member}")
                         continue
+                    if member.startswith("__"):
+                        continue  # dunders are called positionally by Python or torch: their parameter names do not matter
                     their_member = _function(inspect.getattr_static(their_object, member))
                     our_member = _function(inspect.getattr_static(our_object, member))
                     if their_member is not None and our_member is not None:
