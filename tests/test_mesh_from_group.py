@@ -29,7 +29,8 @@ def test_one_group_gives_a_1d_mesh_over_it(mesh):
     assert tp.mesh.tolist() == dist.get_process_group_ranks(row) and tp.mesh_dim_names == ("tp",)
     assert tp.get_group() is row and tp.get_group("tp") is row and tp.get_all_groups() == [row]
     assert _peers(tp, 0).group is row, "collectives must run over the user's group"
-    assert DeviceMesh.from_group(row, "cpu", tp.mesh.tolist()).mesh.tolist() == tp.mesh.tolist()
+    again = DeviceMesh.from_group(row, "cpu", tp.mesh.tolist(), mesh_dim_names=("tp",))
+    assert again == tp and hash(again) == hash(tp), "meshes over the same group and ranks are equal"
     assert len(mesh_module._created_groups) == created_before, "from_group creates no group"
     library_tp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))["tp"]
     assert library_tp.mesh.tolist() == tp.mesh.tolist() and library_tp != tp, "their groups differ"

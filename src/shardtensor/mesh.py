@@ -377,8 +377,7 @@ class DeviceMesh:
         if shape_only.get_coordinate() is not None:
             for mesh_dim, user_group in enumerate(groups):
                 _check_group_ranks(shape_only, mesh_dim, user_group)
-        tokens = tuple(next(_user_group_tokens) for _ in groups)
-        _user_groups.update(zip(tokens, groups))
+        tokens = tuple(_user_group_token(user_group) for user_group in groups)
         return DeviceMesh(device_type, mesh, mesh_dim_names=mesh_dim_names, _groups_exist=True, _user_group_tokens=tokens)
 
     # --- names and slicing ---------------------------------------------------------------------
@@ -504,6 +503,16 @@ def _missing_group_error(ranks: list, key: tuple[int, ...]) -> RuntimeError:
         f"the mesh first on every rank, e.g. init_device_mesh(...) with the shape it was sliced from, "
         f"then load"
     )
+
+
+def _user_group_token(group: dist.ProcessGroup) -> int:
+    """The token of a user's group, the same for the same group (so meshes over it compare equal)."""
+    for token, known in _user_groups.items():
+        if known is group:
+            return token
+    token = next(_user_group_tokens)
+    _user_groups[token] = group
+    return token
 
 
 def _check_group_ranks(mesh: DeviceMesh, mesh_dim: int, group: dist.ProcessGroup) -> None:
