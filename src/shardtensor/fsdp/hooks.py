@@ -138,7 +138,6 @@ class TrainingContext:
                 unit.reshard()
             unit.clear_forward_tensors()
 
-
     def reset(self) -> None:
         """Forget a step an exception cut short: every unit resharded, orders and pending reductions dropped
         (the next forward starts a new step; its gradients are those of the steps that finished)."""
