@@ -1,5 +1,7 @@
 """Placement values: equality, text forms and validation."""
 
+import itertools
+
 import pytest
 
 from shardtensor.placement import Partial, Replicate, Shard, normalize_placements
@@ -51,3 +53,16 @@ def test_every_placement_is_exported_where_users_import_placements():
         assert set(names) <= set(module.__all__), module.__name__
         assert all(getattr(module, name) is getattr(placement, name) for name in names), module.__name__
     assert str(shardtensor.NormPartial(2)) == "P(2-norm)" and shardtensor.NormPartial(2).is_partial()
+
+
+def test_local_shard_size_and_offset_and_reduce_op_lists_match_torch():
+    """`Shard.local_shard_size_and_offset` follows torch.chunk as DTensor's does, empty pieces included."""
+    from torch.distributed.tensor import Partial as TorchPartial
+    from torch.distributed.tensor import Shard as TorchShard
+
+    for size, num_chunks in itertools.product(range(12), range(1, 6)):
+        for rank in range(num_chunks):
+            expected = TorchShard.local_shard_size_and_offset(size, num_chunks, rank)
+            assert Shard.local_shard_size_and_offset(size, num_chunks, rank) == expected
+    assert set(Partial.ALL_REDUCE_OPS) == set(TorchPartial.ALL_REDUCE_OPS)
+    assert set(Partial.LINEAR_REDUCE_OPS) == set(TorchPartial.LINEAR_REDUCE_OPS)

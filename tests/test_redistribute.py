@@ -346,3 +346,29 @@ def test_comm_flattened_peers_follow_the_order_given(mesh):
         assert gathered.tolist() == expected.flatten().tolist()
         total = comm.all_reduce(torch.tensor([float(rank)]), mesh, mesh_dims, reduce_op="sum")
         assert total.item() == 6.0
+
+
+@spmd(meshes=[(2,)])
+def test_redistribute_forward_and_backward_dtypes(mesh):
+    """`forward_dtype` casts before the forward collective, `backward_dtype` is the gradient collective's
+    dtype; the gradient comes back in the input's dtype (PyTorch's DTensor.redistribute keywords)."""
+    from shardtensor import distribute_tensor
+
+    full = torch.arange(16, dtype=torch.float64).view(4, 4) / 3
+    weight = torch.linspace(-1, 1, 16, dtype=torch.float64).view(4, 4)
+    sent = {}
+    for forward_dtype, backward_dtype in ((None, None), (torch.float32, None), (torch.float32, torch.float16)):
+        source = distribute_tensor(full, mesh, [Shard(0)]).requires_grad_()
+        with comm.observe() as forward:
+            moved = source.redistribute(mesh, [Shard(1)], forward_dtype=forward_dtype, backward_dtype=backward_dtype)
+        assert moved.dtype == (forward_dtype or torch.float64)
+        assert torch.equal(moved.full_tensor(), full.to(moved.dtype))
+        sharded_weight = distribute_tensor(weight.to(moved.dtype), mesh, [Shard(1)])
+        with comm.observe() as backward:
+            (moved * sharded_weight).sum().backward()
+        assert source.grad.dtype == torch.float64 and source.grad.placements == (Shard(0),)
+        expected = weight.to(moved.dtype).to(backward_dtype or torch.float64).double()
+        assert torch.equal(source.grad.full_tensor(), expected)
+        sent[forward_dtype, backward_dtype] = [record.bytes_sent for record in forward + backward]
+    assert sent[None, None] == [32, 32]  # one all_to_all each way: half of a 2x4 float64 shard
+    assert sent[torch.float32, None] == [16, 32] and sent[torch.float32, torch.float16] == [16, 8]

@@ -77,17 +77,21 @@ class ToLocal(torch.autograd.Function):
 
 
 class Redistribute(torch.autograd.Function):
-    """The same global tensor under `target` on `mesh` (asynchronously with `async_op`)."""
+    """The same global tensor under `target` on `mesh` (asynchronously with `async_op`), its data cast to
+    `forward_dtype` before the collectives; backward's collectives run in `backward_dtype` (default: the
+    input's dtype) and the gradient comes back in the input's dtype."""
 
     @staticmethod
-    def forward(ctx, dtensor, mesh, target, async_op):
+    def forward(ctx, dtensor, mesh, target, async_op, forward_dtype=None, backward_dtype=None):
         cls = type(dtensor)
-        ctx.spec, ctx.cls = dtensor._spec, cls
+        ctx.spec, ctx.cls, ctx.backward_dtype = dtensor._spec, cls, backward_dtype
         source = dtensor._spec
-        spec = DTensorSpec(mesh, target, source.stride, source.dtype)
-        if mesh == source.mesh and target == source.layout:
-            return cls(dtensor._local_tensor, spec)
         local = dtensor._local_tensor
+        if forward_dtype is not None and forward_dtype != source.dtype:
+            local = local.to(forward_dtype)
+        spec = DTensorSpec(mesh, target, source.stride, local.dtype)
+        if mesh == source.mesh and target == source.layout:
+            return cls(local, spec)
         result = redistribute_between(local, source.layout, source.mesh, target, mesh, async_op=async_op)
         if isinstance(result, torch.Tensor):
             return cls(result, spec)
@@ -97,9 +101,14 @@ class Redistribute(torch.autograd.Function):
     def backward(ctx, grad):
         spec = ctx.spec
         target = spec.layout.without_partial()
+        collective_dtype = ctx.backward_dtype or spec.dtype
+        if isinstance(grad, ctx.cls) and grad.dtype != collective_dtype:
+            grad = ctx.cls(grad._local_tensor.to(collective_dtype),
+                           DTensorSpec(grad.device_mesh, grad.sharding, grad._spec.stride, collective_dtype))
         if isinstance(grad, ctx.cls) and (grad.device_mesh != spec.mesh or spec.mesh.get_coordinate() is None):
             local = redistribute_between(grad._local_tensor, grad.sharding, grad.device_mesh, target, spec.mesh)
         else:
             local = _gradient_to(grad, spec, ctx.cls)
-        grad_spec = DTensorSpec(spec.mesh, target, spec.stride, grad.dtype)
-        return ctx.cls(local, grad_spec), None, None, None
+        local = local.to(spec.dtype)
+        grad_spec = DTensorSpec(spec.mesh, target, spec.stride, spec.dtype)
+        return ctx.cls(local, grad_spec), None, None, None, None, None

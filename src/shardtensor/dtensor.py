@@ -215,12 +215,16 @@ class DTensor(FastTensorMethods, CheckpointableMixin, torch.Tensor):
         placements: Sequence[Placement] | None = None,
         *,
         async_op: bool = False,
+        forward_dtype: torch.dtype | None = None,
+        backward_dtype: torch.dtype | None = None,
     ) -> DTensor:
         """The same global tensor under other placements (differentiable).
 
         Targets may be Shard or Replicate (a mesh dim already Partial may stay so). The gradient
         goes back to this DTensor's layout, with Partial read as Replicate. With `async_op=True`
-        the result returns at once and waits for its data on first use.
+        the result returns at once and waits for its data on first use. `forward_dtype` casts the data
+        before the collectives (the result has that dtype); `backward_dtype` is the dtype of the
+        gradient's collectives (default: this DTensor's), and the gradient comes back in this dtype.
 
         `device_mesh` may be another mesh (other shape, rank order or ranks; docs/redistribute.md):
         every rank of the world must call, and ranks outside the target mesh get a local tensor
@@ -231,7 +235,8 @@ class DTensor(FastTensorMethods, CheckpointableMixin, torch.Tensor):
         """
         mesh = device_mesh if device_mesh is not None else self.device_mesh
         if mesh != self.device_mesh:
-            return Redistribute.apply(self, mesh, _cross_mesh_target(self, mesh, placements), async_op)
+            target = _cross_mesh_target(self, mesh, placements)
+            return Redistribute.apply(self, mesh, target, async_op, forward_dtype, backward_dtype)
         if placements is None:
             placements = self.placements
         target = self.sharding.with_placements(tuple(placements))
@@ -245,7 +250,7 @@ class DTensor(FastTensorMethods, CheckpointableMixin, torch.Tensor):
                 )
         if target == self.sharding:
             target = self.sharding  # keep exact pieces and shard order: no communication
-        return Redistribute.apply(self, mesh, target, async_op)
+        return Redistribute.apply(self, mesh, target, async_op, forward_dtype, backward_dtype)
 
 
 def _cross_mesh_target(dtensor: DTensor, mesh: DeviceMesh, placements) -> Layout:

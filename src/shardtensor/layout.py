@@ -15,24 +15,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .placement import Partial, Placement, Replicate, Shard, normalize_placements
+from .placement import Partial, Placement, Replicate, Shard, chunk_sizes, normalize_placements
 
 __all__ = ["Layout", "chunk_sizes", "contiguous_stride", "ShardSizes"]
 
 # What users may pass to describe shard sizes: "chunk", or {mesh_dim: sizes along that mesh dim}.
 ShardSizes = str | Mapping[int, Sequence[int]] | None
-
-
-def chunk_sizes(size: int, parts: int) -> tuple[int, ...]:
-    """Sizes of `torch.chunk(size, parts)`, padded with empty chunks to exactly `parts` entries."""
-    step = -(-size // parts) if size else 0
-    sizes = []
-    remaining = size
-    for _ in range(parts):
-        take = min(step, remaining)
-        sizes.append(take)
-        remaining -= take
-    return tuple(sizes)
 
 
 def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import itertools
 import math
 import os
 import socket
@@ -38,6 +39,9 @@ _DEVICE_BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
 _groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
 # Groups created by their members alone (`local_group`), by sorted global ranks.
 _local_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+# Groups the user handed to `DeviceMesh.from_group`, by a token the mesh keeps (a mesh holds no group).
+_user_groups: dict[int, dist.ProcessGroup] = {}
+_user_group_tokens = itertools.count()
 # Every group this library created in the current world, oldest first (destroyed at exit).
 _created_groups: list[dist.ProcessGroup] = []
 # The default group the caches above belong to, and a count of the worlds seen in this process (and of
@@ -140,14 +144,17 @@ def world_generation() -> int:
     world = dist.GroupMember.WORLD
     if world is not _world_group:
         if _world_group is not None:
-            _groups.clear()
-            _local_groups.clear()
-            _created_groups.clear()
+            _forget_groups()
             for forget in _forget_callbacks:
                 forget()
         _world_group = world
         _generation += 1
     return _generation
+
+
+def _forget_groups() -> None:
+    for registry in (_groups, _local_groups, _created_groups, _user_groups):
+        registry.clear()
 
 
 def on_new_world(forget: Callable[[], None]) -> None:
@@ -177,9 +184,7 @@ def release_process_groups() -> None:
                 pass
         if world is _library_default_group:
             dist.destroy_process_group()
-    _groups.clear()
-    _local_groups.clear()
-    _created_groups.clear()
+    _forget_groups()
     for forget in _forget_callbacks:
         forget()
     _world_group = None
@@ -208,7 +213,8 @@ class DeviceMesh:
     other meshes, because it may create process groups.
     """
 
-    def __init__(self, device_type: str, mesh, *, mesh_dim_names: tuple[str, ...] | None = None, _groups_exist=False):
+    def __init__(self, device_type: str, mesh, *, mesh_dim_names: tuple[str, ...] | None = None, _groups_exist=False,
+                 _user_group_tokens: tuple[int | None, ...] | None = None):
         if device_type not in _DEVICE_BACKENDS:
             raise _device_type_error(device_type)
         ranks = torch.as_tensor(mesh, dtype=torch.int64, device="cpu").detach().clone()
@@ -226,14 +232,16 @@ class DeviceMesh:
                 f"mesh {ranks.tolist()} holds ranks outside the world of {world_size} ranks "
                 f"(allowed: 0..{world_size - 1})"
             )
-        self.device_type = device_type
-        self.mesh = ranks
-        self.mesh_dim_names = names
+        self._device_type = device_type
+        self._mesh = ranks
+        self._mesh_dim_names = names
         self._rank = dist.get_rank()
         self._generation = world_generation()
         position = (ranks == self._rank).nonzero()
         self._coordinate = None if position.numel() == 0 else [int(c) for c in position[0].tolist()]
-        self._hash = hash((device_type, tuple(flat), tuple(ranks.shape), names, self._generation))
+        # Per mesh dim, the token of the user's group (`from_group`), or None for the library's group.
+        self._group_tokens = _user_group_tokens or (None,) * ranks.ndim
+        self._hash = hash((device_type, tuple(flat), tuple(ranks.shape), names, self._generation, self._group_tokens))
         if not _groups_exist:
             for mesh_dim in range(ranks.ndim):
                 self._create_groups(mesh_dim)
@@ -251,6 +259,19 @@ class DeviceMesh:
         return _line_through(self.mesh, self._coordinate, mesh_dim)
 
     # --- shape and coordinates ---------------------------------------------------------------
+    @property
+    def device_type(self) -> str:
+        return self._device_type
+
+    @property
+    def mesh(self) -> torch.Tensor:
+        """The global ranks, an int64 cpu tensor of the mesh's shape."""
+        return self._mesh
+
+    @property
+    def mesh_dim_names(self) -> tuple[str, ...] | None:
+        return self._mesh_dim_names
+
     @property
     def ndim(self) -> int:
         return self.mesh.ndim
@@ -294,6 +315,9 @@ class DeviceMesh:
         if self._coordinate is None:
             raise _not_in_mesh_error(self, "get_group")
         self.check_world("get_group")
+        token = self._group_tokens[mesh_dim]
+        if token is not None:
+            return _user_groups[token]
         key = self._group_keys[mesh_dim]
         if len(key) == dist.get_world_size():
             return dist.group.WORLD
@@ -309,6 +333,52 @@ class DeviceMesh:
     def get_all_groups(self) -> list[dist.ProcessGroup]:
         """The process group of every mesh dim, in mesh-dim order."""
         return [self.get_group(mesh_dim) for mesh_dim in range(self.ndim)]
+
+    @staticmethod
+    def from_group(group, device_type: str, mesh=None, *, mesh_dim_names: tuple[str, ...] | None = None) -> DeviceMesh:
+        """A mesh whose collectives along each mesh dim run over the user's existing process group.
+
+        One group gives a 1-D mesh over its ranks in group-rank order (`mesh`, if given, must list them
+        in that order). A list of groups, one per mesh dim, needs `mesh` and `mesh_dim_names`, and each
+        group must hold exactly the ranks of this rank's line along its mesh dim. Creates no group, so
+        it is not collective. Such a mesh equals no mesh built otherwise; a collective over a tuple of
+        mesh dims (flattened) still runs over a group the library creates among its members.
+
+        >>> tp = DeviceMesh.from_group(dist.new_group([0, 1]), "cpu", mesh_dim_names=("tp",))  # doctest: +SKIP
+        """
+        if isinstance(group, dist.ProcessGroup):
+            group_ranks = dist.get_process_group_ranks(group)
+            if mesh is not None and torch.as_tensor(mesh).tolist() != group_ranks:
+                raise ValueError(
+                    f"from_group: mesh {torch.as_tensor(mesh).tolist()} does not list the group's ranks {group_ranks} "
+                    "in group-rank order; pass mesh=None (the mesh is then the group's ranks) or that list"
+                )
+            groups, mesh = [group], group_ranks
+        elif isinstance(group, Sequence) and group and all(isinstance(item, dist.ProcessGroup) for item in group):
+            groups = list(group)
+            if mesh is None or mesh_dim_names is None:
+                raise ValueError(
+                    f"from_group: {len(groups)} process groups need the mesh (one mesh dim per group, global "
+                    "ranks) and mesh_dim_names, e.g. from_group([dp, tp], 'cpu', [[0, 1], [2, 3]], "
+                    "mesh_dim_names=('dp', 'tp'))"
+                )
+        else:
+            raise TypeError(
+                f"from_group takes a ProcessGroup or a non-empty list of them, got {group!r} (dist.new_group "
+                "returns GroupMember.NON_GROUP_MEMBER on a rank that is not a member: this rank is not a member "
+                "of such a group; give each rank the groups that hold it)"
+            )
+        shape_only = DeviceMesh(device_type, mesh, mesh_dim_names=mesh_dim_names, _groups_exist=True)
+        if shape_only.ndim != len(groups):
+            raise ValueError(
+                f"from_group: mesh {shape_only.mesh.tolist()} has {shape_only.ndim} mesh dims but "
+                f"{len(groups)} process groups were given; pass one group per mesh dim"
+            )
+        if shape_only.get_coordinate() is not None:
+            for mesh_dim, user_group in enumerate(groups):
+                _check_group_ranks(shape_only, mesh_dim, user_group)
+        tokens = tuple(_user_group_token(user_group) for user_group in groups)
+        return DeviceMesh(device_type, mesh, mesh_dim_names=mesh_dim_names, _groups_exist=True, _user_group_tokens=tokens)
 
     # --- names and slicing ---------------------------------------------------------------------
     def _mesh_dim_index(self, mesh_dim: int | str | None, needed_for: str | None = None) -> int:
@@ -341,7 +411,8 @@ class DeviceMesh:
         index = [slice(None) if mesh_dim in kept else self._coordinate[mesh_dim] for mesh_dim in range(self.ndim)]
         remaining = [mesh_dim for mesh_dim in range(self.ndim) if mesh_dim in kept]
         sub_ranks = self.mesh[tuple(index)].permute([remaining.index(mesh_dim) for mesh_dim in kept])
-        return DeviceMesh(self.device_type, sub_ranks, mesh_dim_names=names, _groups_exist=True)
+        tokens = tuple(self._group_tokens[mesh_dim] for mesh_dim in kept)
+        return DeviceMesh(self.device_type, sub_ranks, mesh_dim_names=names, _groups_exist=True, _user_group_tokens=tokens)
 
     # --- current-mesh stack, identity ------------------------------------------------------------
     def __enter__(self) -> DeviceMesh:
@@ -360,6 +431,7 @@ class DeviceMesh:
             self.device_type == other.device_type
             and self._generation == other._generation
             and self.mesh_dim_names == other.mesh_dim_names
+            and self._group_tokens == other._group_tokens
             and self.shape == other.shape
             and torch.equal(self.mesh, other.mesh)
         )
@@ -431,6 +503,28 @@ def _missing_group_error(ranks: list, key: tuple[int, ...]) -> RuntimeError:
         f"the mesh first on every rank, e.g. init_device_mesh(...) with the shape it was sliced from, "
         f"then load"
     )
+
+
+def _user_group_token(group: dist.ProcessGroup) -> int:
+    """The token of a user's group, the same for the same group (so meshes over it compare equal)."""
+    for token, known in _user_groups.items():
+        if known is group:
+            return token
+    token = next(_user_group_tokens)
+    _user_groups[token] = group
+    return token
+
+
+def _check_group_ranks(mesh: DeviceMesh, mesh_dim: int, group: dist.ProcessGroup) -> None:
+    """Raise when `group` is not the set of ranks along `mesh_dim` through this rank."""
+    line = mesh.group_ranks(mesh_dim)
+    group_ranks = dist.get_process_group_ranks(group)
+    if sorted(group_ranks) != sorted(line):
+        raise ValueError(
+            f"from_group: the process group for mesh dim {mesh_dim} holds ranks {group_ranks}, but on rank "
+            f"{mesh.get_rank()} mesh {mesh.mesh.tolist()} has ranks {list(line)} along mesh dim {mesh_dim}; "
+            "give each rank the group of its own line along that mesh dim (e.g. the tp group holding it)"
+        )
 
 
 def _check_names(names: tuple[str, ...] | None, ndim: int) -> None:

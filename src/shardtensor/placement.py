@@ -15,12 +15,25 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
-__all__ = ["Placement", "Shard", "Replicate", "Partial", "NormPartial", "REDUCE_OPS", "normalize_placements"]
+__all__ = ["Placement", "Shard", "Replicate", "Partial", "NormPartial", "REDUCE_OPS", "normalize_placements", "chunk_sizes"]
 
 REDUCE_OPS = ("sum", "avg", "max", "min", "product")
+
+
+def chunk_sizes(size: int, parts: int) -> tuple[int, ...]:
+    """Sizes of `torch.chunk(size, parts)`, padded with empty chunks to exactly `parts` entries."""
+    step = -(-size // parts) if size else 0
+    sizes = []
+    remaining = size
+    for _ in range(parts):
+        take = min(step, remaining)
+        sizes.append(take)
+        remaining -= take
+    return tuple(sizes)
 
 
 class Placement:
@@ -53,6 +66,17 @@ class Shard(Placement):
     def is_shard(self, dim: int | None = None) -> bool:
         return dim is None or dim == self.dim
 
+    @staticmethod
+    def local_shard_size_and_offset(curr_local_size: int, num_chunks: int, rank: int) -> tuple[int, int]:
+        """Size and offset of piece `rank` when `curr_local_size` elements are split in `num_chunks`
+        `torch.chunk` pieces (an empty piece past the end has offset `curr_local_size`).
+
+        >>> Shard.local_shard_size_and_offset(5, 4, 3)
+        (0, 5)
+        """
+        sizes = chunk_sizes(curr_local_size, num_chunks)
+        return sizes[rank], sum(sizes[:rank])
+
     def __str__(self) -> str:
         return f"S({self.dim})"
 
@@ -79,6 +103,8 @@ class Partial(Placement):
     """Each rank holds an operand; the value is their reduction (`reduce_op`) over the mesh dim."""
 
     reduce_op: str = "sum"
+    ALL_REDUCE_OPS: ClassVar[tuple[str, ...]] = REDUCE_OPS
+    LINEAR_REDUCE_OPS: ClassVar[tuple[str, ...]] = ("sum", "avg")  # reduce(a + b) = reduce(a) + reduce(b)
 
     def __post_init__(self) -> None:
         if self.reduce_op not in REDUCE_OPS:

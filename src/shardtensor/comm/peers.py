@@ -28,7 +28,7 @@ class _Peers:
     size: int
     coordinate: int
     ranks: tuple[int, ...]  # global ranks in coordinate order
-    group_order: tuple[int, ...]  # coordinates in c10d group-rank order (sorted by global rank)
+    group_order: tuple[int, ...]  # coordinates in c10d group-rank order
     group_rank: tuple[int, ...]  # coordinate -> c10d group rank
     group: Any
     mesh_dim_names: tuple[str, ...] | None  # the names of `mesh_dim` on the mesh, for the records
@@ -62,8 +62,13 @@ def _peers(mesh: DeviceMesh, mesh_dim: MeshDims, *tensors: torch.Tensor) -> _Pee
 
 
 def _make_peers(mesh_dim, ranks: tuple[int, ...], coordinate: int, group, names) -> _Peers:
-    group_order = tuple(sorted(range(len(ranks)), key=lambda position: ranks[position]))
-    group_rank = tuple(group_order.index(position) for position in range(len(ranks)))
+    """Peers in coordinate order; c10d's rank of each in `group` is asked (a user's group from
+    `DeviceMesh.from_group` may order its ranks other than by global rank)."""
+    if group is None:
+        group_rank = tuple(range(len(ranks)))
+    else:
+        group_rank = tuple(dist.get_group_rank(group, rank) for rank in ranks)
+    group_order = tuple(sorted(range(len(ranks)), key=lambda position: group_rank[position]))
     return _Peers(mesh_dim, len(ranks), coordinate, ranks, group_order, group_rank, group, names)
 
 

@@ -4,7 +4,9 @@ Modules: `policies` (mixed precision, offload), `unit` (one unit's parameters an
 `hooks` (forward/backward hooks, prefetching), `api` (`fully_shard`, `FSDPModule`).
 """
 
-from .api import FSDPModule, UnshardHandle, fully_shard
+from .api import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
-__all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy"]
+__all__ = [
+    "fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy",
+]

@@ -11,8 +11,10 @@
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -22,7 +24,7 @@ from .hooks import post_forward, pre_forward
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .unit import ParameterUnit
 
-__all__ = ["fully_shard", "FSDPModule", "UnshardHandle"]
+__all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method"]
 
 
 class UnshardHandle:
@@ -103,11 +105,86 @@ class FSDPModule:
             raise ValueError(f"set_gradient_divide_factor: factor must be positive, got {factor!r}")
         self._fsdp_unit.gradient_divide_factor = float(factor)
 
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """Deprecated name of `set_gradient_divide_factor` (as in PyTorch)."""
+        warnings.warn("set_reduce_scatter_divide_factor is deprecated: use set_gradient_divide_factor", FutureWarning,
+                      stacklevel=2)
+        self.set_gradient_divide_factor(factor)
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP: with False, backward reduce-scatters the gradients but skips the all-reduce over the replicating
+        mesh dim and sets no gradient; the next backward with True adds those pieces to its own, all-reduces
+        once and sets the gradients of both (gradient accumulation at a lower cost). No effect on a 1-D mesh."""
+        for module in self._fsdp_modules(recurse):
+            module._fsdp_unit.requires_all_reduce = requires_all_reduce
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """With False, backward does not gather this unit's parameters: only for units whose backward needs no
+        parameter value (an embedding's gradient needs the indices and the output's gradient only)."""
+        self._fsdp_unit.unshard_in_backward = unshard_in_backward
+
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream=None) -> None:
+        """Call `hook(reduced)` on this rank's flat gradient piece once reduced (after the reduce-scatter, or the
+        HSDP all-reduce) and before the division, in place (e.g. an all-reduce over another group).
+        `stream` is for CUDA streams, which this library does not manage: it must be None."""
+        if stream is not None:
+            raise ValueError("set_all_reduce_hook: stream is not supported (the hook runs where the reduction is waited on); pass None")
+        self._fsdp_unit.all_reduce_hook = hook
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Accepted for PyTorch's API: the gradient collectives here always sum, then divide (`enable` is always met)."""
+        if not isinstance(enable, bool):
+            raise TypeError(f"set_force_sum_reduction_for_comms takes a bool, got {enable!r}")
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Accepted for PyTorch's API: every backward here ends by finishing its reductions and resharding,
+        which is what PyTorch does for the last one (False only lets PyTorch defer that wait)."""
+        if not isinstance(is_last_backward, bool):
+            raise TypeError(f"set_is_last_backward takes a bool, got {is_last_backward!r}")
+
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
+        """Accepted for PyTorch's API with True, which is always the case here: parameters that got no gradient
+        take part in their unit's one reduce-scatter with zeros, so ranks that used different ones still match."""
+        if reduce_scatter_unused_params is not True:
+            raise NotImplementedError("set_reduce_scatter_unused_params(False): a unit reduces all its parameters "
+                                      "in one collective, unused ones as zeros; only True is supported")
+
+    def reset_iter_state(self) -> None:
+        """After an exception cut a forward or backward short, make the next step start clean: on the root
+        module, reshard every unit and drop the failed step's state (its gradients, accumulated ones included)."""
+        context = self._fsdp_unit.context
+        if context is not None and context.root is not self._fsdp_unit:
+            raise RuntimeError(f"reset_iter_state: call it on the root FSDP module (the one first run forward), "
+                               f"not on {type(self).__name__}")
+        if context is not None:
+            context.reset()
+
 
 def _unit_of(module, caller: str) -> ParameterUnit:
     if not isinstance(module, FSDPModule):
         raise TypeError(f"{caller}: {type(module).__name__} is not an FSDPModule; pass modules that fully_shard was applied to")
     return module._fsdp_unit
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Make `module.<method_name>` gather and reshard the parameters as `forward` does (e.g. `generate`); a
+    no-op when `module` is not an FSDPModule, so the same code runs with and without `fully_shard`.
+
+    >>> register_fsdp_forward_method(model, "generate")  # doctest: +SKIP
+    """
+    if not isinstance(module, FSDPModule):
+        return
+    if not callable(getattr(module, method_name, None)):
+        raise ValueError(f"register_fsdp_forward_method: {type(module).__name__} has no method {method_name!r}")
+    method = getattr(module, method_name)
+
+    @functools.wraps(method)
+    def forward_method(*args, **kwargs):
+        unit = module._fsdp_unit
+        args, kwargs = pre_forward(unit, module, args, kwargs)
+        return post_forward(unit, module, args, method(*args, **kwargs))
+
+    setattr(module, method_name, forward_method)  # on the instance, as PyTorch's does
 
 
 @functools.cache

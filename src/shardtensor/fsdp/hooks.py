@@ -101,9 +101,9 @@ class TrainingContext:
     def pre_backward(self, unit: ParameterUnit) -> None:
         """The gradient of one of the unit's outputs is ready: its backward is next, so gather it now."""
         self.queue_end_of_backward()
-        unit.unshard(async_op=True)
-        for following in self.backward_prefetch(unit):
-            following.unshard(async_op=True)
+        for gathered in [unit, *self.backward_prefetch(unit)]:
+            if gathered.unshard_in_backward:
+                gathered.unshard(async_op=True)
         unit.wait_for_unshard()
 
     def post_backward(self, unit: ParameterUnit, grads) -> list:
@@ -137,6 +137,17 @@ class TrainingContext:
             if unit.reshard_after_backward:
                 unit.reshard()
             unit.clear_forward_tensors()
+
+    def reset(self) -> None:
+        """Forget a step an exception cut short: every unit resharded, orders and pending reductions dropped
+        (the next forward starts a new step; its gradients are those of the steps that finished)."""
+        self.in_forward = False
+        self.backward_queued = False
+        self.forward_order.clear()
+        self.post_forward_order.clear()
+        self.reductions.clear()
+        for unit in self.units:
+            unit.forget_step()
 
 
 class _Unshard(torch.autograd.Function):

@@ -144,6 +144,9 @@ class Reduction:
         if unit.replicate_mesh_dim is None or self._replicate_handle is not None or self._result is not None:
             return
         scattered = self._handle.wait()
+        if unit.partial_reduce_output is not None:  # earlier backwards' pieces, reduced on the sharding dim only
+            scattered.add_(unit.partial_reduce_output)
+            unit.partial_reduce_output = None
         self._replicate_handle = comm.all_reduce(scattered, unit.mesh, unit.replicate_mesh_dim, reduce_op="sum", async_op=True)
 
     def wait(self) -> torch.Tensor:
@@ -152,6 +155,8 @@ class Reduction:
             self.start_replicate_reduce()
             handle = self._replicate_handle if self._replicate_handle is not None else self._handle
             summed = handle.wait()
+            if self._unit.all_reduce_hook is not None:
+                self._unit.all_reduce_hook(summed)
             summed = summed.div_(self._unit.divide_factor()) if summed.is_floating_point() else summed
             self._result = summed.to(self._unit.parameter_dtype)
             self._handle = self._replicate_handle = None
@@ -195,6 +200,10 @@ class ParameterUnit:
         self.reshard_after_forward = reshard_after_forward
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
+        self.requires_all_reduce = True  # HSDP: False keeps the reduce-scatter's output for the next backward
+        self.partial_reduce_output: torch.Tensor | None = None
+        self.unshard_in_backward = True
+        self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
         self.gradient_divide_factor: float | None = None
         self.coordinate = mesh.get_local_rank(self.shard_mesh_dim)
         self.size = mesh.size(self.shard_mesh_dim)
@@ -402,6 +411,15 @@ class ParameterUnit:
             )
         self.register(self._shown_unsharded)
 
+    def forget_step(self) -> None:
+        """After a step an exception cut short: reshard, show the sharded parameters, drop the gradients
+        accumulated without sync and the HSDP pieces kept for the next all-reduce."""
+        self.reshard()
+        self.register_sharded()
+        self.finished_forward_modules.clear()
+        self._accumulated = None
+        self.partial_reduce_output = None
+
     def register_at_rest(self) -> None:
         """What the modules show outside forward: the unsharded parameters after an explicit unshard, else
         the sharded ones."""
@@ -514,6 +532,13 @@ class ParameterUnit:
             if grad is not None:
                 self._accumulated_view(slot).add_(grad)
 
+    def _keep_partial(self, scattered: torch.Tensor) -> None:
+        """HSDP without all-reduce: add this backward's reduce-scatter output to what the next all-reduce sends."""
+        if self.partial_reduce_output is None:
+            self.partial_reduce_output = scattered
+        else:
+            self.partial_reduce_output.add_(scattered)
+
     def _accumulated_view(self, slot: ParameterSlot) -> torch.Tensor:
         return self._accumulated[slot.unsharded_offset : slot.unsharded_offset + slot.numel].view(slot.unsharded_shape)
 
@@ -545,6 +570,9 @@ class ParameterUnit:
         self._accumulated = None
         handle = comm.reduce_scatter(scatter_input, self.mesh, self.shard_mesh_dim, reduce_op="sum", dim=0,
                                      sizes=self.segment_sizes, async_op=True)
+        if self.replicate_mesh_dim is not None and not self.requires_all_reduce:
+            self._keep_partial(handle.wait())
+            return [None] * len(self.slots), None
         reduction = Reduction(self, handle)
         results, offset = [], 0
         for slot, parameter in zip(self.slots, self.sharded_parameters):

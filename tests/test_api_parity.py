@@ -1,0 +1,83 @@
+"""API parity with PyTorch: the torch names shardtensor lacks are exactly the ones listed here, each with its
+reason, so that a regression (a name we lost) or a new torch name (after an upgrade) fails this test.
+
+The names come from `tools/api_parity.py` (run it to see them); an entry is removed when the name is
+implemented, and added only with a reason a reader accepts.
+"""
+
+import importlib.util
+import pathlib
+
+_FSDP1 = "FSDP1 (FullyShardedDataParallel) and its configuration: shardtensor implements FSDP2 (fully_shard) only"
+_CUDA_ONLY = "CUDA streams, events or NCCL memory: this library runs collectives through comm without managing streams"
+_COMPILE = "torch.compile protocol (tensor-subclass tracing, FX code generation): shardtensor runs eagerly"
+
+ALLOWED_MISSING = {
+    # --- device mesh ------------------------------------------------------------------------------------
+    "torch.distributed.device_mesh.init_device_mesh(backend_override)":
+        "the backend follows the device type (gloo for cpu, nccl for cuda); per-mesh-dim backend overrides are not supported",
+    # --- FSDP2 -------------------------------------------------------------------------------------------
+    "torch.distributed.fsdp.DataParallelMeshDims":
+        "fully_shard over an SPMD mesh whose parameters are already DTensors on it: large, use a dp sub-mesh instead",
+    "torch.distributed.fsdp.fully_shard(dp_mesh_dims)": "see DataParallelMeshDims",
+    "torch.distributed.fsdp.FSDPModule.set_custom_all_gather":
+        "takes torch's internal AllGather protocol (allocation and stream hooks); units gather through comm",
+    "torch.distributed.fsdp.FSDPModule.set_custom_reduce_scatter":
+        "takes torch's internal ReduceScatter protocol (allocation and stream hooks); units reduce through comm",
+    "torch.distributed.fsdp.FSDPModule.set_allocate_memory_from_process_group_for_comm": _CUDA_ONLY,
+    "torch.distributed.fsdp.FSDPModule.set_symm_mem_for_comm": _CUDA_ONLY,
+    "torch.distributed.fsdp.FSDPModule.set_post_optim_event": _CUDA_ONLY,
+    "torch.distributed.fsdp.FSDPModule.set_reduce_scatter_max_input_buffers": _CUDA_ONLY,
+    "torch.distributed.fsdp.FSDPModule.set_separate_reduce_scatter_group":
+        "a second process group so that reduce-scatters overlap on their own CUDA stream: " + _CUDA_ONLY,
+    "torch.distributed.fsdp.share_comm_ctx": _CUDA_ONLY,
+    **{f"torch.distributed.fsdp.{name}": _FSDP1 for name in (
+        "BackwardPrefetch", "CPUOffload", "FullOptimStateDictConfig", "FullStateDictConfig", "FullyShardedDataParallel",
+        "LocalOptimStateDictConfig", "LocalStateDictConfig", "MixedPrecision", "OptimStateDictConfig",
+        "OptimStateKeyType", "ShardedOptimStateDictConfig", "ShardedStateDictConfig", "ShardingStrategy",
+        "StateDictConfig", "StateDictSettings", "StateDictType")},
+    # --- DTensor and placements ----------------------------------------------------------------------------
+    "torch.distributed.tensor.DTensor.__coerce_same_metadata_as_tangent__": _COMPILE,
+    "torch.distributed.tensor.DTensor.__coerce_tangent_metadata__": _COMPILE,
+    "torch.distributed.tensor.DTensor.__tensor_flatten__": _COMPILE,
+    "torch.distributed.tensor.DTensor.__tensor_unflatten__": _COMPILE,
+    "torch.distributed.tensor.Placement.__fx_repr__": _COMPILE,
+    "torch.distributed.tensor.placement_types.Placement.__fx_repr__": _COMPILE,
+}
+
+
+def _api_parity():
+    path = pathlib.Path(__file__).resolve().parents[1] / "tools" / "api_parity.py"
+    spec = importlib.util.spec_from_file_location("api_parity", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_missing_torch_names_are_exactly_the_allowed_ones():
+    missing = set(_api_parity().missing_names())
+    lost = sorted(missing - set(ALLOWED_MISSING))
+    implemented = sorted(set(ALLOWED_MISSING) - missing)
+    assert not lost, f"torch names shardtensor lacks that are not allowed (implement, or allow with a reason): {lost}"
+    assert not implemented, f"allowed names that are no longer missing (remove them from ALLOWED_MISSING): {implemented}"
+
+
+def test_the_tool_sees_members_and_parameters():
+    """The tool itself: a member or a parameter torch has and ours lacks is reported."""
+    api_parity = _api_parity()
+
+    class Theirs:
+        def method(self, x, *, extra=None):
+            return x
+
+        def other(self):
+            return None
+
+    class Ours:
+        def method(self, x):
+            return x
+
+    Theirs.__module__ = "torch.distributed.fake"
+    assert api_parity.class_members(Theirs) == {"method", "other"}
+    assert api_parity.missing_parameters(Theirs.method, Ours.method) == ["extra"]
+    assert api_parity.missing_parameters(Theirs.method, lambda self, x, **kwargs: x) == []
