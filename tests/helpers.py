@@ -11,6 +11,7 @@ independent expectation.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import math
 import os
@@ -158,6 +159,11 @@ def with_fallback_draws(function, *, seed: int, counter: int):
         torch.set_rng_state(generator_state)
 
 
+# Flags of a demo run that takes a few seconds (with --data of a small text).
+SMALL_DEMO_FLAGS = ["--steps", "3", "--layers", "1", "--width", "16", "--heads", "2", "--batch-size", "4",
+                    "--block-size", "16", "--sample-length", "8"]
+
+
 def gloo_worker_threads() -> int:
     """How many gloo worker threads this process runs (c10d names them `pt_gloo_runloop`; Linux only).
 
@@ -172,3 +178,20 @@ def gloo_worker_threads() -> int:
         except OSError:  # the thread ended meanwhile
             pass
     return count
+
+
+def exit_3_if_gloo_workers_outlive_the_library() -> None:
+    """In a program run by a test: at exit, after the library's exit handler, exit with code 3 when a
+    gloo worker thread is still running (the cause of the abort at finalization, checked without its race).
+
+    Call it before the library registers its handler (before building a mesh): atexit runs handlers
+    last-in first-out, so this check runs after `mesh.release_process_groups`.
+    """
+
+    def check() -> None:
+        left = gloo_worker_threads()
+        if left:
+            print(f"rank {os.environ.get('RANK')}: {left} gloo worker threads outlived the library's exit handler", flush=True)
+            os._exit(3)
+
+    atexit.register(check)

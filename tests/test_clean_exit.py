@@ -6,7 +6,10 @@ needs the interpreter and aborts the rank ("terminate called without an active e
 -6; about 1 torchrun job in 2 on a loaded machine before the fix). The library destroys what it
 created at exit and holds no other reference to a group (meshes name groups by rank set), so the
 groups are freed and their threads joined before finalization (`mesh.release_process_groups`).
-Each program also checks the cause directly: no gloo worker thread outlives the exit handler.
+Each program also checks the cause directly: no gloo worker thread outlives the exit handler. That
+holds too for a program that makes and destroys the default group itself while the library creates
+no group (the demo on a 1x2 mesh): the library's caches hold the program's groups, so its exit
+handler is registered as soon as it holds one, not only when it creates one.
 """
 
 import os
@@ -18,13 +21,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import gloo_worker_threads
+from helpers import SMALL_DEMO_FLAGS, gloo_worker_threads
 
 from shardtensor import Shard, distribute_tensor, init_device_mesh, launch, mesh as mesh_module
 
 SCRIPTS = Path(__file__).parent / "scripts"
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4"]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]  # then the ranks
 ROUNDS, JOBS = 2, 3  # 6 jobs, 3 at a time: an abort in 1 job of 2 passes all 6 with probability 1/64
+DEMO_JOBS = 2  # the demo aborted in ~1 job of 5-10 before the fix, but its gloo-thread check failed in every job
 
 
 def _run_together(command: list[str], jobs: int) -> list[tuple[int, str, str]]:
@@ -37,10 +41,20 @@ def _run_together(command: list[str], jobs: int) -> list[tuple[int, str, str]]:
 
 def test_torchrun_jobs_without_destroy_process_group_all_exit_zero():
     for round_index in range(ROUNDS):
-        for job, (code, stdout, stderr) in enumerate(_run_together([*TORCHRUN, str(SCRIPTS / "torchrun_no_destroy.py")], JOBS)):
+        for job, (code, stdout, stderr) in enumerate(_run_together([*TORCHRUN, "4", str(SCRIPTS / "torchrun_no_destroy.py")], JOBS)):
             where = f"round {round_index}, torchrun job {job} of {JOBS}"
             assert code == 0, f"{where} exited with {code}:\n{stdout[-2000:]}\n{stderr[-3000:]}"
             assert sorted(re.findall(r"rank (\d+) done", stdout)) == ["0", "1", "2", "3"], stdout  # ranks' lines may interleave
+
+
+def test_the_demo_under_torchrun_exits_zero_every_time_and_leaves_no_gloo_worker(tmp_path):
+    """fully_shard x tensor parallel on a 1x2 mesh, the default group made and destroyed by the demo."""
+    text = tmp_path / "text.txt"
+    text.write_text("abcdefgh\n" * 100)
+    command = [*TORCHRUN, "2", str(SCRIPTS / "torchrun_demo.py"), *SMALL_DEMO_FLAGS, "--data", str(text)]
+    for job, (code, stdout, stderr) in enumerate(_run_together(command, DEMO_JOBS)):
+        assert code == 0, f"demo torchrun job {job} of {DEMO_JOBS} exited with {code}:\n{stdout[-2000:]}\n{stderr[-3000:]}"
+        assert "mesh 1x2" in stdout and "fully_shard on dp" in " ".join(stdout.split()), stdout
 
 
 def test_spawned_programs_exit_zero_without_aborts_or_leaked_semaphores():

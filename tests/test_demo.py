@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import SMALL_DEMO_FLAGS
 from parallel_helpers import tp_mesh, train_and_compare
 from spmd import spmd
 
@@ -144,10 +145,6 @@ def test_the_default_corpus_is_a_few_hundred_kilobytes_of_python():
     assert len(text) == 400_000 and "def " in text and all(c == "\n" or " " <= c <= "~" for c in text[:5000])
 
 
-SMALL = ["--steps", "3", "--layers", "1", "--width", "16", "--heads", "2", "--batch-size", "4",
-         "--block-size", "16", "--sample-length", "8"]
-
-
 def _run(command, timeout=300):
     finished = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
     assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
@@ -158,7 +155,7 @@ def test_the_demo_exits_cleanly_under_torchrun(tmp_path):
     text = tmp_path / "text.txt"
     text.write_text("abcdefgh\n" * 100)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               "-m", "shardtensor.demo", *SMALL, "--data", str(text)]
+               "-m", "shardtensor.demo", *SMALL_DEMO_FLAGS, "--data", str(text)]
     finished = _run(command)
     assert "mesh 1x2" in finished.stdout
 
@@ -169,7 +166,7 @@ def test_the_demo_trains_on_a_2x2_mesh_like_one_device_and_resumes_on_another_me
     agreeing after the resume means the sharded model and AdamW states came back exactly."""
     text = tmp_path / "text.txt"
     text.write_text("class Point:\n    def __init__(self, x):\n        self.x = x * 2\n" * 40)
-    common = [sys.executable, "-m", "shardtensor.demo", *SMALL, "--compare", "--data", str(text), "--checkpoint", str(tmp_path / "run")]
+    common = [sys.executable, "-m", "shardtensor.demo", *SMALL_DEMO_FLAGS, "--compare", "--data", str(text), "--checkpoint", str(tmp_path / "run")]
     first = _run([*common, "--steps", "2"])
     assert "losses agree with one device (2 steps" in first.stdout and "mesh 2x2" in first.stdout
     assert "(dp x tp, fully_shard on dp)" in " ".join(first.stdout.split())  # rich wraps lines at 80 columns

@@ -143,6 +143,7 @@ def world_generation() -> int:
     global _world_group, _generation
     world = dist.GroupMember.WORLD
     if world is not _world_group:
+        _register_exit_handler()  # the library holds this world's groups from now on, made by it or not
         if _world_group is not None:
             _forget_groups()
             for forget in _forget_callbacks:
@@ -193,7 +194,9 @@ def release_process_groups() -> None:
 
 
 def _register_exit_handler() -> None:
-    """Register `release_process_groups` at exit once, when the library first creates a group."""
+    """Register `release_process_groups` at exit once, when the library first holds a group: creates
+    one, or caches the user's (a mesh in a world the program initialized itself, whose groups
+    `_world_group` and the peers cache then keep alive even after the program destroys them)."""
     global _exit_handler_registered
     if not _exit_handler_registered:
         atexit.register(release_process_groups)

@@ -8,27 +8,17 @@ exit handler has run, no gloo worker thread is left. atexit runs handlers last-i
 check, registered before the library registers its handler, runs after it; it exits with code 3.
 """
 
-import atexit
-import os
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/, for helpers
-from helpers import gloo_worker_threads  # noqa: E402
+from helpers import exit_3_if_gloo_workers_outlive_the_library  # noqa: E402
 
 from shardtensor import Replicate, Shard, distribute_tensor, init_device_mesh  # noqa: E402
 
-
-def _check_no_gloo_worker_left():
-    left = gloo_worker_threads()
-    if left:
-        print(f"rank {os.environ['RANK']}: {left} gloo worker threads outlived the library's exit handler", flush=True)
-        os._exit(3)
-
-
-atexit.register(_check_no_gloo_worker_left)
+exit_3_if_gloo_workers_outlive_the_library()
 
 mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
 full = torch.arange(40.0).reshape(10, 4)
