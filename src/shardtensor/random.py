@@ -118,9 +118,9 @@ def tile_shape(shape: Sequence[int]) -> tuple[int, ...]:
     """
     tile = [max(size, 1) for size in shape]
     while math.prod(tile) > BLOCK_SIZE:
-        halvable = [dim for dim in range(len(tile)) if tile[dim] > 1]
-        dim = min(halvable, key=lambda candidate: (-(-shape[candidate] // tile[candidate]), candidate))
-        tile[dim] = 1 << ((tile[dim] - 1).bit_length() - 1)
+        counts = {dim: math.ceil(shape[dim] / tile[dim]) for dim in range(len(tile)) if tile[dim] > 1}
+        dim = min(counts, key=counts.get)  # the first (outermost) of the fewest
+        tile[dim] = 1 << ((tile[dim] - 1).bit_length() - 1)  # the largest power of two below it
     return tuple(tile)
 
 
@@ -133,7 +133,7 @@ class _Tiles:
         self.method, self.shape, self.seed, self.counter = method, tuple(shape), seed, counter
         self.dtype, self.parameters = dtype, parameters
         self.tile = tile_shape(shape)
-        self.grid = [-(-size // extent) for size, extent in zip(self.shape, self.tile)]
+        self.grid = [math.ceil(size / extent) for size, extent in zip(self.shape, self.tile)]
 
     def draw(self, position: Sequence[int]) -> torch.Tensor:
         """The tile at grid `position`, clipped to the tensor's edges."""
