@@ -165,6 +165,7 @@ def _fill_box(values: torch.Tensor, tiles: _Tiles, offset: Sequence[int], below:
             destination.append(slice(low - start, high - start))
         part = drawn[tuple(source)]
         values[tuple(destination)].copy_(part if below is None else part.lt(below))
+        del drawn, part  # freed before the next tile is drawn: one tile in flight
 
 
 def random_shard(
