@@ -3,6 +3,7 @@ torch.distributed.tensor (and plain torch) in the same run, on 4 local gloo rank
 
     .venv/bin/python bench/bench_memory.py           # short: 16 MiB shards, 64 MiB distribute_tensor
     .venv/bin/python bench/bench_memory.py --full    # the issue's sizes: 64 MiB shards, 256 MiB
+    .venv/bin/python bench/bench_memory.py --full --draw-only  # randn rows' boxes in one process
 
 Every row runs in fresh processes (one world per library and row), because the peak resident set
 (`resource.getrusage(...).ru_maxrss`) only grows: peak = maxrss after the first call - maxrss
@@ -147,6 +148,42 @@ ROWS = [
 ]
 
 
+def draw_only(shard_rows: int) -> None:
+    """Every rank's box of the randn rows drawn by `random.random_shard` (what the factory runs on a
+    rank) and plain torch.randn of the box's shape, called in turn in this one process; the sum over
+    boxes of each one's min time. No other rank competes for the cores, so on a shared machine this
+    ratio is the steadiest."""
+    import itertools
+
+    from shardtensor.random import random_shard
+
+    torch.set_num_threads(1)
+    print("one process, float32; ms = sum over the ranks' boxes of the min of 7 calls, ours and plain torch.randn in turn")
+    print("| row | size | boxes | ours ms | plain torch.randn ms | ours/plain |")
+    print("|---|---|---|---|---|---|")
+    for title, row, _ in ROWS:
+        if not row.startswith("randn"):
+            continue
+        shape = (shard_rows * RANKS, _COLUMNS.get(row, 4096))
+        mesh_shape, dims = _LAYOUTS.get(row, ((RANKS,), (0,)))
+        local_shape = _local_shape(row, shape)
+        ours_total = plain_total = 0.0
+        for coordinate in itertools.product(*(range(size) for size in mesh_shape)):
+            offset = [0, 0]
+            for index, dim in zip(coordinate, dims):
+                offset[dim] += index * local_shape[dim]
+            ours, plain = [], []
+            for _ in range(7):
+                for call, times in ((lambda: random_shard("randn", shape, offset, local_shape, seed=0, counter=0, dtype=torch.float32), ours),
+                                    (lambda: torch.randn(local_shape), plain)):
+                    start = time.perf_counter()
+                    call()
+                    times.append(time.perf_counter() - start)
+            ours_total, plain_total = ours_total + min(ours), plain_total + min(plain)
+        boxes = f"{local_shape[0]}x{local_shape[1]}"
+        print(f"| {title} | {shape[0]}x{shape[1]} | {boxes} | {ours_total * 1e3:.1f} | {plain_total * 1e3:.1f} | {ours_total / plain_total:.2f} |")
+
+
 def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import bench_memory
@@ -155,6 +192,8 @@ def main() -> None:
 
     full = "--full" in sys.argv
     shard_rows = 4096 if full else 1024  # 4096 x 4096 float32 = 64 MiB per shard
+    if "--draw-only" in sys.argv:
+        return draw_only(shard_rows)
     distribute_rows = 16384 if full else 4096  # 16384 x 4096 float32 = 256 MiB in all
     print(f"{RANKS} ranks, float32, Shard(0) unless named; peak = maxrss increase (MiB, largest rank); time = median (ms, slowest rank); alternating = min ours / min plain torch.randn called in turn by one rank at a time (largest rank)")
     print("| row | size | ours peak | torch DTensor peak | plain torch peak | ours ms | torch DTensor ms | plain torch ms | peak ours/torch | time ours/torch | time ours/plain | time ours/plain alternating |")
