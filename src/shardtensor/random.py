@@ -134,9 +134,12 @@ class _Tiles:
         self.dtype, self.parameters = dtype, parameters
         self.tile = tile_shape(shape)
         self.grid = [math.ceil(size / extent) for size, extent in zip(self.shape, self.tile)]
+        # One buffer for every tile: an allocation (and its page faults) per tile costs time, and
+        # allocators that mmap large blocks would fault a fresh one in each time.
+        self._buffer = torch.empty(math.prod(self.tile), dtype=dtype, device="cpu")
 
     def draw(self, position: Sequence[int]) -> torch.Tensor:
-        """The tile at grid `position`, clipped to the tensor's edges."""
+        """The tile at grid `position`, clipped to the tensor's edges (valid until the next draw)."""
         extents = [min(extent, size - index * extent) for index, extent, size in zip(position, self.tile, self.shape)]
         index = 0
         for coordinate, count in zip(position, self.grid):
@@ -144,14 +147,15 @@ class _Tiles:
         generator = torch.Generator().manual_seed(_tile_seed(self.seed, self.counter, index))
         # Drawn on the CPU by a CPU generator whatever the data's device, so that every device gets
         # the same numbers; `_fill_box` copies them into the shard on its device.
-        values = torch.empty(math.prod(extents), dtype=self.dtype, device="cpu")
+        values = self._buffer[: math.prod(extents)]
         return getattr(values, self.method)(*self.parameters, generator=generator).view(extents)
 
 
 def _fill_box(values: torch.Tensor, tiles: _Tiles, offset: Sequence[int], below: float | None = None) -> None:
     """Write the box `offset + values.shape` of the global tensor into `values` (with `below`: whether
     each value is below it): every tile the box overlaps is drawn once and its overlapping part
-    copied into place, so the work is the box plus the tiles cut by its edges and the memory one tile.
+    copied into place, so the work is the box plus the tiles cut by its edges and the memory one tile
+    (every tile is drawn into the same buffer).
     """
     ranges = []
     for start, length, extent in zip(offset, values.shape, tiles.tile):
@@ -165,7 +169,6 @@ def _fill_box(values: torch.Tensor, tiles: _Tiles, offset: Sequence[int], below:
             destination.append(slice(low - start, high - start))
         part = drawn[tuple(source)]
         values[tuple(destination)].copy_(part if below is None else part.lt(below))
-        del drawn, part  # freed before the next tile is drawn: one tile in flight
 
 
 def random_shard(
