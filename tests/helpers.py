@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import hashlib
+import itertools
 import math
 import os
 
@@ -130,20 +131,38 @@ def value_agreement(mesh, mesh_dims=None, *, checked: int = 1) -> list:
 _RANDOM_METHODS = {"rand": "uniform_", "randn": "normal_"}
 
 
+def documented_tile_shape(shape) -> tuple[int, ...]:
+    """The tile extents `shardtensor.random` documents: the whole shape up to BLOCK_SIZE elements;
+    above, the extent of the dim with the fewest tiles (outermost on a tie) is halved, first to the
+    largest power of two below the dim's size, until a tile holds at most BLOCK_SIZE elements."""
+    tile = [max(size, 1) for size in shape]
+    while math.prod(tile) > BLOCK_SIZE:
+        counts = [math.ceil(size / extent) if extent > 1 else math.inf for size, extent in zip(shape, tile)]
+        dim = counts.index(min(counts))
+        power = 1
+        while power * 2 < tile[dim]:
+            power *= 2
+        tile[dim] = power
+    return tuple(tile)
+
+
 def documented_random(kind: str, shape, *, seed: int, counter: int, dtype=torch.float64, parameters=()) -> torch.Tensor:
     """The global tensor of random call `counter` after `manual_seed(seed)`, as `shardtensor.random`
-    documents it: the flattened tensor in blocks of BLOCK_SIZE elements, block k filled by torch's
-    `kind` method (rand/randn: uniform_/normal_) from a generator seeded with the first 8 bytes
+    documents it, drawn whole tile by tile: tile k (row-major in the grid of tiles of
+    `documented_tile_shape`, clipped at the edges) filled in row-major order by torch's `kind`
+    method (rand/randn: uniform_/normal_) from a generator seeded with the first 8 bytes
     (little-endian, 63 bits) of blake2b("seed:counter:k")."""
-    total = math.prod(shape)
-    blocks = []
-    for block in range(0, max(math.ceil(total / BLOCK_SIZE), 1)):
-        digest = hashlib.blake2b(f"{seed}:{counter}:{block}".encode(), digest_size=8).digest()
+    full = torch.empty(tuple(shape), dtype=dtype)
+    tile = documented_tile_shape(shape)
+    grid = [range(0, size, extent) for size, extent in zip(shape, tile)]
+    for index, starts in enumerate(itertools.product(*grid)):
+        box = tuple(slice(start, min(start + extent, size)) for start, extent, size in zip(starts, tile, shape))
+        digest = hashlib.blake2b(f"{seed}:{counter}:{index}".encode(), digest_size=8).digest()
         generator = torch.Generator().manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
-        length = min(BLOCK_SIZE, total - block * BLOCK_SIZE)
         method = _RANDOM_METHODS.get(kind, kind)
-        blocks.append(getattr(torch.empty(length, dtype=dtype), method)(*parameters, generator=generator))
-    return torch.cat(blocks).reshape(tuple(shape))
+        values = getattr(torch.empty(full[box].numel(), dtype=dtype), method)(*parameters, generator=generator)
+        full[box] = values.reshape(full[box].shape)
+    return full
 
 
 def with_fallback_draws(function, *, seed: int, counter: int):

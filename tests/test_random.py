@@ -10,7 +10,7 @@ from shardtensor.random import BLOCK_SIZE, random_shard
 
 
 def test_a_box_of_the_random_tensor_equals_the_same_box_of_the_full_one():
-    shape = (3, BLOCK_SIZE // 2 + 5)  # several blocks, rows crossing block edges
+    shape = (3, BLOCK_SIZE // 2 + 5)  # tiles of 2 x 32768: the box below crosses tile edges
     full = documented_random("randn", shape, seed=5, counter=2, dtype=torch.float32)
     assert torch.equal(random_shard("randn", shape, (0, 0), shape, seed=5, counter=2, dtype=torch.float32), full)
     box = random_shard("randn", shape, (1, 7), (2, 1000), seed=5, counter=2, dtype=torch.float32)
@@ -20,7 +20,7 @@ def test_a_box_of_the_random_tensor_equals_the_same_box_of_the_full_one():
 
 
 def test_a_mask_below_a_threshold_is_the_comparison_of_the_same_draws():
-    """Dropout's and bernoulli's keep masks: the float64 uniform draws compared block by block give
+    """Dropout's and bernoulli's keep masks: the float64 uniform draws compared tile by tile give
     exactly the mask of the whole draw, for any box, without holding a float64 box."""
     shape = (3, BLOCK_SIZE // 2 + 5)
     full = random_shard("rand", shape, (0, 0), shape, seed=5, counter=2, dtype=torch.float64)

@@ -1,45 +1,30 @@
-"""Random values are pinned: the O(n) generation gives the same numbers as before it existed.
+"""Random values are pinned: every box of every shape equals the documented global tensor, drawn
+whole tile by tile by `helpers.documented_random` (not with the library's tile code).
 
-`_reference_shard` is the previous generation algorithm (one mask per block over the whole shard),
-kept here only as the oracle; the sha256 prefixes were captured with that algorithm before the
-change, so a change of the numbers for a given seed and global shape fails here.
+The sha256 prefixes pin the numbers. Those of tensors of at most BLOCK_SIZE elements and of 1-D
+tensors were captured before 2026-11-26, when the tiles were blocks of the flattened tensor, and
+still hold: such a tensor is one block then and one tile now (1-D: tiles of exactly BLOCK_SIZE).
+Those of larger tensors of 2 or more dims were re-pinned on 2026-11-26: with flat blocks a column
+shard draws every block its rows cross (4x its size on 4 ranks), and CPU generators (mt19937) cannot
+skip ahead to draw part of a block, so random generation in O(shard) needs tiles over every dim.
 """
 
 import hashlib
-import math
 import random
 
 import pytest
 import torch
+from helpers import documented_random, documented_tile_shape
 from spmd import spmd
 
 import shardtensor
 from shardtensor import Replicate, Shard
-from shardtensor.random import BLOCK_SIZE, _block_seed, random_shard
-
-_ALIASES = {"rand": "uniform_", "randn": "normal_"}
+from shardtensor.random import BLOCK_SIZE, random_shard, tile_shape
 
 
 def _reference_shard(kind, shape, offset, local_shape, *, seed, counter, dtype, parameters=()):
-    """The previous algorithm: flat indices of the box, then every overlapping block masked in."""
-    index = torch.zeros((), dtype=torch.int64)
-    step = math.prod(shape)
-    for size, start, length in zip(shape, offset, local_shape):
-        step //= max(size, 1)
-        index = index.unsqueeze(-1) + torch.arange(start, start + length, dtype=torch.int64) * step
-    index = index.reshape(-1)
-    total = math.prod(shape)
-    values = torch.empty(index.numel(), dtype=dtype)
-    if index.numel():
-        blocks = index // BLOCK_SIZE
-        for block in torch.unique(blocks).tolist():
-            length = min(BLOCK_SIZE, total - block * BLOCK_SIZE)
-            generator = torch.Generator().manual_seed(_block_seed(seed, counter, block))
-            method = _ALIASES.get(kind, kind)
-            generated = getattr(torch.empty(length, dtype=dtype), method)(*parameters, generator=generator)
-            mask = blocks == block
-            values[mask] = generated[index[mask] - block * BLOCK_SIZE]
-    return values.reshape(tuple(local_shape))
+    full = documented_random(kind, shape, seed=seed, counter=counter, dtype=dtype, parameters=parameters)
+    return full[tuple(slice(start, start + length) for start, length in zip(offset, local_shape))]
 
 
 def _digest(tensor: torch.Tensor) -> str:
@@ -49,26 +34,47 @@ def _digest(tensor: torch.Tensor) -> str:
 @pytest.mark.parametrize(
     "kind, shape, offset, local_shape, dtype, parameters, digest",
     [
-        ("randn", (3, BLOCK_SIZE // 2 + 5), (0, 0), (3, BLOCK_SIZE // 2 + 5), torch.float64, (), "3cbb2163d128ef1d"),
-        ("rand", (700, 300), (0, 150), (700, 150), torch.float32, (), "942c97995b7f6f8c"),
-        ("uniform_", (5, 7, 4000), (2, 3, 100), (3, 4, 2000), torch.float64, (-2.0, 3.0), "14a3b0e0511f0df2"),
+        # at most BLOCK_SIZE elements, or 1-D: the numbers of the flat blocks, captured before tiles
+        ("randn", (3, 5000), (0, 0), (3, 5000), torch.float64, (), "8c9bf8039ab87e4c"),
+        ("rand", (256, 256), (0, 100), (256, 50), torch.float32, (), "9ca066b7e210809c"),
+        ("random_", (7, 9, 11), (1, 2, 3), (5, 6, 7), torch.int64, (0, 1000), "492dbaded9396631"),
+        ("normal_", (BLOCK_SIZE,), (10,), (BLOCK_SIZE - 20,), torch.float32, (1.0, 2.0), "c820c2e836170f04"),
+        ("uniform_", (), (), (), torch.float64, (-2.0, 3.0), "a1438fe972148050"),
         ("normal_", (BLOCK_SIZE * 3 + 17,), (BLOCK_SIZE - 5,), (BLOCK_SIZE * 2,), torch.float32, (1.0, 2.0), "dfefd0d9a65fccf9"),
-        ("random_", (40, 5000), (10, 0), (20, 5000), torch.int64, (0, 1000), "23789919337d0f8c"),
+        # more than BLOCK_SIZE elements over 2 or more dims: re-pinned with tiles on 2026-11-26
+        ("randn", (3, BLOCK_SIZE // 2 + 5), (0, 0), (3, BLOCK_SIZE // 2 + 5), torch.float64, (), "4c080113ff7d6287"),
+        ("rand", (700, 300), (0, 150), (700, 150), torch.float32, (), "511422ceb2d0dc50"),
+        ("uniform_", (5, 7, 4000), (2, 3, 100), (3, 4, 2000), torch.float64, (-2.0, 3.0), "295012d3a1939ea4"),
+        ("random_", (40, 5000), (10, 0), (20, 5000), torch.int64, (0, 1000), "8883bf4d67f4087e"),
     ],
 )
-def test_values_are_the_ones_captured_before_the_linear_generation(kind, shape, offset, local_shape, dtype, parameters, digest):
+def test_values_are_pinned(kind, shape, offset, local_shape, dtype, parameters, digest):
     values = random_shard(kind, shape, offset, local_shape, seed=1234, counter=7, dtype=dtype, parameters=parameters)
     assert _digest(values) == digest, (kind, shape, offset, local_shape)
 
 
+@pytest.mark.parametrize(
+    "shape, tile",
+    [
+        ((), ()), ((7,), (7,)), ((256, 256), (256, 256)), ((3, 5000), (3, 5000)),
+        ((BLOCK_SIZE * 3 + 17,), (BLOCK_SIZE,)), ((16384, 4096), (512, 128)), ((4096, 4096), (256, 256)),
+        ((700, 300), (256, 256)), ((3, 50000), (2, 32768)), ((8, 1024, 1024), (1, 256, 256)),
+        ((5, 7, 4000), (4, 4, 4000)), ((1, 2 * BLOCK_SIZE + 1), (1, BLOCK_SIZE)), ((4 * BLOCK_SIZE, 2), (BLOCK_SIZE, 1)),
+    ],
+    ids=str,
+)
+def test_tiles_are_the_documented_boxes(shape, tile):
+    assert tile_shape(shape) == documented_tile_shape(shape) == tile
+
+
 _SHAPES = [
     (3, BLOCK_SIZE // 2 + 5), (700, 300), (5, 7, 4000), (BLOCK_SIZE * 3 + 17,), (2, 3, BLOCK_SIZE + 3),
-    (1, 2 * BLOCK_SIZE + 1), (3, 2, 2, BLOCK_SIZE // 3), (), (0, 5), (7,), (2 * BLOCK_SIZE,),
+    (1, 2 * BLOCK_SIZE + 1), (3, 2, 2, BLOCK_SIZE // 3), (), (0, 5), (7,), (2 * BLOCK_SIZE,), (1000, 999),
 ]
 
 
 @pytest.mark.parametrize("shape", _SHAPES, ids=str)
-def test_every_box_equals_the_previous_algorithm(shape):
+def test_every_box_equals_the_documented_tensor(shape):
     chooser = random.Random(sum(shape) + len(shape))
     boxes = [((0,) * len(shape), shape)]
     for _ in range(3):
@@ -99,8 +105,8 @@ def _layouts(mesh):
 
 
 @spmd(meshes=[(1,), (2,), (4,), (2, 2)])
-def test_factories_and_in_place_fills_keep_the_previous_numbers_on_every_layout(mesh):
-    shape = (9, BLOCK_SIZE // 8 + 3)
+def test_factories_and_in_place_fills_give_the_documented_tensor_on_every_layout(mesh):
+    shape = (9, BLOCK_SIZE // 8 + 3)  # tiles of 8 x 4096: every layout cuts some
     for placements in _layouts(mesh):
         for counter, (make, kind, parameters) in enumerate([
             (lambda: shardtensor.randn(*shape, device_mesh=mesh, placements=placements), "randn", ()),
@@ -110,25 +116,26 @@ def test_factories_and_in_place_fills_keep_the_previous_numbers_on_every_layout(
         ]):
             shardtensor.manual_seed(21)
             shardtensor.random._counter = counter
-            expected = _reference_shard(kind, shape, (0, 0), shape, seed=21, counter=counter, dtype=torch.float32, parameters=parameters)
+            expected = documented_random(kind, shape, seed=21, counter=counter, dtype=torch.float32, parameters=parameters)
             assert torch.equal(make().full_tensor(), expected), f"{kind} on mesh {tuple(mesh.shape)} {placements}"
 
 
-def test_a_shard_draws_each_block_it_touches_once_and_no_other(monkeypatch):
-    """Work is linear in the shard: a shard of whole rows draws exactly the blocks holding its
-    elements, each once (consecutive chunks reuse the block they share)."""
+@pytest.mark.parametrize(
+    "offset, local_shape, tiles",
+    [
+        ((256, 0), (256, 1024), [4, 5, 6, 7]),  # rows 256:512, a row shard of 4 ranks
+        ((0, 300), (1024, 200), [1, 5, 9, 13]),  # columns 300:500 lie in tile column 1
+        ((0, 256), (1024, 256), [1, 5, 9, 13]),  # a column shard of 4 ranks
+        ((100, 300), (200, 300), [1, 2, 5, 6]),  # rows 100:300 and columns 300:600
+    ],
+)
+def test_a_box_draws_each_tile_it_overlaps_once_and_no_other(monkeypatch, offset, local_shape, tiles):
+    """Work is linear in the box: it draws exactly the tiles (256 x 256, a grid of 4 x 4 on a
+    1024 x 1024 tensor) that hold its elements, each once, whatever dims it cuts."""
     from shardtensor import random as random_module
 
     drawn = []
-    original = random_module._block_seed
-    monkeypatch.setattr(random_module, "_block_seed", lambda seed, counter, block: drawn.append(block) or original(seed, counter, block))
-    shape = (64, BLOCK_SIZE // 16 + 3)  # rows do not align with blocks
-    offset, local_shape = (16, 0), (16, shape[1])
-    random_shard("randn", shape, offset, local_shape, seed=0, counter=0, dtype=torch.float32)
-    first = offset[0] * shape[1] // BLOCK_SIZE
-    last = ((offset[0] + local_shape[0]) * shape[1] - 1) // BLOCK_SIZE
-    assert drawn == list(range(first, last + 1))
-    drawn.clear()
-    wide = (4, 3 * BLOCK_SIZE)  # a narrow column box of wide rows touches one block per row
-    random_shard("rand", wide, (0, BLOCK_SIZE + 10), (4, 20), seed=0, counter=0, dtype=torch.float32)
-    assert drawn == [3 * row + 1 for row in range(4)]
+    original = random_module._tile_seed
+    monkeypatch.setattr(random_module, "_tile_seed", lambda seed, counter, tile: drawn.append(tile) or original(seed, counter, tile))
+    random_shard("randn", (1024, 1024), offset, local_shape, seed=0, counter=0, dtype=torch.float32)
+    assert drawn == tiles

@@ -1,10 +1,19 @@
 """Random values that do not depend on the mesh: the global tensor is a function of seed and shape.
 
-The flattened global tensor is cut into blocks of `BLOCK_SIZE` elements; block `k` of the random
-call number `counter` comes from a `torch.Generator` seeded with a hash of (seed, counter, k).
-A rank generates only the blocks that overlap its shard, one at a time, and copies the part of each
-block that its shard holds (time and memory linear in the shard), so every mesh shape, placement and
-rank count (one rank included) sees the same global tensor.
+The global tensor is cut into tiles, boxes of at most `BLOCK_SIZE` elements over every dim
+(`tile_shape`); tile `k` (row-major in the grid of tiles) of the random call number `counter` is
+filled in row-major order from a `torch.Generator` seeded with a hash of (seed, counter, k). A rank
+draws only the tiles its shard overlaps, one at a time, and copies the overlapping part of each into
+its shard, so time is linear in the shard whatever dims are sharded (rows, columns, both, uneven)
+and memory is the shard plus one tile; every mesh shape, placement and rank count (one rank included)
+sees the same global tensor. A tensor of at most `BLOCK_SIZE` elements is one tile, and so is drawn
+as one `randn(numel)` (or `uniform_`...) of the generator of tile 0, reshaped.
+
+Until 2026-11-26 the tiles were blocks of the flattened tensor: a column shard then drew every block
+its rows cross (4x its size on 4 ranks), and CPU generators (mt19937) cannot skip ahead to draw only
+part of a block, so tiles over every dim replaced them. Tensors of at most `BLOCK_SIZE` elements
+(one tile, one block) and 1-D tensors (tiles of exactly `BLOCK_SIZE`) kept their numbers; larger
+tensors of 2 or more dims got new ones.
 
 Semantics: `manual_seed(seed)` sets the seed and resets the counter to 0. Every random call on
 DTensors (the `rand`/`randn` factories and random ops such as `uniform_`, `rand_like`,
@@ -31,12 +40,12 @@ import torch
 
 from . import comm
 
-__all__ = ["BLOCK_SIZE", "FILLS", "manual_seed", "random_shard", "next_random_call", "same_draws_on_every_rank"]
+__all__ = ["BLOCK_SIZE", "FILLS", "manual_seed", "random_shard", "next_random_call", "same_draws_on_every_rank", "tile_shape"]
 
 BLOCK_SIZE = 2**16
 
 # The distributions `random_shard` draws: a kind is the name of torch's in-place random method that
-# fills a block (its `parameters` are that method's arguments); "rand" and "randn" are the
+# fills a tile (its `parameters` are that method's arguments); "rand" and "randn" are the
 # standard uniform and normal.
 FILLS = ("uniform_", "normal_", "exponential_", "random_", "log_normal_", "cauchy_", "geometric_")
 _ALIASES = {"rand": "uniform_", "randn": "normal_"}
@@ -85,95 +94,81 @@ def same_draws_on_every_rank(mesh) -> Iterator[None]:
     seed, counter = next_random_call(mesh)
     devices = [torch.cuda.current_device()] if mesh.device_type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(_block_seed(seed, counter, -1))
+        torch.manual_seed(_tile_seed(seed, counter, -1))
         yield
 
 
-def _block_seed(seed: int, counter: int, block: int) -> int:
-    digest = hashlib.blake2b(f"{seed}:{counter}:{block}".encode(), digest_size=8).digest()
+def _tile_seed(seed: int, counter: int, tile: int) -> int:
+    digest = hashlib.blake2b(f"{seed}:{counter}:{tile}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
-def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
+def tile_shape(shape: Sequence[int]) -> tuple[int, ...]:
+    """The extent along each dim of the tiles that cut the global tensor of `shape`.
 
+    The whole shape when it has at most `BLOCK_SIZE` elements; else, starting from the whole shape,
+    the extent of the dim cut into the fewest tiles (the outermost on a tie) is halved, its first
+    cut at the largest power of two below its size, until a tile holds at most `BLOCK_SIZE`
+    elements. Every dim is thus cut into about as many tiles as the others, so shards along any dim
+    (rows, columns, both) draw little more than themselves; a 1-D tensor gets tiles of exactly
+    `BLOCK_SIZE`.
 
-class _Blocks:
-    """Draws of the flattened global tensor by flat index range, one block at a time.
-
-    Only the most recent block is kept, so ranges that share a block (consecutive chunks of a box)
-    draw it once, and memory stays at most two blocks whatever the box size.
+    >>> tile_shape((16384, 4096)), tile_shape((100, 100)), tile_shape((3, 50000))
+    ((512, 128), (100, 100), (2, 32768))
     """
+    tile = [max(size, 1) for size in shape]
+    while math.prod(tile) > BLOCK_SIZE:
+        counts = {dim: math.ceil(shape[dim] / tile[dim]) for dim in range(len(tile)) if tile[dim] > 1}
+        dim = min(counts, key=counts.get)  # the first (outermost) of the fewest
+        tile[dim] = 1 << ((tile[dim] - 1).bit_length() - 1)  # the largest power of two below it
+    return tuple(tile)
 
-    def __init__(self, method: str, total: int, seed: int, counter: int, dtype: torch.dtype, parameters: tuple):
-        self.method, self.total, self.seed, self.counter = method, total, seed, counter
+
+class _Tiles:
+    """The tiles of one random call: tile `index` (row-major in the grid of tiles) is a box of the
+    global tensor, filled in row-major order by torch's `method` from a generator seeded with a hash
+    of (seed, counter, index)."""
+
+    def __init__(self, method: str, shape: Sequence[int], seed: int, counter: int, dtype: torch.dtype, parameters: tuple):
+        self.method, self.shape, self.seed, self.counter = method, tuple(shape), seed, counter
         self.dtype, self.parameters = dtype, parameters
-        self._last: tuple[int, torch.Tensor] | None = None
+        self.tile = tile_shape(shape)
+        self.grid = [math.ceil(size / extent) for size, extent in zip(self.shape, self.tile)]
+        # One buffer for every tile: an allocation (and its page faults) per tile costs time, and
+        # allocators that mmap large blocks would fault a fresh one in each time.
+        self._buffer = torch.empty(math.prod(self.tile), dtype=dtype, device="cpu")
 
-    def block(self, index: int) -> torch.Tensor:
-        if self._last is None or self._last[0] != index:
-            length = min(BLOCK_SIZE, self.total - index * BLOCK_SIZE)
-            generator = torch.Generator().manual_seed(_block_seed(self.seed, self.counter, index))
-            # Drawn on the CPU by a CPU generator whatever the data's device, so that every device
-            # gets the same numbers; `_fill_box` copies them into the shard on its device.
-            values = getattr(torch.empty(length, dtype=self.dtype, device="cpu"), self.method)(*self.parameters, generator=generator)
-            self._last = (index, values)
-        return self._last[1]
-
-    def range(self, start: int, stop: int) -> torch.Tensor:
-        """Global flat elements `start:stop` (a view of one block when the range lies in one)."""
-        first, last = start // BLOCK_SIZE, (stop - 1) // BLOCK_SIZE
-        parts = []
-        for index in range(first, last + 1):
-            low = max(start - index * BLOCK_SIZE, 0)
-            high = min(stop - index * BLOCK_SIZE, BLOCK_SIZE)
-            parts.append(self.block(index)[low:high])
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+    def draw(self, position: Sequence[int]) -> torch.Tensor:
+        """The tile at grid `position`, clipped to the tensor's edges (valid until the next draw)."""
+        extents = [min(extent, size - index * extent) for index, extent, size in zip(position, self.tile, self.shape)]
+        index = 0
+        for coordinate, count in zip(position, self.grid):
+            index = index * count + coordinate
+        generator = torch.Generator().manual_seed(_tile_seed(self.seed, self.counter, index))
+        # Drawn on the CPU by a CPU generator whatever the data's device, so that every device gets
+        # the same numbers; `_fill_box` copies them into the shard on its device.
+        values = self._buffer[: math.prod(extents)]
+        return getattr(values, self.method)(*self.parameters, generator=generator).view(extents)
 
 
-def _fill_box(values: torch.Tensor, blocks: _Blocks, shape: Sequence[int], offset: Sequence[int],
-              below: float | None = None) -> None:
-    """Write the box `offset + values.shape` of the global tensor into `values`, in O(its size)
-    (with `below`: whether each value is below it, chunk by chunk).
-
-    The box is walked in chunks of consecutive indices of one `split` tensor dim (the outermost
-    whose rows fit in a block). A chunk is as long as fits in the block where it starts, so most
-    chunks are views of one block and only a row crossing a block edge is concatenated: the draws in
-    flight never exceed two blocks, and only blocks holding elements of the box are drawn (within a
-    chunk, gaps between the box's elements are shorter than a block).
+def _fill_box(values: torch.Tensor, tiles: _Tiles, offset: Sequence[int], below: float | None = None) -> None:
+    """Write the box `offset + values.shape` of the global tensor into `values` (with `below`: whether
+    each value is below it): every tile the box overlaps is drawn once and its overlapping part
+    copied into place, so the work is the box plus the tiles cut by its edges and the memory one tile
+    (every tile is drawn into the same buffer).
     """
-    ndim = len(shape)
-    local_shape = tuple(values.shape)
-    def write(destination: torch.Tensor, drawn: torch.Tensor) -> None:
-        destination.copy_(drawn if below is None else drawn.lt(below))
-
-    if ndim == 0:
-        write(values, blocks.range(0, 1).reshape(()))
-        return
-    strides = _contiguous_strides(shape)
-    split = 0
-    while split < ndim - 1 and strides[split] > BLOCK_SIZE:
-        split += 1
-    row = strides[split]
-    inner_shape, inner_strides = local_shape[split + 1 :], strides[split + 1 :]
-    inner_start = sum(start * stride for start, stride in zip(offset[split + 1 :], inner_strides))
-    inner_extent = sum((length - 1) * stride for length, stride in zip(inner_shape, inner_strides)) + 1
-    for outer in itertools.product(*(range(length) for length in local_shape[:split])):
-        base = sum((start + index) * stride for start, index, stride in zip(offset, outer, strides))
-        destination = values[outer] if outer else values
-        first = 0
-        while first < local_shape[split]:
-            start = base + (offset[split] + first) * row + inner_start
-            room = (start // BLOCK_SIZE + 1) * BLOCK_SIZE - start
-            count = min(local_shape[split] - first, max(1, (room - inner_extent) // row + 1))
-            drawn = blocks.range(start, start + (count - 1) * row + inner_extent)
-            box = drawn.as_strided((count, *inner_shape), (row, *inner_strides), drawn.storage_offset())
-            write(destination[first : first + count], box)
-            first += count
+    ranges = []
+    for start, length, extent in zip(offset, values.shape, tiles.tile):
+        ranges.append(range(start // extent, (start + length - 1) // extent + 1))
+    for position in itertools.product(*ranges):
+        drawn = tiles.draw(position)
+        source, destination = [], []
+        for index, extent, start, length in zip(position, tiles.tile, offset, values.shape):
+            low, high = max(start, index * extent), min(start + length, (index + 1) * extent)
+            source.append(slice(low - index * extent, high - index * extent))
+            destination.append(slice(low - start, high - start))
+        part = drawn[tuple(source)]
+        values[tuple(destination)].copy_(part if below is None else part.lt(below))
 
 
 def random_shard(
@@ -192,13 +187,13 @@ def random_shard(
 ) -> torch.Tensor:
     """The box `offset + local_shape` of the global random tensor of `shape`.
 
-    `kind` is "rand", "randn" or a name in `FILLS`, called with `parameters` on each block
-    (`random_shard("uniform_", ..., parameters=(-1.0, 1.0))`). Time and memory are linear in the
-    blocks the box touches (its size, for boxes of whole rows), never in the global size: blocks
-    are drawn one at a time and copied into the result, or into `out` (a tensor of `local_shape`,
-    written in place) so that filling an existing shard needs no second shard. With `below`, the
-    result is the bool mask `values < below` (dropout's and bernoulli's keep masks), compared block
-    by block: the values are drawn in `dtype` as always, but never held for the whole box.
+    `kind` is "rand", "randn" or a name in `FILLS`, called with `parameters` on each tile
+    (`random_shard("uniform_", ..., parameters=(-1.0, 1.0))`). Time is linear in the tiles the box
+    overlaps (its size plus the tiles cut by its edges), never in the global size: tiles are drawn
+    one at a time and copied into the result, or into `out` (a tensor of `local_shape`, written in
+    place) so that filling an existing shard needs no second shard. With `below`, the result is the
+    bool mask `values < below` (dropout's and bernoulli's keep masks), compared tile by tile: the
+    values are drawn in `dtype` as always, but never held for the whole box.
 
     >>> full = random_shard("rand", (3, 4), (0, 0), (3, 4), seed=0, counter=0, dtype=torch.float32)
     >>> torch.equal(random_shard("rand", (3, 4), (1, 2), (2, 2), seed=0, counter=0,
@@ -216,5 +211,5 @@ def random_shard(
     # whose box is empty raises as the others do, instead of running on into their next collective.
     getattr(torch.empty(0, dtype=dtype, device=out.device), method)(*parameters)
     if out.numel():
-        _fill_box(out, _Blocks(method, math.prod(shape), seed, counter, dtype, parameters), shape, offset, below)
+        _fill_box(out, _Tiles(method, shape, seed, counter, dtype, parameters), offset, below)
     return out

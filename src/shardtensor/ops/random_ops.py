@@ -1,6 +1,6 @@
 """Sharding rules: random ops on DTensors give the same global tensor on every mesh.
 
-Each rank draws only the values of its own shard with `random.random_shard` (block-based, keyed by
+Each rank draws only the values of its own shard with `random.random_shard` (tile-based, keyed by
 `manual_seed` and a per-call counter): the result depends on the seed, the call number and the
 global shape, never on the mesh, the placements or the number of ranks. The rules keep the input's
 layout (Replicate or Shard; a Partial input is reduced first, or gives Replicate for `*_like`) and
@@ -122,7 +122,7 @@ class ThresholdRandom(ShardingRule):
             if isinstance(probability, torch.Tensor):
                 values = draw(mesh, probability.dtype, tensor.device) < probability
             else:  # torch's own check of a number p, alike on every rank; then the float64 draws
-                # compared block by block: a bool mask, never a float64 shard
+                # compared tile by tile: a bool mask, never a float64 shard
                 torch.empty(0, device=tensor.device).bernoulli_(probability)
                 values = draw(mesh, torch.float64, tensor.device, below=probability)
             if self.in_place:
@@ -166,7 +166,7 @@ class NativeDropout(ShardingRule):
         def dropout(mesh, tensor, probability, train):
             if train is False:
                 return tensor.clone(), torch.ones_like(tensor, dtype=torch.bool)
-            keep = draw(mesh, torch.float64, tensor.device, below=1 - probability)  # compared block by block
+            keep = draw(mesh, torch.float64, tensor.device, below=1 - probability)  # compared tile by tile
             scale = 0.0 if probability >= 1 else 1 / (1 - probability)
             return tensor * keep * scale, keep
 
