@@ -8,6 +8,7 @@ Factories allocate only the local shard; `rand`/`randn` values do not depend on 
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Sequence
 
@@ -90,7 +91,17 @@ def _send_from_source(tensor: torch.Tensor, layout: Layout, mesh: DeviceMesh, co
                     relative = [start - mine for start, mine in zip(offset, my_offset)]
                     pieces.append(_box(current, relative, shape))  # a view: scatter copies one at a time
             _, shape = _region(layout, coordinate, after)
-            current = comm.scatter(pieces, mesh, mesh_dim, src=source, shape=tuple(shape), dtype=tensor.dtype)
+            scatter = functools.partial(comm.scatter, pieces, mesh, mesh_dim, src=source, shape=tuple(shape),
+                                        dtype=tensor.dtype)
+            if holds_data and step == len(order) - 1 and all(piece.is_contiguous() for piece in pieces):
+                # Every piece is sent from the caller's tensor as is (no copies in flight), so send them
+                # all at once and make this rank's own shard (it must not alias the caller's tensor)
+                # while they travel, instead of after.
+                handle = scatter(async_op=True)
+                current = pieces[coordinate[mesh_dim]].clone()
+                handle.wait()
+            else:
+                current = scatter()
         else:
             if not holds_data:
                 _, shape = _region(layout, coordinate, done)
