@@ -17,9 +17,9 @@ import dataclasses
 import datetime
 import importlib
 import multiprocessing
+import multiprocessing.connection
 import os
 import pickle
-import queue
 import socket
 import sys
 import time
@@ -33,6 +33,10 @@ __all__ = ["LocalWorkers", "RankFailure", "RegisteredFunction", "register", "spa
 # bound is only against a stuck rendezvous and is generous for many ranks on a loaded machine.
 _STARTUP_TIMEOUT = 600.0
 _POLL_INTERVAL = 0.05
+# Tasks and results travel over one pipe each way per worker: pipes hold no named semaphores
+# (multiprocessing queues do, and the resource tracker then warned now and then at exit of
+# "leaked semaphore objects" that a queue's finalizer had already unlinked).
+_STOP = b""
 
 # Functions registered by name, so that a worker can find a function that its module replaces
 # (for example a test body that a pytest decorator wraps).
@@ -107,9 +111,9 @@ def _worker_main(rank, world_size, backend, port, timeout, tasks, results, paren
             timeout=datetime.timedelta(seconds=timeout),
         )
     except BaseException:
-        results.put(pickle.dumps((None, rank, False, traceback.format_exc())))
+        results.send_bytes(pickle.dumps((None, rank, False, traceback.format_exc())))
         return
-    results.put(pickle.dumps((None, rank, True, "ready")))
+    results.send_bytes(pickle.dumps((None, rank, True, "ready")))
     _serve(rank, tasks, results, parent_pid)
     _release_world()
 
@@ -119,13 +123,15 @@ def _serve(rank, tasks, results, parent_pid) -> None:
     import torch
 
     while True:
-        try:
-            payload = tasks.get(timeout=1.0)
-        except queue.Empty:
+        if not tasks.poll(1.0):
             if os.getppid() != parent_pid:  # the parent died: do not linger
                 return
             continue
-        if payload is None:  # the caller releases the world (`_release_world`) after this returns
+        try:
+            payload = tasks.recv_bytes()
+        except EOFError:  # the parent closed the pipe
+            return
+        if payload == _STOP:  # the caller releases the world (`_release_world`) after this returns
             return
         task_id, function, args, kwargs, parent_path = pickle.loads(payload)
         if sys.path != parent_path:
@@ -137,7 +143,7 @@ def _serve(rank, tasks, results, parent_pid) -> None:
             answer = pickle.dumps((task_id, rank, True, function(*args, **kwargs)))
         except BaseException:
             answer = pickle.dumps((task_id, rank, False, traceback.format_exc()))
-        results.put(answer)
+        results.send_bytes(answer)
 
 
 def _release_world() -> None:
@@ -168,8 +174,8 @@ class LocalWorkers:
         self.timeout = timeout
         self.grace = grace
         self._processes: list[multiprocessing.Process] = []
-        self._task_queues: list = []
-        self._results = None
+        self._task_pipes: list = []  # the parent's write end of each worker's task pipe
+        self._result_pipes: list = []  # the parent's read end of each worker's result pipe
         self._ready = False
         self._task_id = 0
 
@@ -179,18 +185,21 @@ class LocalWorkers:
             return
         context = multiprocessing.get_context("spawn")
         port = _free_port()
-        self._results = context.Queue()
-        self._task_queues = [context.Queue() for _ in range(self.world_size)]
         for rank in range(self.world_size):
+            task_reader, task_writer = context.Pipe(duplex=False)
+            result_reader, result_writer = context.Pipe(duplex=False)
             process = context.Process(
                 target=_worker_main,
-                args=(rank, self.world_size, self.backend, port, self.timeout,
-                      self._task_queues[rank], self._results, os.getpid()),
+                args=(rank, self.world_size, self.backend, port, self.timeout, task_reader, result_writer, os.getpid()),
                 daemon=True,
                 name=f"shardtensor-rank{rank}",
             )
             process.start()
+            task_reader.close()  # the worker has its own copies: a dead worker then reads as EOF here
+            result_writer.close()
             self._processes.append(process)
+            self._task_pipes.append(task_writer)
+            self._result_pipes.append(result_reader)
 
     def _wait_ready(self) -> None:
         self.start()
@@ -213,8 +222,11 @@ class LocalWorkers:
             self._kill()
         self._wait_ready()
         self._task_id += 1
-        for task_queue in self._task_queues:
-            task_queue.put(payload)
+        for task_pipe in self._task_pipes:
+            try:
+                task_pipe.send_bytes(payload)
+            except OSError:  # the worker died since the check above: `_collect` reports it
+                pass
         return self._collect(self._task_id, self.timeout if timeout is None else timeout)
 
     def _collect(self, task_id: int | None, timeout: float) -> list:
@@ -222,25 +234,31 @@ class LocalWorkers:
         results: dict[int, Any] = {}
         failures: dict[int, str] = {}
         deadline = time.monotonic() + timeout
+        open_pipes = list(self._result_pipes)
         while len(results) + len(failures) < self.world_size:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
-            try:
-                answer_task, rank, ok, value = pickle.loads(self._results.get(timeout=min(remaining, _POLL_INTERVAL)))
-            except queue.Empty:
+            ready = multiprocessing.connection.wait(open_pipes, timeout=min(remaining, _POLL_INTERVAL))
+            if not ready:
                 for rank, process in enumerate(self._processes):
                     if not process.is_alive() and rank not in results and rank not in failures:
                         failures[rank] = f"worker process exited with code {process.exitcode}"
                         deadline = min(deadline, time.monotonic() + self.grace)
                 continue
-            if answer_task != task_id:
-                continue  # a stale answer from an earlier task
-            if ok:
-                results[rank] = value
-            else:
-                failures[rank] = value
-                deadline = min(deadline, time.monotonic() + self.grace)
+            for pipe in ready:
+                try:
+                    answer_task, rank, ok, value = pickle.loads(pipe.recv_bytes())
+                except EOFError:  # the worker is gone; the dead-process check above reports it
+                    open_pipes.remove(pipe)
+                    continue
+                if answer_task != task_id:
+                    continue  # a stale answer from an earlier task
+                if ok:
+                    results[rank] = value
+                else:
+                    failures[rank] = value
+                    deadline = min(deadline, time.monotonic() + self.grace)
         answered = sorted([*results, *failures])
         timed_out = [rank for rank in range(self.world_size) if rank not in answered]
         if timed_out or any(not process.is_alive() for process in self._processes):
@@ -255,28 +273,29 @@ class LocalWorkers:
                 process.kill()
         for process in self._processes:
             process.join()
-        self._discard_queues()
+        self._discard_pipes()
 
-    def _discard_queues(self) -> None:
-        for channel in [*self._task_queues, self._results]:
-            if channel is not None:
-                channel.cancel_join_thread()
-                channel.close()
-        self._processes, self._task_queues, self._results = [], [], None
+    def _discard_pipes(self) -> None:
+        for pipe in [*self._task_pipes, *self._result_pipes]:
+            pipe.close()
+        self._processes, self._task_pipes, self._result_pipes = [], [], []
         self._ready = False
 
     def close(self, timeout: float = 5.0) -> list[int | None]:
         """Stop the workers (politely, then by force after `timeout` seconds); returns their exit codes."""
-        for process, task_queue in zip(self._processes, self._task_queues):
+        for process, task_pipe in zip(self._processes, self._task_pipes):
             if process.is_alive():
-                task_queue.put(None)
+                try:
+                    task_pipe.send_bytes(_STOP)
+                except OSError:  # it died since: joined below
+                    pass
         for process in self._processes:
             process.join(timeout=timeout)
             if process.is_alive():
                 process.kill()
                 process.join()
         exit_codes = [process.exitcode for process in self._processes]
-        self._discard_queues()
+        self._discard_pipes()
         return exit_codes
 
     def __enter__(self) -> LocalWorkers:
