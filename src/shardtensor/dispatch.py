@@ -112,11 +112,12 @@ def _plain_tensors_as_replicate(dtensor_class: type, op, flat: list, mesh, accep
     full value, not this rank's shard or partial sum.
     """
     accepted = accepted or torch._C._current_autograd_node() is not None
-    for value in flat:
-        if isinstance(value, torch.Tensor) and value.layout != torch.strided:
-            raise sparse_layout_error(op, f"got a plain {value.layout} tensor of shape {tuple(value.shape)} mixed with DTensors")
     for index, value in enumerate(flat):
-        if isinstance(value, torch.Tensor) and not isinstance(value, dtensor_class) and (value.ndim > 0 or id(value) in written_ids):
+        if not isinstance(value, torch.Tensor) or isinstance(value, dtensor_class):
+            continue
+        if value.layout != torch.strided:
+            raise sparse_layout_error(op, f"got a plain {value.layout} tensor of shape {tuple(value.shape)} mixed with DTensors")
+        if value.ndim > 0 or id(value) in written_ids:
             if accepted or value.numel() == 1 or created_by_torch(value):
                 layout = Layout.create(mesh.shape, [Replicate()] * mesh.ndim, value.shape)
                 flat[index] = dtensor_class(value, DTensorSpec(mesh, layout, tuple(value.stride()), value.dtype))
