@@ -134,13 +134,19 @@ def test_in_place_scaling_of_max_and_min_partials_by_a_negative_number_reduces_f
 @spmd()
 def test_scaling_a_partial_by_inf_or_nan_or_dividing_by_zero_reduces_first(mesh):
     """inf * (a0 + a1) is not inf * a0 + inf * a1 (operands of both signs give NaN): no Partial row, even
-    right after a finite scale of the same Partial cached its decision and plan."""
+    right after a finite scale of the same Partial cached its decision and plan (multi-tensor plans
+    included, with a scalar or a list of scalars)."""
     inf, nan = math.inf, math.nan
     calls = {"* 2": lambda t: t * 2, "* inf": lambda t: t * inf, "* -inf": lambda t: t * -inf, "* nan": lambda t: t * nan,
              "/ 0": lambda t: t / 0, "/ -0.0": lambda t: t / -0.0, "/ 4": lambda t: t / 4,
              "mul_(-inf)": lambda t: t.mul_(-inf), "div_(0)": lambda t: t.div_(0),
+             "_foreach_mul(2)": lambda t: torch._foreach_mul([t], 2.0)[0],
              "_foreach_mul(inf)": lambda t: torch._foreach_mul([t], inf)[0],
-             "_foreach_div(0)": lambda t: torch._foreach_div([t], 0.0)[0]}
+             "_foreach_div(0)": lambda t: torch._foreach_div([t], 0.0)[0],
+             "_foreach_mul([2])": lambda t: torch._foreach_mul([t], [2.0])[0],
+             "_foreach_mul([inf])": lambda t: torch._foreach_mul([t], [inf])[0],
+             "_foreach_mul([nan])": lambda t: torch._foreach_mul([t], [nan])[0]}
+    finite = ("* 2", "/ 4", "_foreach_mul(2)", "_foreach_mul([2])")
     for reduce_op in ("sum", "avg", "max", "min"):
         for name, call in calls.items():
             x, value = _partial(mesh, reduce_op)
@@ -148,9 +154,9 @@ def test_scaling_a_partial_by_inf_or_nan_or_dividing_by_zero_reduces_first(mesh)
                 result = call(x)
             torch.testing.assert_close(result.full_tensor(), call(value), rtol=0, atol=0, equal_nan=True,
                                        msg=lambda message, name=name: f"P({reduce_op}) {name}: {message}")
-            if name in ("* 2", "/ 4") and reduce_op in ("sum", "avg"):
+            if name in finite and reduce_op in ("sum", "avg"):
                 assert result.placements == x.placements, name
-            elif name not in ("* 2", "/ 4"):
+            elif name not in finite:
                 assert not any(p.is_partial() for p in result.placements) or result is x, (reduce_op, name)
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 import operator
 
 import torch
@@ -24,7 +25,7 @@ from torch.utils._pytree import tree_flatten
 
 from .ops.foreach import canonical_scalar
 from .plan_cache import CachedPlan, store_function_plan
-from .rules import ComposedRule, Decision
+from .rules import ComposedRule, Decision, sign_of
 from .spec import DTensorSpec, interned_spec
 
 __all__ = ["is_multi_tensor", "is_multi_tensor_function", "list_key", "ListPlan", "learn_function"]
@@ -81,8 +82,9 @@ _REAL_TYPES = frozenset((int, float))
 
 def _signs(types: tuple, values) -> object:
     """What the decision reads of a scalar list: each value's sign (one summary for the common
-    all-positive or all-negative list of real numbers, found without a Python loop)."""
-    if _REAL_TYPES.issuperset(types):
+    all-positive or all-negative list of finite real numbers, found without a Python loop; an inf or
+    NaN anywhere makes the sum not finite, and the list is keyed value by value)."""
+    if _REAL_TYPES.issuperset(types) and math.isfinite(sum(values)):
         if min(values) > 0:
             return 1
         if max(values) < 0:
@@ -100,9 +102,9 @@ def list_key(dtensor_class: type, op, args: tuple, kwargs: dict) -> tuple | None
                 key.append(tuple(map(id, map(_spec_of, value))))
             except AttributeError:  # a plain tensor among DTensors
                 return None
-        elif kind is float:  # `canonical_scalar`: its sign
+        elif kind is float:  # what `canonical_scalar` keeps: its sign, None when not finite
             key.append(kind)
-            key.append((value > 0) - (value < 0))
+            key.append(sign_of(value))
         elif not _append(dtensor_class, value, key):
             return None
     for name, value in kwargs.items():
