@@ -5,7 +5,8 @@
 
 Small tensors, so the time is dispatch overhead, not compute. Each repeat times `ITERATIONS` calls
 of ours and then of theirs back to back (so both see the same machine load), rank 0's CPU time
-(`time.process_time`; the MLP row's backward waits in all_reduce, which that partly hides). Each
+(`time.process_time`, gloo's threads included: on 2+ ranks an all_reduce in an MLP row costs
+~110-200 us of CPU on the shared machine, its waiting partly hidden). Each
 row: microseconds per op, min and median over the repeats, for both libraries, and the ratios
 ours/theirs of the mins and of the medians (noise only adds time, so the min ratio is the steadier
 one). The last column times ours again with `torch_function.fast_path_enabled = False` (every call
@@ -57,6 +58,16 @@ def _workloads(library, mesh, shard, replicate):
     def mlp():
         ((x @ hidden).relu() @ output).sum().backward()
 
+    # A training step: the optimizer reads the gradients, so the step holds the gradient
+    # communication of both libraries (torch DTensor reduces a Partial gradient when SGD reads it,
+    # ours at the end of backward); the fwd+bwd row accumulates gradients nobody reads.
+    optimizer = torch.optim.SGD([hidden, output], lr=1e-3)
+
+    def mlp_step():
+        optimizer.zero_grad()
+        ((x @ hidden).relu() @ output).sum().backward()
+        optimizer.step()
+
     return {
         "add": (lambda: x + y, 1),
         "mul": (lambda: x * y, 1),
@@ -67,6 +78,7 @@ def _workloads(library, mesh, shard, replicate):
         "transpose": (lambda: x.t(), 1),
         "10-op chain": (chain, 10),
         "tiny MLP fwd+bwd": (mlp, 1),
+        "tiny MLP step (zero_grad, fwd+bwd, SGD)": (mlp_step, 1),
     }
 
 

@@ -19,6 +19,7 @@ from torch.testing import assert_close
 import shardtensor
 from shardtensor import Replicate, Shard, distribute_tensor
 from shardtensor.debug import CommDebugMode
+from shardtensor.redistribute.executor import observe_plans
 
 MESHES = [(1,), (2,), (2, 2)]
 
@@ -84,6 +85,31 @@ def test_canonical_program_issues_the_hand_written_collectives(mesh, name):
         expected = ({}, {}) if mesh.size() == 1 else EXPECTED[name][tuple(mesh.shape)]
         assert counts == expected, (step, counts)
     _check_against_single_device(program, parameters, loss)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+@spmd(meshes=[(1,), (2, 1)])
+def test_moves_on_mesh_dims_of_size_one_run_no_plan(mesh, name):
+    """On a mesh dim of size 1 every placement holds the whole value, so a move that changes only
+    such mesh dims is a relabel: two steps accumulating gradients execute no redistribute plan that
+    only relabels (none at all on one rank), and the gradients still lie like their parameters."""
+    program = getattr(programs, name)()
+    parameters, inputs = programs.distribute(program, shardtensor, mesh, tp_mesh_dim=mesh.ndim - 1)
+    reference_parameters, reference_inputs = programs.single_device(program)
+    with observe_plans() as executed:
+        for _ in range(2):
+            loss = programs.loss_of(program, parameters, inputs, shardtensor)
+            loss.backward()
+    reference_loss = None
+    for _ in range(2):
+        reference_loss = programs.loss_of(program, reference_parameters, reference_inputs)
+        reference_loss.backward()
+    assert [str(plan) for plan in executed if plan.relabels_only] == [], [str(plan) for plan in executed if plan.relabels_only]
+    assert mesh.size() > 1 or executed == []
+    assert_close(loss.full_tensor(), reference_loss.detach())
+    for name, parameter in parameters.items():
+        assert parameter.grad.sharding == parameter.sharding, name
+        assert_close(parameter.grad.full_tensor(), reference_parameters[name].grad, msg=name)
 
 
 @spmd(meshes=[(2,), (2, 2)])

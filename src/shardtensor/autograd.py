@@ -11,7 +11,7 @@ import torch
 
 from . import comm
 from .placement import Replicate
-from .redistribute import redistribute_between, redistribute_local_tensor
+from .redistribute import is_relabel, redistribute_between, redistribute_local_tensor
 from .spec import DTensorSpec, global_stride
 
 __all__ = ["FromLocal", "ToLocal", "Redistribute"]
@@ -22,7 +22,7 @@ def _gradient_to(grad: torch.Tensor, spec: DTensorSpec, cls: type) -> torch.Tens
     if not isinstance(grad, cls):
         raise TypeError(f"expected the gradient of a DTensor to be a DTensor, got {type(grad).__name__}")
     target = spec.layout.without_partial()
-    if grad.sharding == target:
+    if is_relabel(grad.sharding, target, grad._spec.dtype.itemsize):
         return grad._local_tensor
     return redistribute_local_tensor(grad._local_tensor, grad.sharding, target, spec.mesh)
 
@@ -90,7 +90,7 @@ class Redistribute(torch.autograd.Function):
         if forward_dtype is not None and forward_dtype != source.dtype:
             local = local.to(forward_dtype)
         spec = DTensorSpec(mesh, target, source.stride, local.dtype)
-        if mesh == source.mesh and target == source.layout:
+        if mesh == source.mesh and is_relabel(source.layout, target, local.element_size()):
             return cls(local, spec)
         result = redistribute_between(local, source.layout, source.mesh, target, mesh, async_op=async_op)
         if isinstance(result, torch.Tensor):

@@ -17,6 +17,10 @@ autograd engine callback) all of them are re-laid at once:
 - any other difference (Shard leaf, Partial or Replicate gradient) is redistributed per gradient by
   the planner (a reduce_scatter, or a local slice for a Replicate gradient).
 
+A gradient whose move to its leaf's layout changes no local tensor (they differ only on mesh dims
+of size 1, as every layout of a one-rank mesh does) is relabelled as it arrives, before it is
+accumulated: nothing is set aside and nothing runs at the end of backward.
+
 After backward `.grad` has the leaf's placements and shard sizes, so an optimizer step runs
 locally. Accumulating into an existing `.grad` (a second backward without zeroing): a Partial
 gradient of a Replicate leaf turns the existing `.grad` back into a Partial operand (locally), adds
@@ -32,7 +36,7 @@ import weakref
 
 import torch
 
-from .redistribute import redistribute_local_tensor
+from .redistribute import is_relabel, redistribute_local_tensor
 from .redistribute.buckets import reduce_in_buckets, reduction_only
 from .spec import DTensorSpec, contiguous_stride
 
@@ -71,19 +75,25 @@ def _watch(dtensor) -> None:
             dtensor.register_post_accumulate_grad_hook(_on_accumulated)
 
 
-def _before_accumulating(leaf_reference, incoming) -> None:
-    """A later backward brings a gradient that is the leaf's layout but Partial (data parallel)
-    while `.grad` already holds a reduced one: `.grad` becomes a Partial operand again, locally
-    (one rank keeps it, the others zeros), so the sum accumulates without a collective and the end
-    of backward reduces all such gradients together instead of one add each reducing its own."""
+def _before_accumulating(leaf_reference, incoming):
+    """Before a gradient is added to its leaf's `.grad`. One whose move to the leaf's layout is a
+    relabel is returned in the leaf's layout (the hook's result replaces it). One that is the leaf's
+    layout but Partial (data parallel) while `.grad` already holds a reduced one: `.grad` becomes a
+    Partial operand again, locally (one rank keeps it, the others zeros), so the sum accumulates
+    without a collective and the end of backward reduces all such gradients together instead of
+    one add each reducing its own."""
     leaf = leaf_reference()
-    existing = None if leaf is None else leaf.grad
-    if (
-        not isinstance(existing, type(leaf)) or not isinstance(incoming, type(leaf))
-        or existing.sharding != leaf.sharding or incoming.device_mesh != leaf.device_mesh
-        or reduction_only(incoming.sharding, leaf.sharding) is None
-    ):
-        return
+    if leaf is None or not isinstance(incoming, type(leaf)) or incoming.device_mesh != leaf.device_mesh:
+        return None
+    source, target = incoming.sharding, leaf.sharding
+    if source == target:
+        return None
+    if is_relabel(source, target, incoming._spec.dtype.itemsize):
+        spec = DTensorSpec(leaf.device_mesh, target, incoming._spec.stride, incoming.dtype)
+        return type(leaf)(incoming._local_tensor, spec)
+    existing = leaf.grad
+    if not isinstance(existing, type(leaf)) or existing.sharding != target or reduction_only(source, target) is None:
+        return None
     local = redistribute_local_tensor(existing._local_tensor, existing.sharding, incoming.sharding, leaf.device_mesh)
     _set_grad(leaf, local, incoming.sharding)
 

@@ -31,6 +31,7 @@ from .mesh import on_new_world
 from .modes import implicit_communication_error, is_explicit
 from .input_moves import moved_local
 from .ops.registry import RULES
+from .redistribute import is_relabel
 from .rules import SIGN, Decision, PlainTensor, TensorMeta, sign_of
 from .spec import DTensorSpec, interned_spec
 from .write_back import mark_views_of_copies, mutated, refuse_writes_into_views_of_copies, returns_view
@@ -326,7 +327,7 @@ class Plan(CachedPlan):
         dtensors = [value for value in values if isinstance(value, dtensor_class)]
         self.specs = tuple(dtensor._spec for dtensor in dtensors)
         targets = iter(
-            None if target == dtensor.sharding else target
+            None if is_relabel(dtensor.sharding, target, dtensor._spec.dtype.itemsize) else target
             for dtensor, target in zip(dtensors, decision.input_layouts)
         )
         if template is None:

@@ -21,9 +21,15 @@ from .explanation import explain_plan
 from .planner import DEFAULT_COST_MODEL, CostModel, Plan, Step, plan
 
 __all__ = [
-    "redistribute_local_tensor", "redistribute_between", "explain", "execute", "plan", "hand_off",
+    "is_relabel", "redistribute_local_tensor", "redistribute_between", "explain", "execute", "plan", "hand_off",
     "Plan", "Step", "CostModel", "HandOff",
 ]
+
+
+def is_relabel(source: Layout, target: Layout, itemsize: int) -> bool:
+    """Whether a move from `source` to `target` leaves every local tensor as it is: the same layout,
+    or one that differs only on mesh dims of size 1 (as every layout of a one-rank mesh does)."""
+    return source == target or plan(source, target, itemsize).relabels_only
 
 
 def redistribute_local_tensor(local: torch.Tensor, source: Layout, target: Layout, mesh, *, async_op: bool = False):

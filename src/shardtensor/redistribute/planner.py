@@ -138,6 +138,11 @@ class Plan:
         return sum(step.cost_us for step in self.steps)
 
     @property
+    def relabels_only(self) -> bool:
+        """True when the local tensor does not change (no steps, or only mesh dims of size 1 move)."""
+        return all(step.collective == RELABEL for step in self.steps)
+
+    @property
     def collectives(self) -> tuple[str, ...]:
         """The collectives the plan issues, in order (local steps left out)."""
         return tuple(step.collective for step in self.steps if step.collective not in LOCAL_STEPS)
