@@ -89,13 +89,14 @@ def _before_accumulating(leaf_reference, incoming):
     if source == target:
         return None
     if is_relabel(source, target, incoming._spec.dtype.itemsize):
-        spec = DTensorSpec(leaf.device_mesh, target, incoming._spec.stride, incoming.dtype)
+        spec = DTensorSpec(leaf.device_mesh, target, incoming._spec.stride, incoming._spec.dtype)
         return type(leaf)(incoming._local_tensor, spec)
     existing = leaf.grad
     if not isinstance(existing, type(leaf)) or existing.sharding != target or reduction_only(source, target) is None:
         return None
     local = redistribute_local_tensor(existing._local_tensor, existing.sharding, incoming.sharding, leaf.device_mesh)
     _set_grad(leaf, local, incoming.sharding)
+    return None
 
 
 def _on_accumulated(leaf) -> None:
