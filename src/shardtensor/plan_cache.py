@@ -27,10 +27,10 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import propagation
-from .mesh import on_new_world
 from .modes import implicit_communication_error, is_explicit
 from .input_moves import moved_local
 from .ops.registry import RULES
+from .process_groups import on_new_world
 from .rules import SIGN, Decision, PlainTensor, TensorMeta, sign_of
 from .spec import DTensorSpec, interned_spec
 from .write_back import mark_views_of_copies, mutated, refuse_writes_into_views_of_copies, returns_view

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from .layout import Layout, contiguous_stride
-from .mesh import DeviceMesh, on_new_world
+from .mesh import DeviceMesh
+from .process_groups import on_new_world
 from .placement import Placement
 
 __all__ = ["DTensorSpec", "interned_spec", "contiguous_stride", "global_stride"]
