@@ -30,8 +30,10 @@ from .ops.foreach import canonical_arguments
 from .ops.registry import RULES
 from .ops.sparse import sparse_layout_error
 from .placement import Replicate
-from .plain_tensors import created_by_torch
-from .plan_cache import Plan, counts_of, fast_key, key_modes, plans, record, recording, strip_values, template
+from .plain_tensors import created_by_torch, value_sign
+from .plan_cache import (
+    Plan, counts_of, fast_key, key_modes, plans, reads_scale_signs, record, recording, strip_values, template,
+)
 from .propagation import decide
 from .propagation import key_modes as key_modes_by_op
 from .random import same_draws_on_every_rank
@@ -130,13 +132,14 @@ def _plain_tensors_as_replicate(dtensor_class: type, op, flat: list, mesh, accep
             )
 
 
-def _frozen(value):
+def _frozen(value, read_signs: bool):
     """A call's non-tensor argument as a hashable value: lists become tuples (at any depth), a 0-d
-    plain tensor its `PlainTensor` (its dtype matters to the op, not its value)."""
+    plain tensor its `PlainTensor` (its dtype, and with `read_signs` the sign of its value: see
+    `plain_tensors.scale_signs`, which keys plans by the same signs)."""
     if isinstance(value, (list, tuple)):
-        return tuple(_frozen(item) for item in value)
+        return tuple(_frozen(item, read_signs) for item in value)
     if isinstance(value, torch.Tensor):
-        return PlainTensor(value.dtype)
+        return PlainTensor(value.dtype, value_sign(value)) if read_signs else PlainTensor(value.dtype)
     return value
 
 
@@ -205,8 +208,10 @@ def _dispatch_slowly(dtensor_class: type, op, args: tuple, kwargs: dict, key: tu
     # Keywords in the call's order, not sorted: placeholders are matched to the call's tensors in
     # flattened order (`_local_flat`, plans, the per-coordinate meta evaluation), and sorting swapped
     # two tensor keywords such as `frexp.Tensor_out`'s `mantissa` and `exponent`.
-    call = OpCall(op, metas, _frozen(call_args), tuple((name, _frozen(value)) for name, value in call_kwargs.items()))
     layouts = [dtensor.sharding for dtensor in dtensors]
+    read_signs = reads_scale_signs(op) and any(layout.partial_mesh_dims() for layout in layouts)
+    call = OpCall(op, metas, _frozen(call_args, read_signs),
+                  tuple((name, _frozen(value, read_signs)) for name, value in call_kwargs.items()))
     coordinate = mesh.get_coordinate()
     if coordinate is None:  # this rank is not in the mesh: the layouts the mesh's ranks get, no data
         decision = decide(call, layouts, rule, (0,) * mesh.ndim, None)
