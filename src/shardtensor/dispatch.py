@@ -3,8 +3,9 @@
 `DTensor.__torch_dispatch__` is `dispatch`. A call whose key finds a plan in `plan_cache` runs
 from it (the hot path). On a miss, an op with a rule in `ops.registry.RULES` gets a (cached)
 decision from `propagation.decide`, which is stored as a plan when the call is flat; an op without
-one goes to the fallback, which gathers every input to Replicate, runs the op on full tensors and
-returns the single-device result, logged once per op and counted in `fallback_counts`. The
+one (or whose rule has no sharded way for this call: `rules.ReplicateFallback`) goes to the fallback,
+which gathers every input to Replicate, runs the op on full tensors and returns the single-device
+result, logged once per op and counted in `fallback_counts`. The
 switches that refuse the fallback or implicit communication are in `modes`; writes into DTensors
 (in-place, `out=`, in-place views) in `write_back`.
 
@@ -38,7 +39,7 @@ from .propagation import decide
 from .propagation import key_modes as key_modes_by_op
 from .random import same_draws_on_every_rank
 from .redistribute import redistribute_local_tensor
-from .rules import DataDependentOutput, Decision, OpCall, PlainTensor, ResizesWritten, TensorMeta
+from .rules import Decision, OpCall, PlainTensor, ReplicateFallback, ResizesWritten, TensorMeta
 from .spec import DTensorSpec
 from .write_back import (
     inplace_view, mark_views_of_copies, mutated, refuse_writes_into_views_of_copies, returns_view, write_back,
@@ -214,7 +215,10 @@ def _dispatch_slowly(dtensor_class: type, op, args: tuple, kwargs: dict, key: tu
                   tuple((name, _frozen(value, read_signs)) for name, value in call_kwargs.items()))
     coordinate = mesh.get_coordinate()
     if coordinate is None:  # this rank is not in the mesh: the layouts the mesh's ranks get, no data
-        decision = decide(call, layouts, rule, (0,) * mesh.ndim, None)
+        try:
+            decision = decide(call, layouts, rule, (0,) * mesh.ndim, None)
+        except ReplicateFallback:
+            return _fallback(dtensor_class, op, flat, tree, positions, dtensors, mutated_dtensors, mesh)
         if is_explicit() and decision.moves_inputs(layouts):
             raise implicit_communication_error(op, dtensors, decision.input_layouts, "its sharding rule needs other layouts")
         return _outside_mesh(dtensor_class, op, flat, tree, positions, dtensors, mesh, decision.output_layouts)
@@ -222,8 +226,8 @@ def _dispatch_slowly(dtensor_class: type, op, args: tuple, kwargs: dict, key: tu
     modes = key_modes(op)
     try:
         decision = decide(call, layouts, rule, coordinate, _decision_cache_key(op, layouts, call, coordinate, flat, modes))
-    except DataDependentOutput:  # every rank reaches the same verdict: the replicate fallback computes it
-        return _fallback(dtensor_class, op, flat, tree, positions, dtensors, mutated_dtensors, mesh)
+    except ReplicateFallback as verdict:  # every rank reaches the same verdict: the replicate fallback computes it
+        return _fallback(dtensor_class, op, flat, tree, positions, dtensors, mutated_dtensors, mesh, verdict.draws)
     except ResizesWritten as resize:
         return write_resized(dtensor_class, op, args, kwargs, *tree_unflatten(flat, tree), resize.functional_op)
     if modes and (decision.local_arguments is not None or decision.local_op is not None):
@@ -261,8 +265,9 @@ def _local_flat(flat: list, local_arguments: tuple[tuple, dict]) -> tuple[list, 
     return local_flat, tree
 
 
-def _fallback(dtensor_class: type, op, flat, tree, positions, dtensors, mutated_dtensors, mesh):
-    """No rule: gather every input to Replicate, compute the single-device result, return it."""
+def _fallback(dtensor_class: type, op, flat, tree, positions, dtensors, mutated_dtensors, mesh, draws=None):
+    """No rule (or a rule's `ReplicateFallback`): gather every input to Replicate, compute the single-device
+    result, return it. `draws`: whether the op draws random values (None: as its tag says)."""
     if is_strict():
         raise NotImplementedError(
             f"{op} has no sharding rule and strict mode forbids the replicate fallback (inputs: "
@@ -279,7 +284,9 @@ def _fallback(dtensor_class: type, op, flat, tree, positions, dtensors, mutated_
     if name not in fallback_counts:
         logger.info("%s has no sharding rule: gathering its inputs (%s) to Replicate", name, describe(dtensors))
     fallback_counts[name] += 1
-    if torch.Tag.nondeterministic_seeded in op.tags:  # every rank computes the whole op: draw alike
+    if draws is None:
+        draws = torch.Tag.nondeterministic_seeded in op.tags
+    if draws:  # every rank computes the whole op: draw alike
         with same_draws_on_every_rank(mesh):
             return _run(dtensor_class, op, flat, tree, positions, dtensors, mutated_dtensors, mesh, replicated, None, None)
     return _run(dtensor_class, op, flat, tree, positions, dtensors, mutated_dtensors, mesh, replicated, None, None)

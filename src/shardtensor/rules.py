@@ -20,7 +20,7 @@ from .layout import Layout
 from .placement import Placement
 
 __all__ = [
-    "Row", "LocalCollective", "TensorMeta", "PlainTensor", "DataDependentOutput", "ResizesWritten", "OpCall",
+    "Row", "LocalCollective", "TensorMeta", "PlainTensor", "ReplicateFallback", "DataDependentOutput", "ResizesWritten", "OpCall",
     "schema_positions", "ShardingRule", "RowsRule", "OutVariantRule", "ComposedRule", "Decision",
     "TYPE_ONLY", "SIGN", "UNREAD", "sign_of", "scale_sign", "run_on_meta", "rows_keeping_self",
 ]
@@ -148,7 +148,19 @@ def schema_positions(op) -> dict[str, tuple[int, bool, object]]:
     }
 
 
-class DataDependentOutput(Exception):
+class ReplicateFallback(Exception):
+    """A rule's verdict that it has no way to compute this call on shards: dispatch takes the replicate
+    fallback, as for an op without a rule (logged, counted in `fallback_counts`, refused in strict mode),
+    so that every computation that gathers all inputs and runs whole on every rank is accounted alike.
+    `draws`: whether the op draws from torch's generator (seeded alike on every rank); None: as its
+    `nondeterministic_seeded` tag says."""
+
+    def __init__(self, message: str, draws: bool | None = None):
+        super().__init__(message)
+        self.draws = draws
+
+
+class DataDependentOutput(ReplicateFallback):
     """The op's output metadata depends on tensor values, so no rule can decide it ahead of the data."""
 
 
