@@ -217,8 +217,8 @@ def _dispatch_slowly(dtensor_class: type, op, args: tuple, kwargs: dict, key: tu
     if coordinate is None:  # this rank is not in the mesh: the layouts the mesh's ranks get, no data
         try:
             decision = decide(call, layouts, rule, (0,) * mesh.ndim, None)
-        except ReplicateFallback:
-            return _fallback(dtensor_class, op, flat, tree, positions, dtensors, mutated_dtensors, mesh)
+        except ReplicateFallback as verdict:
+            return _fallback(dtensor_class, op, flat, tree, positions, dtensors, mutated_dtensors, mesh, verdict)
         if is_explicit() and decision.moves_inputs(layouts):
             raise implicit_communication_error(op, dtensors, decision.input_layouts, "its sharding rule needs other layouts")
         return _outside_mesh(dtensor_class, op, flat, tree, positions, dtensors, mesh, decision.output_layouts)
@@ -227,7 +227,7 @@ def _dispatch_slowly(dtensor_class: type, op, args: tuple, kwargs: dict, key: tu
     try:
         decision = decide(call, layouts, rule, coordinate, _decision_cache_key(op, layouts, call, coordinate, flat, modes))
     except ReplicateFallback as verdict:  # every rank reaches the same verdict: the replicate fallback computes it
-        return _fallback(dtensor_class, op, flat, tree, positions, dtensors, mutated_dtensors, mesh, verdict.draws)
+        return _fallback(dtensor_class, op, flat, tree, positions, dtensors, mutated_dtensors, mesh, verdict)
     except ResizesWritten as resize:
         return write_resized(dtensor_class, op, args, kwargs, *tree_unflatten(flat, tree), resize.functional_op)
     if modes and (decision.local_arguments is not None or decision.local_op is not None):
@@ -265,25 +265,28 @@ def _local_flat(flat: list, local_arguments: tuple[tuple, dict]) -> tuple[list, 
     return local_flat, tree
 
 
-def _fallback(dtensor_class: type, op, flat, tree, positions, dtensors, mutated_dtensors, mesh, draws=None):
-    """No rule (or a rule's `ReplicateFallback`): gather every input to Replicate, compute the single-device
-    result, return it. `draws`: whether the op draws random values (None: as its tag says)."""
+def _fallback(dtensor_class: type, op, flat, tree, positions, dtensors, mutated_dtensors, mesh,
+              verdict: ReplicateFallback | None = None):
+    """No rule (or a rule's `verdict`): gather every input to Replicate, compute the single-device result,
+    return it."""
+    why = "has no sharding rule" if verdict is None else f"has no sharded way for these arguments ({verdict})"
     if is_strict():
         raise NotImplementedError(
-            f"{op} has no sharding rule and strict mode forbids the replicate fallback (inputs: "
+            f"{op} {why} and strict mode forbids the replicate fallback (inputs: "
             f"{describe(dtensors)}); redistribute the inputs to Replicate yourself, add a rule "
             f"(shardtensor.experimental.register_sharding), or leave strict mode "
             f"(shardtensor.strict_mode / SHARDTENSOR_STRICT=1)"
         )
     replicated = [d.sharding.with_placements([Replicate()] * d.sharding.mesh_ndim) for d in dtensors]
     if is_explicit() and any(target != d.sharding for d, target in zip(dtensors, replicated)):
-        raise implicit_communication_error(op, dtensors, replicated, "it has no sharding rule: replicate fallback")
+        raise implicit_communication_error(op, dtensors, replicated, f"it {why}: replicate fallback")
     if mesh.get_coordinate() is None:
         return _outside_mesh(dtensor_class, op, flat, tree, positions, dtensors, mesh, None)
     name = str(op)
     if name not in fallback_counts:
-        logger.info("%s has no sharding rule: gathering its inputs (%s) to Replicate", name, describe(dtensors))
+        logger.info("%s %s: gathering its inputs (%s) to Replicate", name, why, describe(dtensors))
     fallback_counts[name] += 1
+    draws = verdict.draws if verdict is not None else None
     if draws is None:
         draws = torch.Tag.nondeterministic_seeded in op.tags
     if draws:  # every rank computes the whole op: draw alike
