@@ -226,6 +226,11 @@ class DTensor(FastTensorMethods, CheckpointableMixin, torch.Tensor):
         before the collectives (the result has that dtype); `backward_dtype` is the dtype of the
         gradient's collectives (default: this DTensor's), and the gradient comes back in this dtype.
 
+        `placements=None` (ours; PyTorch raises "placements is needed for redistribute!") keeps this
+        DTensor's placements, Partial ones included: `x.redistribute()` is a new DTensor over the same
+        local tensor, with no communication, and `x.redistribute(forward_dtype=torch.bfloat16)` only
+        casts. A `device_mesh` other than this DTensor's needs placements for it (ValueError otherwise).
+
         `device_mesh` may be another mesh (other shape, rank order or ranks; docs/redistribute.md):
         every rank of the world must call, and ranks outside the target mesh get a local tensor
         without elements. On a rank outside this DTensor's mesh, a same-mesh redistribute is a

@@ -1,8 +1,9 @@
 """Cached plans for multi-tensor ops (`_foreach_*`, `_fused_*`): one decision per list layout.
 
 The plan key of a multi-tensor call (`"list"`, then the op) holds the spec of every DTensor of every list, the
-dtypes of plain 0-d tensors (an optimizer's step counts), and of each Python scalar only its type
-and sign, which is all that the rules of `ops/foreach.py` read. So Adam's step sizes, new on every
+dtypes of plain 0-d tensors (an optimizer's step counts; next to a Partial list, also the sign of a
+0-d scale of `_foreach_mul`/`_foreach_div`: `plain_tensors.scale_signs`), and of each Python scalar
+only its type and sign, which is all that the rules of `ops/foreach.py` read. So Adam's step sizes, new on every
 step, hit the plan that the first step built. A plan runs the op once on the lists of local tensors
 and wraps the outputs with the specs the decision promised; nothing per tensor is decided again.
 Learnt from such a plan, a public function (`torch._foreach_mul_`) runs on the local lists in
@@ -24,7 +25,8 @@ from torch._C import _increment_version
 from torch.utils._pytree import tree_flatten
 
 from .ops.foreach import canonical_scalar
-from .plan_cache import CachedPlan, store_function_plan
+from .plain_tensors import scale_signs
+from .plan_cache import CachedPlan, reads_scale_signs, store_function_plan
 from .rules import ComposedRule, Decision, sign_of
 from .spec import DTensorSpec, interned_spec
 
@@ -43,8 +45,12 @@ def is_multi_tensor(op) -> bool:
     return known
 
 
-def _append(dtensor_class: type, value, key: list) -> bool:
-    """Append what of `value` decides to `key`; False for a call no plan serves (mixed lists...)."""
+_PLAIN_TENSOR = "plain tensor"  # what `_append` returns (truthy) after plain 0-d tensors
+
+
+def _append(dtensor_class: type, value, key: list) -> bool | str:
+    """Append what of `value` decides to `key`; False for a call no plan serves (mixed lists...),
+    `_PLAIN_TENSOR` after plain 0-d tensors."""
     kind = type(value)
     if kind is list or kind is tuple:
         if not value:
@@ -60,6 +66,7 @@ def _append(dtensor_class: type, value, key: list) -> bool:
             if any(type(item) is not torch.Tensor or item.ndim for item in value):
                 return False
             key.append(("plain", tuple(item.dtype for item in value)))
+            return _PLAIN_TENSOR
         elif first in _KEY_TYPES:
             types = tuple(map(type, value))
             key.append((kind, types, _signs(types, value)))
@@ -72,6 +79,7 @@ def _append(dtensor_class: type, value, key: list) -> bool:
         key.append(canonical_scalar(value))
     elif kind is torch.Tensor and not value.ndim:
         key.append(("plain", value.dtype))
+        return _PLAIN_TENSOR
     else:
         return False
     return True
@@ -95,6 +103,7 @@ def _signs(types: tuple, values) -> object:
 def list_key(dtensor_class: type, op, args: tuple, kwargs: dict) -> tuple | None:
     """The plan key of a multi-tensor call (op or public function), or None when no plan can serve it."""
     key = ["list", id(op)]
+    plain_tensor = False
     for value in args:
         kind = type(value)
         if kind is list and value and type(value[0]) is dtensor_class:  # the common cases, inline
@@ -105,13 +114,35 @@ def list_key(dtensor_class: type, op, args: tuple, kwargs: dict) -> tuple | None
         elif kind is float:  # what `canonical_scalar` keeps: its sign, None when not finite
             key.append(kind)
             key.append(sign_of(value))
-        elif not _append(dtensor_class, value, key):
-            return None
+        else:
+            appended = _append(dtensor_class, value, key)
+            if not appended:
+                return None
+            plain_tensor = plain_tensor or appended is _PLAIN_TENSOR
     for name, value in kwargs.items():
         key.append(name)
-        if not _append(dtensor_class, value, key):
+        appended = _append(dtensor_class, value, key)
+        if not appended:
             return None
+        plain_tensor = plain_tensor or appended is _PLAIN_TENSOR
+    if plain_tensor and _reads_scale_signs(op):
+        key += scale_signs(dtensor_class, (*args, *kwargs.values()))
     return tuple(key)
+
+
+_sign_readers: dict = {}
+
+
+def _reads_scale_signs(op) -> bool:
+    """`plan_cache.reads_scale_signs` of an aten op's packet, or of the packet a public function
+    (`torch._foreach_mul_`) runs, found by its name: whether its 0-d plain tensors decide by sign."""
+    known = _sign_readers.get(op)
+    if known is None:
+        name = op._schema.name.removeprefix("aten::") if isinstance(op, torch._ops.OpOverload) else op.__name__
+        packet = getattr(torch.ops.aten, name, None)
+        known = packet is not None and any(reads_scale_signs(getattr(packet, overload)) for overload in packet.overloads())
+        _sign_readers[op] = known
+    return known
 
 
 class ListPlan(CachedPlan):
