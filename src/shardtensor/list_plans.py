@@ -50,7 +50,7 @@ def _append(dtensor_class: type, value, key: list) -> bool:
         first = type(value[0])
         if first is dtensor_class:
             try:
-                key.append(tuple([id(dtensor._spec) for dtensor in value]))
+                key.append(tuple([dtensor._spec for dtensor in value]))
             except AttributeError:  # a plain tensor among DTensors
                 return False
         elif first is torch.Tensor:  # plain 0-d tensors (step counts): their dtypes
@@ -96,7 +96,7 @@ def list_key(dtensor_class: type, op, args: tuple, kwargs: dict) -> tuple | None
         kind = type(value)
         if kind is list and value and type(value[0]) is dtensor_class:  # the common cases, inline
             try:
-                key.append(tuple([id(dtensor._spec) for dtensor in value]))
+                key.append(tuple([dtensor._spec for dtensor in value]))
             except AttributeError:  # a plain tensor among DTensors
                 return None
         elif kind is float:  # what `canonical_scalar` keeps: its sign, None when not finite
