@@ -16,9 +16,7 @@ Like the rest of the engine below the class, this module gets the DTensor class 
 from __future__ import annotations
 
 import functools
-import itertools
 import math
-import operator
 
 import torch
 from torch._C import _increment_version
@@ -33,7 +31,6 @@ from .spec import DTensorSpec, interned_spec
 __all__ = ["is_multi_tensor", "is_multi_tensor_function", "list_key", "ListPlan", "learn_function"]
 
 _KEY_TYPES = frozenset((int, float, bool, complex, str, type(None), torch.dtype, torch.device, torch.memory_format))
-_spec_of = operator.attrgetter("_spec")
 _multi_tensor: dict = {}
 
 
@@ -59,7 +56,7 @@ def _append(dtensor_class: type, value, key: list) -> bool | str:
         first = type(value[0])
         if first is dtensor_class:
             try:
-                key.append(tuple(map(id, map(_spec_of, value))))
+                key.append(tuple([dtensor._spec for dtensor in value]))
             except AttributeError:  # a plain tensor among DTensors
                 return False
         elif first is torch.Tensor:  # plain 0-d tensors (step counts): their dtypes
@@ -108,7 +105,7 @@ def list_key(dtensor_class: type, op, args: tuple, kwargs: dict) -> tuple | None
         kind = type(value)
         if kind is list and value and type(value[0]) is dtensor_class:  # the common cases, inline
             try:
-                key.append(tuple(map(id, map(_spec_of, value))))
+                key.append(tuple([dtensor._spec for dtensor in value]))
             except AttributeError:  # a plain tensor among DTensors
                 return None
         elif kind is float:  # what `canonical_scalar` keeps: its sign, None when not finite
@@ -152,12 +149,13 @@ class ListPlan(CachedPlan):
     writes (whose wrappers' version counters it bumps, as the dispatcher does). The op's own outputs
     are new tensors, wrapped by `_wrap_new`; a rule's local op's go through `_wrap` (math bits)."""
 
-    __slots__ = ("wrap", "op", "specs", "list_positions", "list_names", "single_positions", "single_names",
+    __slots__ = ("dtensor_class", "wrap", "op", "specs", "list_positions", "list_names", "single_positions", "single_names",
                  "call", "output_specs", "written_positions", "returned_argument")
 
     def __init__(self, dtensor_class: type, op, call, output_specs: tuple, args: tuple, kwargs: dict,
                  written_positions: tuple[int, ...] = (), returned_argument: int | None = None):
         super().__init__(op)  # a rule registered later makes the plan stale (its generation)
+        self.dtensor_class = dtensor_class
         rule_local_op = isinstance(call, functools.partial)  # else the op or its public function
         self.wrap = functools.partial(_wrap_each, dtensor_class._wrap) if rule_local_op else dtensor_class._wrap_new
         self.op, self.call, self.output_specs, self.written_positions = op, call, output_specs, written_positions
@@ -196,8 +194,9 @@ class ListPlan(CachedPlan):
 
     def run(self, args: tuple, kwargs: dict):
         local_args = list(args)
+        waiting = self.dtensor_class._waiting
         for position in self.list_positions:
-            local_args[position] = _locals(args[position])
+            local_args[position] = _locals(args[position]) if waiting else [t._local_value for t in args[position]]
         for position in self.single_positions:
             local_args[position] = args[position]._local_tensor
         if self.list_names or self.single_names:
@@ -261,15 +260,9 @@ def _written_names(op) -> list[str]:
     return [argument.name for argument in op._schema.arguments if argument.alias_info is not None and argument.alias_info.is_write]
 
 
-_local_value_of = operator.attrgetter("_local_value")
-
-
 def _locals(dtensors) -> list:
-    """The local tensors of a list of DTensors (read in C; through `_local_tensor`, which waits,
-    when one of them still waits for an async redistribute: its `_local_value` is None)."""
-    local_tensors = list(map(_local_value_of, dtensors))
-    if all(map(operator.is_not, local_tensors, itertools.repeat(None))):
-        return local_tensors
+    """The local tensors of a list of DTensors, through `_local_tensor`, which waits for a shard
+    still on its way (`run` reads `_local_value` directly while no wrapper waits)."""
     return [dtensor._local_tensor for dtensor in dtensors]
 
 

@@ -13,6 +13,8 @@ so they need no `outermost_call` mark either.
 
 from __future__ import annotations
 
+import types
+
 import torch
 
 from .torch_function import torch_function
@@ -114,8 +116,22 @@ def _getitem(self, index):
     return _base_getitem(self, index)
 
 
+def _bind_torch_function(cls, **kwargs) -> None:
+    """Give each class made from the mixin `torch_function` bound to it as a plain attribute rather
+    than a classmethod. Torch looks `__torch_function__` up on every tensor argument of every
+    overload it tries (about 650 lookups in an AdamW step of 24 parameters), and a classmethod
+    builds and frees a bound method on each lookup; a bound method stored on the class is returned
+    as it is. Torch's check for the deprecated plain-method form (`__self__` is the argument) sees
+    the class, not the tensor."""
+    super(FastTensorMethods, cls).__init_subclass__(**kwargs)
+    cls.__torch_function__ = types.MethodType(torch_function, cls)
+
+
 def _namespace() -> dict:
-    namespace = {"__slots__": (), "__module__": __name__, "__doc__": __doc__, "__getitem__": _getitem}
+    namespace = {
+        "__slots__": (), "__module__": __name__, "__doc__": __doc__, "__getitem__": _getitem,
+        "__init_subclass__": _bind_torch_function,
+    }
     namespace.update((name, _attribute(name)) for name in METADATA_ATTRIBUTES)
     namespace.update((name, _method(name)) for name in (*METADATA_METHODS, *VIEW_METHODS))
     namespace.update(
