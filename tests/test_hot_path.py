@@ -12,6 +12,7 @@ import warnings
 
 import pytest
 import torch
+from helpers import partial_and_value
 from spmd import spmd
 
 import shardtensor
@@ -272,6 +273,22 @@ def test_function_fast_path_leaves_autograd_calls_to_the_aten_path(mesh):
         result = leaf + x
     assert not dispatched and not result.requires_grad
     assert torch.equal(result.full_tensor(), full + full)
+
+
+@spmd(meshes=[(2,), (2, 2)])
+def test_function_fast_path_is_not_learnt_from_a_kept_move(mesh):
+    """A Partial input reduced before is seen by dispatch in its moved (Replicate) layout: a call
+    learnt then must not serve later calls whose Partial input has no kept move."""
+    plan_cache.clear_plans()
+    full = torch.randn(4, 3, dtype=torch.float64)
+    x = distribute_tensor(full, mesh, _placements(mesh, Replicate()))
+    x + x  # an aten plan for (Replicate, Replicate), so the call below runs from cached plans only
+    kept, kept_full = partial_and_value(mesh, (4, 3))
+    kept.exp()  # reduces `kept` and keeps the move
+    torch.testing.assert_close((x + kept).full_tensor(), full + kept_full)
+    for seed in (1, 2):
+        fresh, fresh_full = partial_and_value(mesh, (4, 3), seed=seed)
+        torch.testing.assert_close((x + fresh).full_tensor(), full + fresh_full)
 
 
 def _through_torch_function(dtensor, name: str, *args):

@@ -184,7 +184,8 @@ def _call(cls, function, args: tuple, kwargs: dict, key: tuple | None):
                 result = function(*args, **kwargs)
         finally:
             recording.pop()
-    if None not in recorded:  # every aten op ran from a cached plan: the verdict is final
+    # Every aten op ran from a cached plan: the verdict is final (unless a kept move stood in for an argument).
+    if None not in recorded and not _ran_on_kept_moves(cls, args, kwargs, recorded):
         plan = _learn(cls, function, args, kwargs, recorded, result)
         # Later calls that differ only in values that do not decide find this plan too.
         signature = (function, len(args))
@@ -195,6 +196,16 @@ def _call(cls, function, args: tuple, kwargs: dict, key: tuple | None):
         if function_key_modes[signature]:
             store_function_plan(fast_key(cls, function, args, kwargs, function_key_modes[signature]), plan)
     return result
+
+
+def _ran_on_kept_moves(cls, args: tuple, kwargs: dict, recorded: Recording) -> bool:
+    """Whether the one aten op got a DTensor the call did not pass: a Partial argument's kept move
+    (`input_moves.with_kept_moves`), whose plan is for the moved layout, not for the argument's."""
+    if len(recorded) != 1:  # the DTensors a later op gets are made by the earlier ones
+        return False
+    given = {id(value) for value in (*args, *kwargs.values()) if isinstance(value, cls)}
+    aten_args, aten_kwargs = recorded.arguments[0]
+    return any(isinstance(value, cls) and id(value) not in given for value in (*aten_args, *aten_kwargs.values()))
 
 
 def _modes_passed_through(args: tuple, kwargs: dict, recorded: Recording) -> tuple:
