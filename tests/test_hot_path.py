@@ -477,7 +477,9 @@ def test_methods_defined_on_the_class_keep_torch_function_modes_and_plain_operan
         x + y, x.relu(), x.sum(1)  # learnt: the next calls are served
     with Recording() as mode:
         added, shape, transposed, summed = x + y, x.shape, x.t(), x.sum(1)
+        x.mul_(1.0)
     assert torch.Tensor.add in mode.functions and torch.Tensor.t in mode.functions  # `+` passes `add`
+    assert torch.Tensor.mul_ in mode.functions
     assert torch.Tensor.sum in mode.functions and shape == (4, 6)
     torch_function.fast_path_enabled = False
     try:
@@ -488,4 +490,6 @@ def test_methods_defined_on_the_class_keep_torch_function_modes_and_plain_operan
         _same_dtensor(result, reference)
     with pytest.raises(RuntimeError, match="plain torch.Tensor"):
         x + other
+    with pytest.raises(RuntimeError, match="plain torch.Tensor"):
+        x.add_(other)
     assert torch.equal((x * 2.0).full_tensor(), full * 2.0)
