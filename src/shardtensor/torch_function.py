@@ -258,10 +258,12 @@ def _learn(cls, function, args: tuple, kwargs: dict, recorded: Recording, result
     plan = recorded[0]
     op = plan.op
     in_place = _writes_first_argument_in_place(plan, args, recorded.arguments[0], result)
+    computes_locally = (
+        plan.single_spec is not None and plan.simple_positions is not None and result._spec is plan.single_spec
+    )
     if (
-        (plan.single_spec is None or plan.simple_positions is None) and not in_place
+        not (computes_locally or in_place)
         or not plan.runs_op
-        or not in_place and result._spec is not plan.single_spec
         or returns_view(op)
         or torch.Tag.nondeterministic_seeded in op.tags
         or any(isinstance(value, torch.Tensor) for value in kwargs.values())
