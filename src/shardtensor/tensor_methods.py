@@ -62,13 +62,15 @@ def _method(name: str):
     return method
 
 
-# Common functional methods and operators: when every tensor argument is a DTensor and no torch
-# function mode is on, they call `torch_function` directly with what torch's `__torch_function__`
-# protocol would pass (an operator passes its method: `x + y` passes `Tensor.add`, and a TypeError
-# becomes NotImplemented), without the protocol's C++ round trip (about 0.5-1 us).
+# Common methods and operators, functional and in place (an optimizer's per-parameter updates):
+# when every tensor argument is a DTensor and no torch function mode is on, they call
+# `torch_function` directly with what torch's `__torch_function__` protocol would pass (an operator
+# passes its method: `x + y` passes `Tensor.add`, and a TypeError becomes NotImplemented), without
+# the protocol's C++ round trip (about 0.5-1 us).
 _OPERATOR_METHODS = {"__add__": "add", "__sub__": "sub", "__mul__": "mul", "__truediv__": "div", "__matmul__": "matmul"}
 _FUNCTIONAL_METHODS = (
-    "add", "sub", "mul", "div", "matmul", "mm", "relu", "exp", "tanh", "sigmoid", "neg", "abs", "sum", "mean",
+    "add", "sub", "mul", "div", "matmul", "mm", "relu", "exp", "tanh", "sigmoid", "neg", "abs", "sum", "mean", "sqrt",
+    "add_", "sub_", "mul_", "div_", "lerp_", "addcmul_", "addcdiv_",
 )
 _torch_function_enabled = torch._C._is_torch_function_enabled  # False inside DisableTorchFunctionSubclass
 _function_mode_enabled = torch._C._is_torch_function_mode_enabled
