@@ -45,7 +45,7 @@ def _new_world(port: int):
         _raises_old_world(lambda: old + 1),
         _raises_old_world(old_mesh.get_group),
     ]
-    held = [key[0] for key in comm.peers._peers_cache] + [cached.mesh for cached in spec._interned_specs]
+    held = [key[0] for key in comm.peers._peers_cache] + [cached.mesh for cached in spec._interned_specs.values()]
     held += [plan.mesh for plan in plan_cache.plans.values()]
     return all(raised), any(mesh is old_mesh for mesh in held), old_one_rank in process_groups._created_groups
 
