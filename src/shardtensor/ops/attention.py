@@ -148,6 +148,9 @@ class Attention(ShardingRule):
             return [Row((R,) * sum(meta is not None for meta in metas), (R,) * len(call.inputs))]
         return _attention_rows(call, self.kernel, metas)
 
+    def random_calls(self, call: OpCall) -> int:
+        return 1 if self.kernel.draws and call.argument("dropout_p") > 0 else 0
+
     def local_op(self, call, input_layouts, coordinate):
         if call.argument("dropout_p") > 0:
             return on_shards(call.op, _drawing_alike(call.op)) if self.kernel.draws else None
