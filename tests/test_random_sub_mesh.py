@@ -115,6 +115,19 @@ def test_random_calls_after_a_random_op_on_a_sub_mesh_agree_on_every_rank(mesh):
             _check_world_calls(mesh, 2 * calls)
 
 
+@spmd(meshes=[(2, 2)])
+def test_a_random_op_on_each_rank_s_own_row_of_a_2d_mesh(mesh):
+    """Every rank is in one row ([0, 1] or [2, 3]) and outside the other: dropout on its own row
+    takes call 0 everywhere, so both rows hold the same global mask and the world stays in step."""
+    rows = [DeviceMesh("cpu", list(ranks)) for ranks in mesh.mesh.tolist()]  # built on every rank, in order
+    own_row = next(row for row in rows if row.get_coordinate() is not None)
+    shardtensor.manual_seed(SEED)
+    x = distribute_tensor(torch.ones(SHAPE, dtype=torch.float64), own_row, [Shard(1)])
+    dropped = F.dropout(x, 0.5).full_tensor()
+    assert torch.equal(dropped, (_draw("rand", 0) < 0.5).double() * 2)
+    _check_world_calls(mesh, 1)
+
+
 @pytest.mark.parametrize("first", ["dropout", "rand factory"])
 @spmd(meshes=[(4,), (2, 2)])
 def test_without_manual_seed_a_first_call_on_a_sub_mesh_seeds_the_whole_world(mesh, first):

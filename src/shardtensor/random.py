@@ -48,8 +48,8 @@ from . import comm
 from .mesh import DeviceMesh
 
 __all__ = [
-    "BLOCK_SIZE", "FILLS", "manual_seed", "random_shard", "next_random_call", "same_draws_on_every_rank", "skip_random_calls",
-    "tile_shape",
+    "BLOCK_SIZE", "FILLS", "manual_seed", "random_shard", "next_random_call", "same_draws_on_every_rank",
+    "skip_random_calls", "tile_shape",
 ]
 
 BLOCK_SIZE = 2**16
