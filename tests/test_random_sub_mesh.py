@@ -14,8 +14,11 @@ from spmd import spmd
 
 import shardtensor
 from shardtensor import DeviceMesh, Replicate, Shard, comm, distribute_tensor
+from shardtensor.ops.registry import RULES
+from shardtensor.rules import ShardingRule
 
 R = Replicate()
+aten = torch.ops.aten
 SEED = 13
 SHAPE = (6, 5)
 
@@ -51,6 +54,10 @@ CASES = [
      lambda counter: torch.ones(SHAPE, dtype=torch.float64)),
     ("normal_", lambda x: x.normal_(1.0, 2.0), 1, lambda counter: _draw("normal_", counter, (1.0, 2.0))),
     ("bernoulli", lambda x: torch.bernoulli(x + 0.3), 1, lambda counter: (_draw("rand", counter) < 0.3).double()),
+    ("bernoulli into out=", lambda x: torch.bernoulli(x + 0.3, out=torch.empty_like(x)), 1,
+     lambda counter: (_draw("rand", counter) < 0.3).double()),
+    ("normal with a tensor mean into out=", lambda x: torch.normal(x, 2.0, out=torch.empty_like(x)), 1,
+     lambda counter: 2.0 * _draw("randn", counter)),
     ("rand_like", torch.rand_like, 1, lambda counter: _draw("rand", counter)),
     ("randn_like", torch.randn_like, 1, lambda counter: _draw("randn", counter)),
     ("normal with a tensor mean", lambda x: torch.normal(x, 2.0), 1, lambda counter: 2.0 * _draw("randn", counter)),
@@ -113,6 +120,15 @@ def test_random_calls_after_a_random_op_on_a_sub_mesh_agree_on_every_rank(mesh):
                 else:  # no data and no communication, only the counter moves
                     assert records == [] and result.to_local().numel() == 0 and full.numel() == 0, note
             _check_world_calls(mesh, 2 * calls)
+
+
+def test_every_rule_of_a_random_op_says_how_many_random_calls_it_makes():
+    """Ranks outside the mesh take `random_calls` numbers without running the local op: a rule of an op
+    torch tags random that kept the default (0) would leave them behind the mesh's ranks."""
+    seeded = {op: rule for op, rule in RULES.items() if torch.Tag.nondeterministic_seeded in op.tags}
+    assert aten.bernoulli.out in seeded and aten.native_dropout.default in seeded
+    silent = [op for op, rule in seeded.items() if type(rule).random_calls is ShardingRule.random_calls]
+    assert silent == []
 
 
 @spmd(meshes=[(2, 2)])

@@ -286,6 +286,9 @@ class OutVariantRule(ShardingRule):
         functional = OpCall(self.functional_op, tuple(call.inputs[index] for index in operands), call.args, kwargs)
         return functional, operands, outs
 
+    def random_calls(self, call: OpCall) -> int:
+        return self.functional_rule().random_calls(self.split(call)[0])
+
     def rows(self, call: OpCall) -> Sequence[Row]:
         raise NotImplementedError(f"{self.__name__} is decided by `decide` from its functional op's rule")
 
