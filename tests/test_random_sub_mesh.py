@@ -41,7 +41,7 @@ def _attention_reference(counter, dropout_p):
     if dropout_p == 0:
         return F.scaled_dot_product_attention(ones, ones, ones)
     keep = documented_random("rand", (1, 2, 3, 3), seed=SEED, counter=counter) < 1 - dropout_p
-    return torch.ops.aten._scaled_dot_product_attention_math(ones, ones, ones, dropout_p=dropout_p, dropout_mask=keep)[0]
+    return aten._scaled_dot_product_attention_math(ones, ones, ones, dropout_p=dropout_p, dropout_mask=keep)[0]
 
 
 # (name, a random op on `x` (float64 zeros of SHAPE on the sub-mesh), how many random calls it makes,
