@@ -37,7 +37,7 @@ from .plan_cache import (
 )
 from .propagation import decide
 from .propagation import key_modes as key_modes_by_op
-from .random import same_draws_on_every_rank
+from .random import same_draws_on_every_rank, skip_random_calls
 from .redistribute import redistribute_local_tensor
 from .rules import Decision, OpCall, PlainTensor, ReplicateFallback, ResizesWritten, TensorMeta
 from .spec import DTensorSpec
@@ -221,7 +221,8 @@ def _dispatch_slowly(dtensor_class: type, op, args: tuple, kwargs: dict, key: tu
             return _fallback(dtensor_class, op, flat, tree, positions, dtensors, mutated_dtensors, mesh, verdict)
         if is_explicit() and decision.moves_inputs(layouts):
             raise implicit_communication_error(op, dtensors, decision.input_layouts, "its sharding rule needs other layouts")
-        return _outside_mesh(dtensor_class, op, flat, tree, positions, dtensors, mesh, decision.output_layouts)
+        return _outside_mesh(dtensor_class, op, flat, tree, positions, dtensors, mesh, decision.output_layouts,
+                             rule.random_calls(call))
     coordinate = tuple(coordinate)
     modes = key_modes(op)
     try:
@@ -280,28 +281,30 @@ def _fallback(dtensor_class: type, op, flat, tree, positions, dtensors, mutated_
     replicated = [d.sharding.with_placements([Replicate()] * d.sharding.mesh_ndim) for d in dtensors]
     if is_explicit() and any(target != d.sharding for d, target in zip(dtensors, replicated)):
         raise implicit_communication_error(op, dtensors, replicated, f"it {why}: replicate fallback")
+    draws = verdict.draws if verdict is not None else None
+    if draws is None:
+        draws = torch.Tag.nondeterministic_seeded in op.tags  # every rank computes the whole op: draw alike
     if mesh.get_coordinate() is None:
-        return _outside_mesh(dtensor_class, op, flat, tree, positions, dtensors, mesh, None)
+        return _outside_mesh(dtensor_class, op, flat, tree, positions, dtensors, mesh, None, int(draws))
     name = str(op)
     if name not in fallback_counts:
         logger.info("%s %s: gathering its inputs (%s) to Replicate", name, why, describe(dtensors))
     fallback_counts[name] += 1
-    draws = verdict.draws if verdict is not None else None
-    if draws is None:
-        draws = torch.Tag.nondeterministic_seeded in op.tags
-    if draws:  # every rank computes the whole op: draw alike
+    if draws:
         with same_draws_on_every_rank(mesh):
             return _run(dtensor_class, op, flat, tree, positions, dtensors, mutated_dtensors, mesh, replicated, None, None)
     return _run(dtensor_class, op, flat, tree, positions, dtensors, mutated_dtensors, mesh, replicated, None, None)
 
 
-def _outside_mesh(dtensor_class: type, op, flat, tree, positions, dtensors, mesh, output_layouts):
+def _outside_mesh(dtensor_class: type, op, flat, tree, positions, dtensors, mesh, output_layouts, random_calls: int):
     """The op on a rank outside the mesh: no data and no communication, only metadata.
 
     The op runs on meta tensors of the global shapes; outputs are DTensors with the layouts the
     mesh's ranks get (`output_layouts`, or the fallback's when None) and a local tensor without
-    elements, and in-place or `out=` ops return their DTensor argument.
+    elements, and in-place or `out=` ops return their DTensor argument. A random op takes its
+    `random_calls` numbers of the random counter as the mesh's ranks do, so the counter stays in step.
     """
+    skip_random_calls(mesh, random_calls)
     meta_flat, arguments = list(flat), {}
     for index, dtensor in zip(positions, dtensors):
         meta_flat[index] = torch.empty_strided(dtensor.shape, dtensor.stride(), dtype=dtensor.dtype, device="meta")

@@ -237,6 +237,12 @@ class ShardingRule:
         None runs the op itself. Output shard sizes come from it on meta tensors, with mesh None."""
         return None
 
+    def random_calls(self, call: OpCall) -> int:
+        """How many numbers of shardtensor's random counter (`random.next_random_call`) the local op
+        takes. Ranks outside the mesh do not run it and take as many without drawing, so that the
+        counter stays the same on every rank of the world."""
+        return 0
+
     def local_shape_key(self, call: OpCall, input_layouts: Sequence[Layout], coordinate: Sequence[int]):
         """What the local op's output shapes depend on at `coordinate` besides its local input shapes
         and arguments (a halo exchange's window); coordinates with equal keys share one evaluation on
@@ -298,6 +304,9 @@ class OutVariantRule(ShardingRule):
         kwargs = tuple((name, value) for name, value in call.kwargs if name not in self.out_names)
         functional = OpCall(self.functional_op, tuple(call.inputs[index] for index in operands), call.args, kwargs)
         return functional, operands, outs
+
+    def random_calls(self, call: OpCall) -> int:
+        return self.functional_rule().random_calls(self.split(call)[0])
 
     def rows(self, call: OpCall) -> Sequence[Row]:
         raise NotImplementedError(f"{self.__name__} is decided by `decide` from its functional op's rule")

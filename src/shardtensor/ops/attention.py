@@ -139,6 +139,9 @@ class Attention(ShardingRule):
             raise ReplicateFallback(f"{call.op} with dropout_p > 0 draws its mask whole", draws=self.kernel.draws)
         return _attention_rows(call, self.kernel, self.global_outputs(call))
 
+    def random_calls(self, call: OpCall) -> int:
+        return 1 if self.kernel.draws and call.argument("dropout_p") > 0 else 0
+
     def local_op(self, call, input_layouts, coordinate):
         local_shapes = [layout.local_shape(coordinate) for layout in input_layouts if layout.ndim == 4]
         if all(shape[0] and shape[1] for shape in local_shapes):
