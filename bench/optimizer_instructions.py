@@ -19,7 +19,10 @@ import sys
 
 import torch
 
-WORKLOADS = ("AdamW(foreach=True).step()", "Adam(foreach=True).step()", "SGD(momentum=0.9, foreach=True).step()")
+WORKLOADS = (
+    "AdamW(foreach=True).step()", "AdamW(foreach=False).step()", "Adam(foreach=True).step()",
+    "SGD(momentum=0.9, foreach=True).step()",
+)
 SHORT, LONG = 5, 25
 
 

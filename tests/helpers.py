@@ -204,7 +204,7 @@ def exit_3_if_gloo_workers_outlive_the_library() -> None:
     gloo worker thread is still running (the cause of the abort at finalization, checked without its race).
 
     Call it before the library registers its handler (before building a mesh): atexit runs handlers
-    last-in first-out, so this check runs after `mesh.release_process_groups`.
+    last-in first-out, so this check runs after `process_groups.release_process_groups`.
     """
 
     def check() -> None:

@@ -3,7 +3,7 @@ kernels (flash, efficient, cuDNN) and the overrideable fused one cannot run, and
 their decisions through `propagation.decide` against independent expectations: batch or heads
 sharding passes through with no move, and every result with batch and heads dims comes out sharded
 like the query with the local shapes that torch's own meta kernel gives on the local inputs (uneven
-shards too); mixed inputs meet on one dim with the expected moves; dropout runs whole, seeded.
+shards too); mixed inputs meet on one dim with the expected moves; dropout takes the replicate fallback.
 The CPU kernel runs for real in tests/test_nn.py (`F.scaled_dot_product_attention` on DTensors);
 the last tests run the efficient kernel's rules on real shards through a CPU stand-in for its CUDA
 kernel (registered for the test only), values and gradients against the stand-in on one device.
@@ -11,6 +11,7 @@ kernel (registered for the test only), values and gradients against the stand-in
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 
@@ -22,12 +23,13 @@ from torch.testing import assert_close
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 import shardtensor
-from shardtensor import comm, distribute_tensor, propagation
+from shardtensor import DeviceMesh, comm, distribute_tensor, propagation
 from shardtensor.layout import Layout
 from shardtensor.ops.attention import KERNELS
+from shardtensor.dispatch import fallback_counts
 from shardtensor.ops.registry import RULES
 from shardtensor.placement import Replicate, Shard
-from shardtensor.rules import OpCall, TensorMeta
+from shardtensor.rules import OpCall, ReplicateFallback, TensorMeta
 
 aten = torch.ops.aten
 R = Replicate()
@@ -245,13 +247,14 @@ def test_a_mask_broadcast_over_batch_stays_replicate(name, backward):
 
 
 @pytest.mark.parametrize("name, backward", CASES, ids=CASE_IDS)
-def test_dropout_runs_whole_with_draws_seeded_alike(name, backward):
+def test_dropout_takes_the_replicate_fallback(name, backward):
+    """A kernel draws its dropout mask for the shapes it gets, so no row shards it: the rule hands the
+    call to the counted replicate fallback, which seeds a forward's draws (a backward replays the mask)."""
     op, args, kwargs, laid_out = _kernel_call(name, backward, dropout_p=0.25)
     sharded = {id(tensor): [Shard(0)] for tensor in laid_out}
-    _, _, decision = _decide(op, args, kwargs, sharded, (2,), (0,))
-    assert all(layout.placements == (R,) for layout in decision.input_layouts)
-    assert all(layout is None or layout.placements == (R,) for layout in decision.output_layouts)
-    assert (decision.local_op is not None) == (not backward)  # a forward draws its mask; a backward replays it
+    with pytest.raises(ReplicateFallback) as verdict:
+        _decide(op, args, kwargs, sharded, (2,), (0,))
+    assert verdict.value.draws == (not backward)
 
 
 @pytest.mark.parametrize("name, backward", CASES, ids=CASE_IDS)
@@ -327,8 +330,9 @@ def _efficient_attention_and_grads(tensors, dropout_p, grad):
 @spmd(meshes=[(2,), (2, 2)])
 def test_efficient_kernel_on_shards_equals_one_device(mesh):
     """Batch or heads shards (5 and 3: uneven, none on one of 4 ranks) compute with no communication;
-    with dropout every rank computes the whole op drawing the mask the fallback's seed gives, and
-    the backward replays it."""
+    with dropout the replicate fallback computes the whole op on every rank, drawing the mask its seed
+    gives (the one device's), and the backward replays it: one counted fallback each, refused in
+    strict mode."""
     shapes = [(BATCH, HEADS, QUERIES, FEATURES), (BATCH, HEADS, KEYS, FEATURES), (BATCH, HEADS, KEYS, FEATURES),
               (BATCH, HEADS, QUERIES, KEYS)]
     fulls = [seeded_randn(shape, seed) for seed, shape in enumerate(shapes)]
@@ -341,12 +345,37 @@ def test_efficient_kernel_on_shards_equals_one_device(mesh):
             leaves = [distribute_tensor(full, mesh, placements).requires_grad_() for full in fulls]
             grad = distribute_tensor(grad_full, mesh, placements if dropout_p == 0 else (R,) * mesh.ndim)
             shardtensor.random.manual_seed(3)
+            fallbacks_before = collections.Counter(fallback_counts)
             results, records = _efficient_attention_and_grads(leaves, dropout_p, grad)
+            fallbacks = collections.Counter(fallback_counts) - fallbacks_before
             if dropout_p == 0:
                 assert records == [] and results[0].placements == placements == results[2].placements
+                assert not fallbacks
             else:
-                every_rank = comm.all_gather_object(results[0].to_local(), mesh, None)
-                assert results[0].placements == (R,) * mesh.ndim
-                assert all(torch.equal(local, every_rank[0]) for local in every_rank)
+                forward = aten._scaled_dot_product_efficient_attention.default
+                assert fallbacks == {str(forward): 1, str(aten._scaled_dot_product_efficient_attention_backward.default): 1}
+                assert results[0].placements == placements  # the fallback lays an output out like its first input
+                with shardtensor.strict_mode(), pytest.raises(NotImplementedError, match="no sharded way .*dropout_p > 0"):
+                    aten._scaled_dot_product_efficient_attention(*leaves, True, dropout_p, False)
             for result, single_device in zip(results, expected):
                 assert_close(result.full_tensor(), single_device)
+
+
+@spmd(meshes=[(4,)])
+def test_dropout_on_a_sub_mesh_gives_ranks_outside_it_the_metadata(mesh):
+    """Ranks outside the mesh reach the rule's fallback verdict too (without data): members compute the
+    whole op with the fallback's draws, the others get the outputs' global shapes and layouts."""
+    sub_mesh = DeviceMesh("cpu", [1, 3])
+    shapes = [(BATCH, HEADS, QUERIES, FEATURES), (BATCH, HEADS, KEYS, FEATURES), (BATCH, HEADS, KEYS, FEATURES),
+              (BATCH, HEADS, QUERIES, KEYS)]
+    fulls = [seeded_randn(shape, seed) for seed, shape in enumerate(shapes)]
+    attention = aten._scaled_dot_product_efficient_attention.default
+    with _efficient_kernel_on_cpu():
+        expected = with_fallback_draws(lambda: attention(*fulls, True, 0.4, False)[0], seed=3, counter=0)
+        shardtensor.random.manual_seed(3)
+        output = attention(*[distribute_tensor(full, sub_mesh, [Shard(1)]) for full in fulls], True, 0.4, False)[0]
+    assert output.shape == expected.shape and output.placements == (Shard(1),)
+    if sub_mesh.get_coordinate() is None:
+        assert output.to_local().numel() == 0
+    else:
+        assert_close(output.full_tensor(), expected)

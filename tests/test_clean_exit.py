@@ -5,7 +5,7 @@ does. A worker thread still alive while Python finalizes, dropping the last coll
 needs the interpreter and aborts the rank ("terminate called without an active exception", exit code
 -6; about 1 torchrun job in 2 on a loaded machine before the fix). The library destroys what it
 created at exit and holds no other reference to a group (meshes name groups by rank set), so the
-groups are freed and their threads joined before finalization (`mesh.release_process_groups`).
+groups are freed and their threads joined before finalization (`process_groups.release_process_groups`).
 Each program also checks the cause directly: no gloo worker thread outlives the exit handler. That
 holds too for a program that makes and destroys the default group itself while the library creates
 no group (the demo on a 1x2 mesh): the library's caches hold the program's groups, so its exit
@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from helpers import SMALL_DEMO_FLAGS, gloo_worker_threads
 
-from shardtensor import Shard, distribute_tensor, init_device_mesh, launch, mesh as mesh_module
+from shardtensor import DeviceMesh, Shard, distribute_tensor, init_device_mesh, launch, process_groups
 
 SCRIPTS = Path(__file__).parent / "scripts"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]  # then the ranks
@@ -70,9 +70,9 @@ def _use_library_groups():
     mesh = init_device_mesh("cpu", (2,))
     full = torch.arange(10.0)
     x = distribute_tensor(full, mesh, [Shard(0)])
-    one_rank = mesh_module.DeviceMesh("cpu", [dist.get_rank()])  # a one-rank group, made on demand
+    one_rank = DeviceMesh("cpu", [dist.get_rank()])  # a one-rank group, made on demand
     one_rank.get_group()
-    return torch.equal(x.full_tensor(), full), len(mesh_module._created_groups), gloo_worker_threads()
+    return torch.equal(x.full_tensor(), full), len(process_groups._created_groups), gloo_worker_threads()
 
 
 def _release_and_report():
@@ -81,16 +81,16 @@ def _release_and_report():
     made, is kept; a mesh built before the release raises a clear error when used."""
     mesh = init_device_mesh("cpu", (2,))
     x = distribute_tensor(torch.arange(4.0), mesh, [Shard(0)])
-    one_rank = mesh_module.DeviceMesh("cpu", [dist.get_rank()])
+    one_rank = DeviceMesh("cpu", [dist.get_rank()])
     one_rank.get_group()
-    created = [group.group_name for group in mesh_module._created_groups]  # names: holding a group keeps it alive
-    mesh_module.release_process_groups()
+    created = [group.group_name for group in process_groups._created_groups]  # names: holding a group keeps it alive
+    process_groups.release_process_groups()
     registered = set(dist.distributed_c10d._world.pg_names.values())
     with pytest.raises(RuntimeError, match="belongs to a process-group world that was destroyed"):
         one_rank.get_group()
     with pytest.raises(RuntimeError, match="belongs to a process-group world that was destroyed"):
         x.full_tensor()
-    return [group in registered for group in created], dist.is_initialized(), mesh_module._created_groups, gloo_worker_threads()
+    return [group in registered for group in created], dist.is_initialized(), process_groups._created_groups, gloo_worker_threads()
 
 
 def test_spawned_workers_exit_zero_and_release_only_the_library_groups():

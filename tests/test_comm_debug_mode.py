@@ -7,11 +7,16 @@ import tempfile
 
 import pytest
 import torch
+import torch.nn.functional as F
+from helpers import layout_box, seeded_randn
 from spmd import spmd
 from torch.testing import assert_close
 
-from shardtensor import DTensor, Partial, Replicate, Shard, comm, distribute_module, distribute_tensor
+from shardtensor import DeviceMesh, DTensor, Partial, Replicate, Shard, comm, distribute_module, distribute_tensor
 from shardtensor.debug.comm_mode import C10D_NAMES, OUTSIDE_OPS, CommBytes, CommDebugMode
+from shardtensor.experimental import context_parallel, context_parallel_unshard, set_rotate_method
+from shardtensor.layout import Layout
+from shardtensor.redistribute import CostModel, execute, plan
 
 ONE_D = [(1,), (2,), (4,)]
 FLOAT = 4  # bytes per float32 element
@@ -342,3 +347,49 @@ def test_collectives_inside_a_rule_count_for_the_module_running_it(mesh):
         "Sequential.0": {"forward": check, "backward": {}},
     }
     assert mode.get_comm_counts_by_op() == {"aten.embedding.default": check, OUTSIDE_OPS: {"all_reduce": 1}}
+
+
+@spmd(meshes=[(2, 2)])
+def test_point_to_point_exchanges_along_a_mesh_dim_are_recorded_on_it(mesh):
+    """A halo exchange along a spatial dim sharded over mesh dim "sp", a ring over the "sp" sub-mesh and
+    a redistribute exchange: each batch_p2p record names the mesh dims its peers differ along."""
+    named = DeviceMesh("cpu", mesh.mesh, mesh_dim_names=("dp", "sp"))
+    row, column = named.get_coordinate()
+    double = 8  # bytes per float64 element
+    signal, weight = seeded_randn((2, 3, 8), 1), seeded_randn((4, 3, 3), 2)
+    x = distribute_tensor(signal, named, [Replicate(), Shard(2)])
+    kernel = distribute_tensor(weight, named, [Replicate(), Replicate()])
+    with CommDebugMode() as mode:  # one column of 2 x 3 values to and from the one neighbour
+        convolved = F.conv1d(x, kernel, padding=1)
+    assert mode.records == [comm.CommRecord("batch_p2p", 1, 2, 2 * 3 * double, 2 * 3 * double)]
+    assert mode.records[0].mesh_dim_names == ("sp",)
+    assert "batch_p2p on mesh dim 1: 1" in mode.generate_comm_debug_tracing_table(noise_level=1)
+    assert_close(convolved.full_tensor(), F.conv1d(signal, weight, padding=1))
+
+    query, key, value = (seeded_randn((2, 2, 8, 4), seed) for seed in (3, 4, 5))
+    expected = F.scaled_dot_product_attention(query, key, value)
+    set_rotate_method("alltoall")
+    try:
+        with context_parallel(named["sp"], buffers=[query, key, value], buffer_seq_dims=[2, 2, 2]):
+            with CommDebugMode() as mode:  # k and v of one rank to the next, once on two ranks
+                output = F.scaled_dot_product_attention(query, key, value)
+            gathered = context_parallel_unshard(named["sp"], [output], [2])[0]
+    finally:
+        set_rotate_method("allgather")
+    assert mode.records == [comm.CommRecord("batch_p2p", 0, 2, 2 * 2 * 2 * 4 * 4 * double, 2 * 2 * 2 * 4 * 4 * double)]
+    assert mode.records[0].mesh_dim_names == ("sp",)
+    assert_close(gathered, expected)
+
+    cases = [([Shard(0), Replicate()], [Shard(1), Replicate()], 0, ("dp",), 2 * 2),  # peers along "dp" only
+             ([Shard(0), Shard(0)], [Replicate(), Shard(0)], (0, 1), ("dp", "sp"), 2 * 2 * (1 + (row != column)))]
+    full = seeded_randn((8, 2), 6)
+    for source, target, mesh_dims, names, elements in cases:
+        source_layout = Layout.create(named.shape, source, full.shape)
+        target_layout = source_layout.with_placements(target)
+        exchange = plan(source_layout, target_layout, double, CostModel(exchange_latency_us=0.0, latency_us=1e6))
+        assert exchange.collectives == ("batch_p2p",)
+        with CommDebugMode() as mode:
+            moved = execute(layout_box(full, source_layout, (row, column)).clone(), exchange, named)
+        assert torch.equal(moved, layout_box(full, target_layout, (row, column)))
+        assert mode.records == [comm.CommRecord("batch_p2p", mesh_dims, 2, elements * double, elements * double)]
+        assert mode.records[0].mesh_dim_names == names

@@ -153,6 +153,28 @@ def test_same_placements_move_nothing_and_async_waits_on_use(mesh):
     assert torch.equal((pending + 1).full_tensor(), full + 1)
 
 
+@spmd(meshes=[(2,), (2, 2)])
+def test_redistribute_without_placements_keeps_them_and_another_mesh_needs_them(mesh):
+    """`redistribute()` (PyTorch: "placements is needed") keeps the placements, Partial included: the same
+    local tensor, no communication; with `forward_dtype` only a cast. Another mesh needs placements."""
+    full = torch.arange(20.0).reshape(4, 5)
+    placements = [Shard(0)] + [Partial()] * (mesh.ndim - 1)  # on 2 x 2: two operands of half each
+    operand = _expected_local(full, mesh, [Shard(0)] + [Replicate()] * (mesh.ndim - 1)) / 2 ** (mesh.ndim - 1)
+    dtensor = DTensor.from_local(operand, mesh, placements)
+    with comm.observe() as records:
+        same, cast = dtensor.redistribute(), dtensor.redistribute(forward_dtype=torch.float64)
+        same_mesh = dtensor.redistribute(mesh)
+    assert list(records) == []
+    for result in (same, cast, same_mesh):
+        assert result is not dtensor and result.placements == dtensor.placements == tuple(placements)
+    assert same.to_local().data_ptr() == dtensor.to_local().data_ptr() == same_mesh.to_local().data_ptr()
+    assert cast.dtype == torch.float64 and torch.equal(cast.full_tensor(), full.double())
+    assert torch.equal(same.full_tensor(), full)
+    reordered = DeviceMesh("cpu", mesh.mesh.flip(0))
+    with pytest.raises(ValueError, match="redistribute to another mesh needs placements"):
+        dtensor.redistribute(reordered)
+
+
 @spmd()
 def test_repr_shows_layout(mesh):
     dtensor = distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)] * mesh.ndim)

@@ -205,3 +205,18 @@ def test_a_served_list_waits_for_the_data_of_an_async_redistribute(mesh):
     for dtensor, full in zip(result, fulls[0]):
         assert dtensor.placements == (R,)
         assert_close(dtensor.to_local(), full * 3.0)
+    assert not DTensor._waiting  # every wrapper it read was waited for: plans read shards directly again
+
+
+@spmd(meshes=[(2,)])
+def test_a_wrapper_dropped_while_waiting_stops_counting_as_waiting(mesh):
+    """List plans read `_local_value` directly only while no wrapper waits for its shard; a waiting
+    wrapper dropped unread must not keep them on the slower path (nor stay referenced)."""
+    fulls, dtensors = _lists(mesh, 1)
+    pending = dtensors[0][0].redistribute(mesh, [R], async_op=True)
+    assert pending._local_value is None and len(DTensor._waiting) == 1
+    del pending
+    assert not DTensor._waiting
+    result = torch._foreach_mul(dtensors[0], 2.0)
+    for dtensor, full in zip(result, fulls[0]):
+        assert_close(dtensor.full_tensor(), full * 2.0)

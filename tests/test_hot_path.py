@@ -8,10 +8,12 @@ for the wrong inputs shows up as a wrong number.
 from __future__ import annotations
 
 import functools
+import operator
 import warnings
 
 import pytest
 import torch
+from helpers import partial_and_value
 from spmd import spmd
 
 import shardtensor
@@ -185,7 +187,7 @@ FUNCTION_CALLS = {
     "partial plus scalar": (lambda x, y, w: x.sum() + 1, True),
     "view": (lambda x, y, w: x.view(-1), False),
     "transpose": (lambda x, y, w: x.t(), False),
-    "in place": (lambda x, y, w: x.clone().add_(y), False),
+    "in place": (lambda x, y, w: x.clone().add_(y), True),
     "out=": (lambda x, y, w: torch.add(x, y, out=torch.empty_like(x)), False),
     "dropout": (lambda x, y, w: torch.nn.functional.dropout(x, 0.5), False),
 }
@@ -272,6 +274,94 @@ def test_function_fast_path_leaves_autograd_calls_to_the_aten_path(mesh):
         result = leaf + x
     assert not dispatched and not result.requires_grad
     assert torch.equal(result.full_tensor(), full + full)
+
+
+@spmd(meshes=[(2,), (2, 2)])
+def test_function_fast_path_is_not_learnt_from_a_kept_move(mesh):
+    """A Partial input reduced before is seen by dispatch in its moved (Replicate) layout: a call
+    learnt then must not serve later calls whose Partial input has no kept move."""
+    plan_cache.clear_plans()
+    full = torch.randn(4, 3, dtype=torch.float64)
+    x = distribute_tensor(full, mesh, _placements(mesh, Replicate()))
+    x + x  # an aten plan for (Replicate, Replicate), so the call below runs from cached plans only
+    kept, kept_full = partial_and_value(mesh, (4, 3))
+    kept.exp()  # reduces `kept` and keeps the move
+    torch.testing.assert_close((x + kept).full_tensor(), full + kept_full)
+    for seed in (1, 2):
+        fresh, fresh_full = partial_and_value(mesh, (4, 3), seed=seed)
+        torch.testing.assert_close((x + fresh).full_tensor(), full + fresh_full)
+
+
+# name -> an in-place call on (x, y, z) of one shape and layout with a Python float `scale` that
+# changes from call to call (the writes of `AdamW(foreach=False)` among them).
+IN_PLACE_CALLS = {
+    "mul_": lambda x, y, z, scale: x.mul_(scale),
+    "add_": lambda x, y, z, scale: x.add_(y, alpha=scale),
+    "lerp_": lambda x, y, z, scale: x.lerp_(y, 0.1),
+    "addcmul_": lambda x, y, z, scale: x.addcmul_(y, z, value=scale),
+    "addcdiv_": lambda x, y, z, scale: x.addcdiv_(y, z.abs() + 1, value=-scale),
+    "copy_": lambda x, y, z, scale: x.copy_(y),
+    "+=": lambda x, y, z, scale: operator.iadd(x, y),
+    "relu(inplace=True)": lambda x, y, z, scale: torch.nn.functional.relu(x, inplace=True),
+}
+
+
+@pytest.mark.parametrize("placement", [Shard(0), Shard(1), Replicate()], ids=str)
+@spmd()
+def test_in_place_calls_are_served_where_the_tensor_lies(mesh, placement):
+    """An in-place call whose plan writes `self` where it lies is learnt on its second call and then
+    runs on the local tensors without the dispatcher: single-device values, no collective, the
+    DTensor returned, its version counter bumped once per call as the dispatcher bumps it."""
+    for name, call in IN_PLACE_CALLS.items():
+        fulls = [torch.randn(7, 5, dtype=torch.float64) for _ in range(3)]  # 7 rows: uneven shards
+        dtensors = [distribute_tensor(full.clone(), mesh, _placements(mesh, placement)) for full in fulls]
+        for scale in (0.5, 1.5, 2.5):
+            version = dtensors[0]._version
+            with pytest.MonkeyPatch.context() as monkeypatch, comm.observe() as records:
+                dispatched = _counting_dispatch(monkeypatch)
+                result = call(*dtensors, scale)
+            call(*fulls, scale)
+            assert result is dtensors[0] and dtensors[0]._version == version + 1, name
+            assert not records, name
+            torch.testing.assert_close(dtensors[0].full_tensor(), fulls[0], msg=lambda text: f"{name}: {text}")
+        assert not dispatched, name  # the third call was served
+
+
+def _write_after_save(leaf, weight):
+    """`weight`, saved for `leaf`'s gradient, written in place under no_grad; then backward."""
+    product = leaf * weight
+    with torch.no_grad():
+        weight.mul_(0.5)
+    product.sum().backward()
+
+
+@spmd(meshes=[(2,)])
+def test_in_place_fast_path_keeps_autograd_checks(mesh):
+    """A served write bumps the version counter autograd saved, so backward through the written
+    tensor raises as on one device; with grad on, a leaf that requires grad still refuses a write."""
+    full = torch.randn(4, 3)
+    leaf = distribute_tensor(full, mesh, [Shard(0)]).requires_grad_()
+    weight = distribute_tensor(full, mesh, [Shard(0)])
+    with torch.no_grad():
+        for _ in range(3):
+            leaf.mul_(0.5)  # learnt, then served
+    for pair in ((full.clone().requires_grad_(), full.clone()), (leaf, weight)):
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            _write_after_save(*pair)
+        with pytest.raises(RuntimeError, match="a leaf Variable that requires grad is being used in an in-place"):
+            pair[0].mul_(0.5)
+
+
+@spmd(meshes=[(2, 2)])
+def test_in_place_fast_path_refuses_writes_into_views_of_copies(mesh):
+    """A plan learnt on a DTensor does not serve a write into a view of a moved copy of the same spec."""
+    x = distribute_tensor(torch.randn(5, 5), mesh, [Shard(0), Shard(1)])
+    view = x.diagonal(1)  # one diagonal dim is gathered first: a view of a copy
+    same_spec = DTensor(view.to_local().clone(), view._spec)
+    for _ in range(3):
+        same_spec.mul_(0.5)  # learnt, then served
+    with pytest.raises(RuntimeError, match="view of a redistributed copy"):
+        view.mul_(0.5)
 
 
 def _through_torch_function(dtensor, name: str, *args):
@@ -387,7 +477,9 @@ def test_methods_defined_on_the_class_keep_torch_function_modes_and_plain_operan
         x + y, x.relu(), x.sum(1)  # learnt: the next calls are served
     with Recording() as mode:
         added, shape, transposed, summed = x + y, x.shape, x.t(), x.sum(1)
+        x.mul_(1.0)
     assert torch.Tensor.add in mode.functions and torch.Tensor.t in mode.functions  # `+` passes `add`
+    assert torch.Tensor.mul_ in mode.functions
     assert torch.Tensor.sum in mode.functions and shape == (4, 6)
     torch_function.fast_path_enabled = False
     try:
@@ -398,4 +490,6 @@ def test_methods_defined_on_the_class_keep_torch_function_modes_and_plain_operan
         _same_dtensor(result, reference)
     with pytest.raises(RuntimeError, match="plain torch.Tensor"):
         x + other
+    with pytest.raises(RuntimeError, match="plain torch.Tensor"):
+        x.add_(other)
     assert torch.equal((x * 2.0).full_tensor(), full * 2.0)

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shardtensor import mesh as mesh_module
+from shardtensor import process_groups
 from shardtensor.mesh import DeviceMesh, current_mesh, init_device_mesh
 from spmd import spmd
 
@@ -28,7 +28,7 @@ def test_coordinates_and_groups(mesh):
 @spmd(meshes=[(2, 2)])
 def test_names_slicing_and_group_reuse(mesh):
     named = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    groups_before = len(mesh_module._groups)
+    groups_before = len(process_groups._groups)
     tp = named["tp"]
     assert tp.mesh_dim_names == ("tp",) and tp.ndim == 1
     assert tp.mesh.tolist() == named.mesh[named.get_local_rank("dp")].tolist()
@@ -38,7 +38,7 @@ def test_names_slicing_and_group_reuse(mesh):
     assert swapped.get_local_rank("dp") == named.get_local_rank(0)
     assert named["dp", "tp"] == named and hash(named["dp", "tp"]) == hash(named)
     assert named != mesh  # names differ
-    assert len(mesh_module._groups) == groups_before, "slicing must not create groups"
+    assert len(process_groups._groups) == groups_before, "slicing must not create groups"
     assert repr(named) == "DeviceMesh('cpu', [[0, 1], [2, 3]], mesh_dim_names=('dp', 'tp'))"
     with pytest.raises(KeyError, match="known names: \\('dp', 'tp'\\)"):
         named["pp"]

@@ -6,7 +6,7 @@ import torch.distributed as dist
 
 from helpers import exact_full
 from shardtensor import Replicate, Shard, distribute_tensor
-from shardtensor import mesh as mesh_module
+from shardtensor import process_groups
 from shardtensor.comm.peers import _peers
 from shardtensor.mesh import DeviceMesh, init_device_mesh
 from spmd import spmd
@@ -24,14 +24,14 @@ def _pair_groups() -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
 @spmd(meshes=[(4,)])
 def test_one_group_gives_a_1d_mesh_over_it(mesh):
     row, _ = _pair_groups()
-    created_before = len(mesh_module._created_groups)
+    created_before = len(process_groups._created_groups)
     tp = DeviceMesh.from_group(row, "cpu", mesh_dim_names=("tp",))
     assert tp.mesh.tolist() == dist.get_process_group_ranks(row) and tp.mesh_dim_names == ("tp",)
     assert tp.get_group() is row and tp.get_group("tp") is row and tp.get_all_groups() == [row]
     assert _peers(tp, 0).group is row, "collectives must run over the user's group"
     again = DeviceMesh.from_group(row, "cpu", tp.mesh.tolist(), mesh_dim_names=("tp",))
     assert again == tp and hash(again) == hash(tp), "meshes over the same group and ranks are equal"
-    assert len(mesh_module._created_groups) == created_before, "from_group creates no group"
+    assert len(process_groups._created_groups) == created_before, "from_group creates no group"
     library_tp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))["tp"]
     assert library_tp.mesh.tolist() == tp.mesh.tolist() and library_tp != tp, "their groups differ"
     full = exact_full((4, 3))

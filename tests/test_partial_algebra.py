@@ -135,7 +135,7 @@ def test_in_place_scaling_of_max_and_min_partials_by_a_negative_number_reduces_f
 def test_scaling_a_partial_by_inf_or_nan_or_dividing_by_zero_reduces_first(mesh):
     """inf * (a0 + a1) is not inf * a0 + inf * a1 (operands of both signs give NaN): no Partial row, even
     right after a finite scale of the same Partial cached its decision and plan (multi-tensor plans
-    included, with a scalar or a list of scalars)."""
+    included, with a scalar or a list of scalars; a 0-d plain tensor scale too)."""
     inf, nan = math.inf, math.nan
     calls = {"* 2": lambda t: t * 2, "* inf": lambda t: t * inf, "* -inf": lambda t: t * -inf, "* nan": lambda t: t * nan,
              "/ 0": lambda t: t / 0, "/ -0.0": lambda t: t / -0.0, "/ 4": lambda t: t / 4,
@@ -145,8 +145,17 @@ def test_scaling_a_partial_by_inf_or_nan_or_dividing_by_zero_reduces_first(mesh)
              "_foreach_div(0)": lambda t: torch._foreach_div([t], 0.0)[0],
              "_foreach_mul([2])": lambda t: torch._foreach_mul([t], [2.0])[0],
              "_foreach_mul([inf])": lambda t: torch._foreach_mul([t], [inf])[0],
-             "_foreach_mul([nan])": lambda t: torch._foreach_mul([t], [nan])[0]}
-    finite = ("* 2", "/ 4", "_foreach_mul(2)", "_foreach_mul([2])")
+             "_foreach_mul([nan])": lambda t: torch._foreach_mul([t], [nan])[0],
+             # a 0-d plain tensor decides by its value's sign like a Python number (read next to a Partial)
+             "* tensor(2)": lambda t: t * torch.tensor(2.0), "* tensor(inf)": lambda t: t * torch.tensor(inf),
+             "tensor(-inf) *": lambda t: torch.tensor(-inf) * t, "* tensor(nan)": lambda t: t * torch.tensor(nan),
+             "/ tensor(4)": lambda t: t / torch.tensor(4.0), "/ tensor(0)": lambda t: t / torch.tensor(0.0),
+             "mul_(tensor(-inf))": lambda t: t.mul_(torch.tensor(-inf)),
+             "div_(tensor(0))": lambda t: t.div_(torch.tensor(0, dtype=torch.int64)),
+             "_foreach_mul(tensor(2))": lambda t: torch._foreach_mul([t], torch.tensor(2.0))[0],
+             "_foreach_mul(tensor(-inf))": lambda t: torch._foreach_mul([t], torch.tensor(-inf))[0],
+             "_foreach_div_(tensor(0))": lambda t: (torch._foreach_div_([t], torch.tensor(0.0)), t)[1]}
+    finite = ("* 2", "/ 4", "_foreach_mul(2)", "_foreach_mul([2])", "* tensor(2)", "/ tensor(4)", "_foreach_mul(tensor(2))")
     for reduce_op in ("sum", "avg", "max", "min"):
         for name, call in calls.items():
             x, value = _partial(mesh, reduce_op)
@@ -158,6 +167,28 @@ def test_scaling_a_partial_by_inf_or_nan_or_dividing_by_zero_reduces_first(mesh)
                 assert result.placements == x.placements, name
             elif name not in finite:
                 assert not any(p.is_partial() for p in result.placements) or result is x, (reduce_op, name)
+
+
+@spmd()
+def test_a_0d_tensor_scale_of_a_partial_communicates_like_a_python_number(mesh):
+    """Read next to a Partial, a 0-d plain tensor's sign picks the rows a Python number would: a positive
+    or negative finite scale keeps (or swaps) the Partial without communication, an infinite one costs
+    exactly the one all_reduce of reducing first; each call after the other reuses no wrong plan."""
+    reduced_once = ["all_reduce"] if mesh.size() > 1 else []
+    cases = [("sum", lambda t: t * torch.tensor(2.0), "sum", []),
+             ("max", lambda t: torch.tensor(-2.0) * t, "min", []),
+             ("max", lambda t: t / torch.tensor(0.5), "max", []),
+             ("sum", lambda t: t * torch.tensor(math.inf), None, reduced_once),
+             ("avg", lambda t: t / torch.tensor(0.0), None, reduced_once),
+             ("sum", lambda t: t * torch.tensor(3.0), "sum", [])]
+    for reduce_op, call, kept, kinds in cases * 2:
+        x, value = _partial(mesh, reduce_op)
+        with shardtensor.strict_mode(), comm.observe() as records:
+            result = call(x)
+        assert [record.kind for record in records] == kinds, (reduce_op, kept, records)
+        placements = (Partial(kept),) * mesh.ndim if kept else (Replicate(),) * mesh.ndim
+        assert result.placements == placements, (reduce_op, result.placements)
+        torch.testing.assert_close(result.full_tensor(), call(value), rtol=1e-12, atol=1e-12, equal_nan=True)
 
 
 @spmd()

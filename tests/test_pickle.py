@@ -18,7 +18,7 @@ from spmd import _run_body, spmd
 from torch import nn
 
 from shardtensor import DeviceMesh, DTensor, Partial, Replicate, Shard, comm, distribute_tensor, launch
-from shardtensor import mesh as mesh_module
+from shardtensor import process_groups
 
 R = Replicate()
 
@@ -214,11 +214,11 @@ def test_loading_a_mesh_whose_groups_this_process_lacks_raises_clearly(mesh):
     named = DeviceMesh("cpu", mesh.mesh, mesh_dim_names=("dp", "tp"))
     data = pickle.dumps(named["tp"])
     key = tuple(sorted(named["tp"].mesh.tolist()))
-    group = mesh_module._groups.pop(key)  # as in a fresh process that has not built the 2x2 mesh yet
+    group = process_groups._groups.pop(key)  # as in a fresh process that has not built the 2x2 mesh yet
     try:
         missing = re.escape(str(list(key)))
         with pytest.raises(RuntimeError, match=rf"no process group over ranks {missing}.*Build the mesh"):
             pickle.loads(data)
     finally:
-        mesh_module._groups[key] = group
+        process_groups._groups[key] = group
     assert pickle.loads(data) == named["tp"]

@@ -11,9 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shardtensor import Replicate, Shard, comm, distribute_tensor, init_device_mesh, launch
-from shardtensor import mesh as mesh_module
-from shardtensor import plan_cache, spec
+from shardtensor import DeviceMesh, Replicate, Shard, comm, distribute_tensor, init_device_mesh, launch
+from shardtensor import plan_cache, process_groups, spec
 
 
 def _raises_old_world(function) -> bool:
@@ -27,7 +26,7 @@ def _new_world(port: int):
     old_mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
     full = torch.arange(12.0).reshape(6, 2)
     old = distribute_tensor(full, old_mesh, [Shard(0)])
-    old_one_rank = mesh_module.DeviceMesh("cpu", [rank]).get_group()
+    old_one_rank = DeviceMesh("cpu", [rank]).get_group()
     assert torch.equal(old.full_tensor(), full)
     old_world = dist.group.WORLD
 
@@ -36,7 +35,7 @@ def _new_world(port: int):
                             timeout=datetime.timedelta(seconds=60))
     new_mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
     assert new_mesh != old_mesh and new_mesh.get_group() is dist.group.WORLD is not old_world
-    assert mesh_module.DeviceMesh("cpu", [rank]).get_group() is not old_one_rank
+    assert DeviceMesh("cpu", [rank]).get_group() is not old_one_rank
     new = distribute_tensor(full, new_mesh, [Shard(0)])
     assert new.device_mesh is new_mesh
     assert torch.equal(new.redistribute(new_mesh, [Replicate()]).to_local(), full)
@@ -46,9 +45,9 @@ def _new_world(port: int):
         _raises_old_world(lambda: old + 1),
         _raises_old_world(old_mesh.get_group),
     ]
-    held = [key[0] for key in comm.peers._peers_cache] + [cached.mesh for cached in spec._interned_specs]
+    held = [key[0] for key in comm.peers._peers_cache] + [cached.mesh for cached in spec._interned_specs.values()]
     held += [plan.mesh for plan in plan_cache.plans.values()]
-    return all(raised), any(mesh is old_mesh for mesh in held), old_one_rank in mesh_module._created_groups
+    return all(raised), any(mesh is old_mesh for mesh in held), old_one_rank in process_groups._created_groups
 
 
 def test_a_new_world_gets_new_groups_and_old_dtensors_raise():

@@ -3,8 +3,9 @@
 `DTensor.__torch_dispatch__` is `dispatch`. A call whose key finds a plan in `plan_cache` runs
 from it (the hot path). On a miss, an op with a rule in `ops.registry.RULES` gets a (cached)
 decision from `propagation.decide`, which is stored as a plan when the call is flat; an op without
-one goes to the fallback, which gathers every input to Replicate, runs the op on full tensors and
-returns the single-device result, logged once per op and counted in `fallback_counts`. The
+one (or whose rule has no sharded way for this call: `rules.ReplicateFallback`) goes to the fallback,
+which gathers every input to Replicate, runs the op on full tensors and returns the single-device
+result, logged once per op and counted in `fallback_counts`. The
 switches that refuse the fallback or implicit communication are in `modes`; writes into DTensors
 (in-place, `out=`, in-place views) in `write_back`.
 
@@ -30,13 +31,15 @@ from .ops.foreach import canonical_arguments
 from .ops.registry import RULES
 from .ops.sparse import sparse_layout_error
 from .placement import Replicate
-from .plain_tensors import created_by_torch
-from .plan_cache import Plan, counts_of, fast_key, key_modes, plans, record, recording, strip_values, template
+from .plain_tensors import created_by_torch, value_sign
+from .plan_cache import (
+    Plan, counts_of, fast_key, key_modes, plans, reads_scale_signs, record, recording, strip_values, template,
+)
 from .propagation import decide
 from .propagation import key_modes as key_modes_by_op
-from .random import same_draws_on_every_rank
+from .random import same_draws_on_every_rank, skip_random_calls
 from .redistribute import redistribute_local_tensor
-from .rules import DataDependentOutput, Decision, OpCall, PlainTensor, ResizesWritten, TensorMeta
+from .rules import Decision, OpCall, PlainTensor, ReplicateFallback, ResizesWritten, TensorMeta
 from .spec import DTensorSpec
 from .write_back import (
     inplace_view, mark_views_of_copies, mutated, refuse_writes_into_views_of_copies, returns_view, write_back,
@@ -130,13 +133,14 @@ def _plain_tensors_as_replicate(dtensor_class: type, op, flat: list, mesh, accep
             )
 
 
-def _frozen(value):
+def _frozen(value, read_signs: bool):
     """A call's non-tensor argument as a hashable value: lists become tuples (at any depth), a 0-d
-    plain tensor its `PlainTensor` (its dtype matters to the op, not its value)."""
+    plain tensor its `PlainTensor` (its dtype, and with `read_signs` the sign of its value: see
+    `plain_tensors.scale_signs`, which keys plans by the same signs)."""
     if isinstance(value, (list, tuple)):
-        return tuple(_frozen(item) for item in value)
+        return tuple(_frozen(item, read_signs) for item in value)
     if isinstance(value, torch.Tensor):
-        return PlainTensor(value.dtype)
+        return PlainTensor(value.dtype, value_sign(value)) if read_signs else PlainTensor(value.dtype)
     return value
 
 
@@ -205,20 +209,26 @@ def _dispatch_slowly(dtensor_class: type, op, args: tuple, kwargs: dict, key: tu
     # Keywords in the call's order, not sorted: placeholders are matched to the call's tensors in
     # flattened order (`_local_flat`, plans, the per-coordinate meta evaluation), and sorting swapped
     # two tensor keywords such as `frexp.Tensor_out`'s `mantissa` and `exponent`.
-    call = OpCall(op, metas, _frozen(call_args), tuple((name, _frozen(value)) for name, value in call_kwargs.items()))
     layouts = [dtensor.sharding for dtensor in dtensors]
+    read_signs = reads_scale_signs(op) and any(layout.partial_mesh_dims() for layout in layouts)
+    call = OpCall(op, metas, _frozen(call_args, read_signs),
+                  tuple((name, _frozen(value, read_signs)) for name, value in call_kwargs.items()))
     coordinate = mesh.get_coordinate()
     if coordinate is None:  # this rank is not in the mesh: the layouts the mesh's ranks get, no data
-        decision = decide(call, layouts, rule, (0,) * mesh.ndim, None)
+        try:
+            decision = decide(call, layouts, rule, (0,) * mesh.ndim, None)
+        except ReplicateFallback as verdict:
+            return _fallback(dtensor_class, op, flat, tree, positions, dtensors, mutated_dtensors, mesh, verdict)
         if is_explicit() and decision.moves_inputs(layouts):
             raise implicit_communication_error(op, dtensors, decision.input_layouts, "its sharding rule needs other layouts")
-        return _outside_mesh(dtensor_class, op, flat, tree, positions, dtensors, mesh, decision.output_layouts)
+        return _outside_mesh(dtensor_class, op, flat, tree, positions, dtensors, mesh, decision.output_layouts,
+                             rule.random_calls(call))
     coordinate = tuple(coordinate)
     modes = key_modes(op)
     try:
         decision = decide(call, layouts, rule, coordinate, _decision_cache_key(op, layouts, call, coordinate, flat, modes))
-    except DataDependentOutput:  # every rank reaches the same verdict: the replicate fallback computes it
-        return _fallback(dtensor_class, op, flat, tree, positions, dtensors, mutated_dtensors, mesh)
+    except ReplicateFallback as verdict:  # every rank reaches the same verdict: the replicate fallback computes it
+        return _fallback(dtensor_class, op, flat, tree, positions, dtensors, mutated_dtensors, mesh, verdict)
     except ResizesWritten as resize:
         return write_resized(dtensor_class, op, args, kwargs, *tree_unflatten(flat, tree), resize.functional_op)
     if modes and (decision.local_arguments is not None or decision.local_op is not None):
@@ -256,37 +266,45 @@ def _local_flat(flat: list, local_arguments: tuple[tuple, dict]) -> tuple[list, 
     return local_flat, tree
 
 
-def _fallback(dtensor_class: type, op, flat, tree, positions, dtensors, mutated_dtensors, mesh):
-    """No rule: gather every input to Replicate, compute the single-device result, return it."""
+def _fallback(dtensor_class: type, op, flat, tree, positions, dtensors, mutated_dtensors, mesh,
+              verdict: ReplicateFallback | None = None):
+    """No rule (or a rule's `verdict`): gather every input to Replicate, compute the single-device result,
+    return it."""
+    why = "has no sharding rule" if verdict is None else f"has no sharded way for these arguments ({verdict})"
     if is_strict():
         raise NotImplementedError(
-            f"{op} has no sharding rule and strict mode forbids the replicate fallback (inputs: "
+            f"{op} {why} and strict mode forbids the replicate fallback (inputs: "
             f"{describe(dtensors)}); redistribute the inputs to Replicate yourself, add a rule "
             f"(shardtensor.experimental.register_sharding), or leave strict mode "
             f"(shardtensor.strict_mode / SHARDTENSOR_STRICT=1)"
         )
     replicated = [d.sharding.with_placements([Replicate()] * d.sharding.mesh_ndim) for d in dtensors]
     if is_explicit() and any(target != d.sharding for d, target in zip(dtensors, replicated)):
-        raise implicit_communication_error(op, dtensors, replicated, "it has no sharding rule: replicate fallback")
+        raise implicit_communication_error(op, dtensors, replicated, f"it {why}: replicate fallback")
+    draws = verdict.draws if verdict is not None else None
+    if draws is None:
+        draws = torch.Tag.nondeterministic_seeded in op.tags  # every rank computes the whole op: draw alike
     if mesh.get_coordinate() is None:
-        return _outside_mesh(dtensor_class, op, flat, tree, positions, dtensors, mesh, None)
+        return _outside_mesh(dtensor_class, op, flat, tree, positions, dtensors, mesh, None, int(draws))
     name = str(op)
     if name not in fallback_counts:
-        logger.info("%s has no sharding rule: gathering its inputs (%s) to Replicate", name, describe(dtensors))
+        logger.info("%s %s: gathering its inputs (%s) to Replicate", name, why, describe(dtensors))
     fallback_counts[name] += 1
-    if torch.Tag.nondeterministic_seeded in op.tags:  # every rank computes the whole op: draw alike
+    if draws:
         with same_draws_on_every_rank(mesh):
             return _run(dtensor_class, op, flat, tree, positions, dtensors, mutated_dtensors, mesh, replicated, None, None)
     return _run(dtensor_class, op, flat, tree, positions, dtensors, mutated_dtensors, mesh, replicated, None, None)
 
 
-def _outside_mesh(dtensor_class: type, op, flat, tree, positions, dtensors, mesh, output_layouts):
+def _outside_mesh(dtensor_class: type, op, flat, tree, positions, dtensors, mesh, output_layouts, random_calls: int):
     """The op on a rank outside the mesh: no data and no communication, only metadata.
 
     The op runs on meta tensors of the global shapes; outputs are DTensors with the layouts the
     mesh's ranks get (`output_layouts`, or the fallback's when None) and a local tensor without
-    elements, and in-place or `out=` ops return their DTensor argument.
+    elements, and in-place or `out=` ops return their DTensor argument. A random op takes its
+    `random_calls` numbers of the random counter as the mesh's ranks do, so the counter stays in step.
     """
+    skip_random_calls(mesh, random_calls)
     meta_flat, arguments = list(flat), {}
     for index, dtensor in zip(positions, dtensors):
         meta_flat[index] = torch.empty_strided(dtensor.shape, dtensor.stride(), dtype=dtensor.dtype, device="meta")

@@ -12,6 +12,7 @@ layouts PyTorch documents (a Partial gradient becomes Replicate).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -25,11 +26,15 @@ from .mesh import DeviceMesh, current_mesh
 from .placement import Partial, Placement, Replicate
 from .spec import DTensorSpec, global_stride, interned_spec
 from .tensor_methods import FastTensorMethods
-from .torch_function import torch_function
 
 __all__ = ["DTensor"]
 
 _make_wrapper_subclass = torch.Tensor._make_wrapper_subclass
+
+# id -> weak reference of every wrapper whose shard is still on its way (made with `pending`): while
+# this is empty, every DTensor's `_local_value` is its shard and hot loops read it directly. (Keyed
+# by id: a set of weak references would compare tensors with `==`.)
+_waiting: dict[int, weakref.ref] = {}
 
 
 def _mirror_math_bits(wrapper: torch.Tensor, local_tensor: torch.Tensor) -> None:
@@ -56,11 +61,12 @@ class DTensor(FastTensorMethods, CheckpointableMixin, torch.Tensor):
     __slots__ = ("_local_value", "_spec")
     _local_value: torch.Tensor | None
     _pending: object | None = None  # an async redistribute's result to wait for (`_wrap` leaves it unset)
+    _waiting = _waiting  # read through the class by the engine below it (`list_plans`)
     _spec: DTensorSpec
     _view_of_copy: bool = False  # a view of a moved copy: writes into it raise (`write_back.py`)
 
-    # Public torch functions, methods and operators (`torch_function.py`), then aten ops (`dispatch.py`).
-    __torch_function__ = classmethod(torch_function)
+    # Public torch functions, methods and operators reach `torch_function` (bound to the class as
+    # `__torch_function__` by `FastTensorMethods.__init_subclass__`), then aten ops `dispatch`.
     __torch_dispatch__ = classmethod(dispatch)
 
     @staticmethod
@@ -79,6 +85,8 @@ class DTensor(FastTensorMethods, CheckpointableMixin, torch.Tensor):
         wrapper._local_value = None if pending is not None else local_tensor
         if pending is not None:  # else the class default: no instance dict
             wrapper._pending = pending
+            key = id(wrapper)
+            _waiting[key] = weakref.ref(wrapper, lambda _, key=key: _waiting.pop(key, None))
         wrapper._spec = interned_spec(spec)
         if local_tensor.is_conj() or local_tensor.is_neg():
             _mirror_math_bits(wrapper, local_tensor)
@@ -119,11 +127,13 @@ class DTensor(FastTensorMethods, CheckpointableMixin, torch.Tensor):
         if self._pending is not None:
             self._local_value = self._pending.wait()
             self._pending = None
+            _waiting.pop(id(self), None)
         return self._local_value
 
     def _take_value_of(self, other: DTensor) -> None:
         """Become `other` in place (its shard and spec): how in-place views such as `squeeze_` land."""
         self._local_value, self._pending, self._spec = other._local_tensor, None, other._spec
+        _waiting.pop(id(self), None)
 
     @property
     def device_mesh(self) -> DeviceMesh:
@@ -225,6 +235,11 @@ class DTensor(FastTensorMethods, CheckpointableMixin, torch.Tensor):
         the result returns at once and waits for its data on first use. `forward_dtype` casts the data
         before the collectives (the result has that dtype); `backward_dtype` is the dtype of the
         gradient's collectives (default: this DTensor's), and the gradient comes back in this dtype.
+
+        `placements=None` (ours; PyTorch raises "placements is needed for redistribute!") keeps this
+        DTensor's placements, Partial ones included: `x.redistribute()` is a new DTensor over the same
+        local tensor, with no communication, and `x.redistribute(forward_dtype=torch.bfloat16)` only
+        casts. A `device_mesh` other than this DTensor's needs placements for it (ValueError otherwise).
 
         `device_mesh` may be another mesh (other shape, rank order or ranks; docs/redistribute.md):
         every rank of the world must call, and ranks outside the target mesh get a local tensor

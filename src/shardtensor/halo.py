@@ -338,14 +338,15 @@ def _add_rows(target: torch.Tensor, dim: int, positions: Sequence[int], rows: to
 
 
 def _swap(sends: Sequence[tuple[torch.Tensor, int]], receives: Sequence[tuple[int, int]], like: torch.Tensor,
-          dim: int) -> list[torch.Tensor]:
-    """One `comm.batch_p2p`: each (tensor, global rank) of `sends` sent, and for each (rows, global
-    rank) of `receives` a tensor shaped like `like` with that many rows on `dim` received (in order)."""
+          dim: int, mesh: DeviceMesh, mesh_dims: tuple[int, ...]) -> list[torch.Tensor]:
+    """One `comm.batch_p2p` between peers along `mesh_dims` (its record names them): each (tensor, global
+    rank) of `sends` sent, and for each (rows, global rank) of `receives` a tensor shaped like `like` with
+    that many rows on `dim` received (in order)."""
     operations = [comm.PointToPoint("send", tensor, rank) for tensor, rank in sends]
     operations += [
         comm.PointToPoint("recv", like.new_empty(_with_rows(like.shape, dim, rows)), rank) for rows, rank in receives
     ]
-    return comm.batch_p2p(operations)
+    return comm.batch_p2p(operations, mesh=mesh, mesh_dim=mesh_dims)
 
 
 def _with_rows(shape: Sequence[int], dim: int, rows: int) -> list[int]:
@@ -373,7 +374,7 @@ def _prepare(tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: MeshDims, dim: in
             f"(shard bounds {list(bounds)}, windows {list(windows)})",
             "pass this rank's shard (window_exchange) or its window's gradient (window_gradient)",
         )
-    return dim, ranks, plan
+    return dim, mesh_dims, ranks, plan
 
 
 def window_exchange(local: torch.Tensor, mesh: DeviceMesh, mesh_dim: MeshDims, dim: int,
@@ -391,11 +392,12 @@ def _exchange_step(local: torch.Tensor, mesh: DeviceMesh, step: Exchange,
                    received: Sequence[torch.Tensor] | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """`window_exchange` along `step`: the window and the rows received from the peers (given as
     `received`, the rows a former exchange of the same shard received: no communication)."""
-    dim, ranks, plan = _prepare(local, mesh, step.mesh_dims, step.dim, step.shard_bounds, step.windows, step.edge,
-                                "local")
+    dim, mesh_dims, ranks, plan = _prepare(local, mesh, step.mesh_dims, step.dim, step.shard_bounds, step.windows,
+                                           step.edge, "local")
     if received is None:
         sends = [(_gather_rows(local, dim, positions), ranks[peer]) for peer, positions in plan.sends]
-        received = _swap(sends, [(rows, ranks[peer]) for peer, rows in plan.receives], local, dim)
+        receives = [(rows, ranks[peer]) for peer, rows in plan.receives]
+        received = _swap(sends, receives, local, dim, mesh, mesh_dims)
     return _assemble(local, list(received), plan, dim, step.edge), list(received)
 
 
@@ -423,7 +425,7 @@ def window_gradient(grad_window: torch.Tensor, mesh: DeviceMesh, mesh_dim: MeshD
     """The adjoint of `window_exchange`: the gradient of this rank's shard from its window's
     gradient and its peers' (each window row's gradient is added to the row it came from, on the
     rank that owns it; zero-filled rows are dropped). One `comm.batch_p2p`, the pairs reversed."""
-    dim, ranks, plan = _prepare(grad_window, mesh, mesh_dim, dim, shard_bounds, windows, edge, "window")
+    dim, mesh_dims, ranks, plan = _prepare(grad_window, mesh, mesh_dim, dim, shard_bounds, windows, edge, "window")
     grad_local = grad_window.new_zeros(_with_rows(grad_window.shape, dim, plan.local_rows))
     # The gradients of the rows that came from each peer, sent back to it.
     targets = [grad_local]
@@ -441,7 +443,7 @@ def window_gradient(grad_window: torch.Tensor, mesh: DeviceMesh, mesh_dim: MeshD
         row += run.length
     sends = [(target, ranks[peer]) for target, (peer, _) in zip(targets[1:], plan.receives)]
     receives = [(len(positions), ranks[peer]) for peer, positions in plan.sends]
-    received = _swap(sends, receives, grad_window, dim)
+    received = _swap(sends, receives, grad_window, dim, mesh, mesh_dims)
     for rows, (_, positions) in zip(received, plan.sends):
         _add_rows(grad_local, dim, positions, rows)
     return grad_local

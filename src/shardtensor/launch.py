@@ -151,7 +151,7 @@ def _release_world() -> None:
     (a gloo group left to interpreter exit can abort the process)."""
     import torch.distributed as dist
 
-    from .mesh import release_process_groups
+    from .process_groups import release_process_groups
 
     release_process_groups()
     if dist.is_initialized():

@@ -1,8 +1,9 @@
 """Cached plans for multi-tensor ops (`_foreach_*`, `_fused_*`): one decision per list layout.
 
 The plan key of a multi-tensor call (`"list"`, then the op) holds the spec of every DTensor of every list, the
-dtypes of plain 0-d tensors (an optimizer's step counts), and of each Python scalar only its type
-and sign, which is all that the rules of `ops/foreach.py` read. So Adam's step sizes, new on every
+dtypes of plain 0-d tensors (an optimizer's step counts; next to a Partial list, also the sign of a
+0-d scale of `_foreach_mul`/`_foreach_div`: `plain_tensors.scale_signs`), and of each Python scalar
+only its type and sign, which is all that the rules of `ops/foreach.py` read. So Adam's step sizes, new on every
 step, hit the plan that the first step built. A plan runs the op once on the lists of local tensors
 and wraps the outputs with the specs the decision promised; nothing per tensor is decided again.
 Learnt from such a plan, a public function (`torch._foreach_mul_`) runs on the local lists in
@@ -15,23 +16,21 @@ Like the rest of the engine below the class, this module gets the DTensor class 
 from __future__ import annotations
 
 import functools
-import itertools
 import math
-import operator
 
 import torch
 from torch._C import _increment_version
 from torch.utils._pytree import tree_flatten
 
 from .ops.foreach import canonical_scalar
-from .plan_cache import CachedPlan, store_function_plan
+from .plain_tensors import scale_signs
+from .plan_cache import CachedPlan, reads_scale_signs, store_function_plan
 from .rules import ComposedRule, Decision, sign_of
 from .spec import DTensorSpec, interned_spec
 
 __all__ = ["is_multi_tensor", "is_multi_tensor_function", "list_key", "ListPlan", "learn_function"]
 
 _KEY_TYPES = frozenset((int, float, bool, complex, str, type(None), torch.dtype, torch.device, torch.memory_format))
-_spec_of = operator.attrgetter("_spec")
 _multi_tensor: dict = {}
 
 
@@ -43,8 +42,12 @@ def is_multi_tensor(op) -> bool:
     return known
 
 
-def _append(dtensor_class: type, value, key: list) -> bool:
-    """Append what of `value` decides to `key`; False for a call no plan serves (mixed lists...)."""
+_PLAIN_TENSOR = "plain tensor"  # what `_append` returns (truthy) after plain 0-d tensors
+
+
+def _append(dtensor_class: type, value, key: list) -> bool | str:
+    """Append what of `value` decides to `key`; False for a call no plan serves (mixed lists...),
+    `_PLAIN_TENSOR` after plain 0-d tensors."""
     kind = type(value)
     if kind is list or kind is tuple:
         if not value:
@@ -53,13 +56,14 @@ def _append(dtensor_class: type, value, key: list) -> bool:
         first = type(value[0])
         if first is dtensor_class:
             try:
-                key.append(tuple(map(id, map(_spec_of, value))))
+                key.append(tuple([dtensor._spec for dtensor in value]))
             except AttributeError:  # a plain tensor among DTensors
                 return False
         elif first is torch.Tensor:  # plain 0-d tensors (step counts): their dtypes
             if any(type(item) is not torch.Tensor or item.ndim for item in value):
                 return False
             key.append(("plain", tuple(item.dtype for item in value)))
+            return _PLAIN_TENSOR
         elif first in _KEY_TYPES:
             types = tuple(map(type, value))
             key.append((kind, types, _signs(types, value)))
@@ -72,6 +76,7 @@ def _append(dtensor_class: type, value, key: list) -> bool:
         key.append(canonical_scalar(value))
     elif kind is torch.Tensor and not value.ndim:
         key.append(("plain", value.dtype))
+        return _PLAIN_TENSOR
     else:
         return False
     return True
@@ -95,23 +100,46 @@ def _signs(types: tuple, values) -> object:
 def list_key(dtensor_class: type, op, args: tuple, kwargs: dict) -> tuple | None:
     """The plan key of a multi-tensor call (op or public function), or None when no plan can serve it."""
     key = ["list", id(op)]
+    plain_tensor = False
     for value in args:
         kind = type(value)
         if kind is list and value and type(value[0]) is dtensor_class:  # the common cases, inline
             try:
-                key.append(tuple(map(id, map(_spec_of, value))))
+                key.append(tuple([dtensor._spec for dtensor in value]))
             except AttributeError:  # a plain tensor among DTensors
                 return None
         elif kind is float:  # what `canonical_scalar` keeps: its sign, None when not finite
             key.append(kind)
             key.append(sign_of(value))
-        elif not _append(dtensor_class, value, key):
-            return None
+        else:
+            appended = _append(dtensor_class, value, key)
+            if not appended:
+                return None
+            plain_tensor = plain_tensor or appended is _PLAIN_TENSOR
     for name, value in kwargs.items():
         key.append(name)
-        if not _append(dtensor_class, value, key):
+        appended = _append(dtensor_class, value, key)
+        if not appended:
             return None
+        plain_tensor = plain_tensor or appended is _PLAIN_TENSOR
+    if plain_tensor and _reads_scale_signs(op):
+        key += scale_signs(dtensor_class, (*args, *kwargs.values()))
     return tuple(key)
+
+
+_sign_readers: dict = {}
+
+
+def _reads_scale_signs(op) -> bool:
+    """`plan_cache.reads_scale_signs` of an aten op's packet, or of the packet a public function
+    (`torch._foreach_mul_`) runs, found by its name: whether its 0-d plain tensors decide by sign."""
+    known = _sign_readers.get(op)
+    if known is None:
+        name = op._schema.name.removeprefix("aten::") if isinstance(op, torch._ops.OpOverload) else op.__name__
+        packet = getattr(torch.ops.aten, name, None)
+        known = packet is not None and any(reads_scale_signs(getattr(packet, overload)) for overload in packet.overloads())
+        _sign_readers[op] = known
+    return known
 
 
 class ListPlan(CachedPlan):
@@ -121,12 +149,13 @@ class ListPlan(CachedPlan):
     writes (whose wrappers' version counters it bumps, as the dispatcher does). The op's own outputs
     are new tensors, wrapped by `_wrap_new`; a rule's local op's go through `_wrap` (math bits)."""
 
-    __slots__ = ("wrap", "op", "specs", "list_positions", "list_names", "single_positions", "single_names",
+    __slots__ = ("dtensor_class", "wrap", "op", "specs", "list_positions", "list_names", "single_positions", "single_names",
                  "call", "output_specs", "written_positions", "returned_argument")
 
     def __init__(self, dtensor_class: type, op, call, output_specs: tuple, args: tuple, kwargs: dict,
                  written_positions: tuple[int, ...] = (), returned_argument: int | None = None):
         super().__init__(op)  # a rule registered later makes the plan stale (its generation)
+        self.dtensor_class = dtensor_class
         rule_local_op = isinstance(call, functools.partial)  # else the op or its public function
         self.wrap = functools.partial(_wrap_each, dtensor_class._wrap) if rule_local_op else dtensor_class._wrap_new
         self.op, self.call, self.output_specs, self.written_positions = op, call, output_specs, written_positions
@@ -165,8 +194,9 @@ class ListPlan(CachedPlan):
 
     def run(self, args: tuple, kwargs: dict):
         local_args = list(args)
+        waiting = self.dtensor_class._waiting
         for position in self.list_positions:
-            local_args[position] = _locals(args[position])
+            local_args[position] = _locals(args[position]) if waiting else [t._local_value for t in args[position]]
         for position in self.single_positions:
             local_args[position] = args[position]._local_tensor
         if self.list_names or self.single_names:
@@ -230,15 +260,9 @@ def _written_names(op) -> list[str]:
     return [argument.name for argument in op._schema.arguments if argument.alias_info is not None and argument.alias_info.is_write]
 
 
-_local_value_of = operator.attrgetter("_local_value")
-
-
 def _locals(dtensors) -> list:
-    """The local tensors of a list of DTensors (read in C; through `_local_tensor`, which waits,
-    when one of them still waits for an async redistribute: its `_local_value` is None)."""
-    local_tensors = list(map(_local_value_of, dtensors))
-    if all(map(operator.is_not, local_tensors, itertools.repeat(None))):
-        return local_tensors
+    """The local tensors of a list of DTensors, through `_local_tensor`, which waits for a shard
+    still on its way (`run` reads `_local_value` directly while no wrapper waits)."""
     return [dtensor._local_tensor for dtensor in dtensors]
 
 

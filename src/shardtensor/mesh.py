@@ -2,15 +2,12 @@
 
 A mesh dim (`mesh_dim`, an int or a name) is an axis of that array; a rank's `coordinate` is its
 position in it. For every mesh dim the mesh names the process group of the ranks that share this
-rank's coordinate on the other mesh dims. Groups are created once per distinct rank set and shared
-by all meshes and sub-meshes (c10d needs every rank of the world to create groups in one order).
+rank's coordinate on the other mesh dims. The groups themselves live in the library's registry
+(`process_groups`): a mesh keeps only their rank sets, so holding a mesh keeps no group alive.
 
 A mesh belongs to the world (default process group) it was built in: after `destroy_process_group`
-and a new `init_process_group`, the library forgets the old world's groups, new meshes get new groups
-and an old mesh raises a clear error when used. At interpreter exit the library destroys the groups it
-created, then the default group if it initialized it, and drops every reference it holds to a group
-(see `release_process_groups`). Meshes name their groups by rank set and look them up in the library's
-registry, so a mesh or DTensor the program still holds keeps no process group alive.
+and a new `init_process_group`, an old mesh raises a clear error when used. Meshes pickle as their
+ranks and names, and unpickle over the groups this process already has.
 
     >>> mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))  # doctest: +SKIP
     >>> mesh["tp"].get_local_rank(), mesh.get_coordinate()  # doctest: +SKIP
@@ -19,38 +16,24 @@ registry, so a mesh or DTensor the program still holds keeps no process group al
 
 from __future__ import annotations
 
-import atexit
-import datetime
-import itertools
 import math
-import os
-import socket
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
+from .process_groups import (
+    DEVICE_BACKENDS,
+    ensure_default_group,
+    group_for,
+    has_group,
+    named_group,
+    user_group_token,
+    world_generation,
+)
+
 __all__ = ["DeviceMesh", "init_device_mesh", "current_mesh"]
-
-_DEVICE_BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
-
-# One process group per distinct set of global ranks (sorted), shared by every mesh.
-_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
-# Groups created by their members alone (`local_group`), by sorted global ranks.
-_local_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
-# Groups the user handed to `DeviceMesh.from_group`, by a token the mesh keeps (a mesh holds no group).
-_user_groups: dict[int, dist.ProcessGroup] = {}
-_user_group_tokens = itertools.count()
-# Every group this library created in the current world, oldest first (destroyed at exit).
-_created_groups: list[dist.ProcessGroup] = []
-# The default group the caches above belong to, and a count of the worlds seen in this process (and of
-# releases: a mesh built before a release is of an old world).
-_world_group: dist.ProcessGroup | None = None
-_generation = 0
-_library_default_group: dist.ProcessGroup | None = None  # the default group `_ensure_default_group` made
-_forget_callbacks: list[Callable[[], None]] = []
-_exit_handler_registered = False
 
 
 class _MeshStack(threading.local):
@@ -63,144 +46,11 @@ class _MeshStack(threading.local):
 _mesh_stack = _MeshStack()
 
 
-def _timeout() -> datetime.timedelta:
-    return datetime.timedelta(seconds=float(os.environ.get("SHARDTENSOR_TIMEOUT", "300")))
-
-
 def _device_type_error(device_type) -> ValueError:
     return ValueError(
-        f"device_type {device_type!r} is not supported; use one of {sorted(_DEVICE_BACKENDS)} "
+        f"device_type {device_type!r} is not supported; use one of {sorted(DEVICE_BACKENDS)} "
         "(the backend follows: gloo for 'cpu', nccl for 'cuda')"
     )
-
-
-def _ensure_default_group(device_type: str) -> None:
-    """Initialize the default process group if needed: env:// under torchrun, else a world of 1."""
-    global _library_default_group
-    if dist.is_initialized():
-        return
-    _register_exit_handler()
-    backend = _DEVICE_BACKENDS[device_type]
-    if device_type == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    if os.environ.get("RANK") and os.environ.get("WORLD_SIZE"):
-        dist.init_process_group(backend, init_method="env://", timeout=_timeout())
-    else:
-        _init_world_of_one(backend)
-    _library_default_group = dist.GroupMember.WORLD
-
-
-def _init_world_of_one(backend: str) -> None:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    dist.init_process_group(
-        backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1, timeout=_timeout()
-    )
-
-
-def _group_for(ranks: Sequence[int]) -> dist.ProcessGroup | None:
-    """The cached group over `ranks`; creates it (a collective call over the world) if new.
-
-    The whole world maps to the default group. One-rank groups are not created here (that would
-    cost a world-wide call for nothing): they are None until `DeviceMesh.get_group` asks for one.
-    """
-    key = tuple(sorted(ranks))
-    if key in _groups:
-        return _groups[key]
-    if len(key) == dist.get_world_size():
-        _groups[key] = dist.group.WORLD
-    elif len(key) == 1:
-        return None
-    else:
-        _groups[key] = _track(dist.new_group(list(key), timeout=_timeout()))
-    return _groups[key]
-
-
-def local_group(ranks: Sequence[int]) -> dist.ProcessGroup:
-    """The cached group over `ranks`, created by its members alone on first use (other ranks need not call)."""
-    key = tuple(sorted(ranks))
-    if key not in _local_groups:
-        _local_groups[key] = _track(dist.new_group(list(key), timeout=_timeout(), use_local_synchronization=True))
-    return _local_groups[key]
-
-
-def _track(group):
-    """Remember a group this library created (this rank is in it), to destroy it at exit."""
-    _register_exit_handler()
-    if group is not None and group is not dist.GroupMember.NON_GROUP_MEMBER:
-        _created_groups.append(group)
-    return group
-
-
-# --- the world a mesh belongs to ------------------------------------------------------------------
-def world_generation() -> int:
-    """A number that changes whenever the default process group does (destroy, then init again).
-
-    On a change every cached group of the old world is forgotten, here and in the modules that
-    registered with `on_new_world`. Costs one attribute read when nothing changed.
-    """
-    global _world_group, _generation
-    world = dist.GroupMember.WORLD
-    if world is not _world_group:
-        _register_exit_handler()  # the library holds this world's groups from now on, made by it or not
-        if _world_group is not None:
-            _forget_groups()
-            for forget in _forget_callbacks:
-                forget()
-        _world_group = world
-        _generation += 1
-    return _generation
-
-
-def _forget_groups() -> None:
-    for registry in (_groups, _local_groups, _created_groups, _user_groups):
-        registry.clear()
-
-
-def on_new_world(forget: Callable[[], None]) -> None:
-    """Call `forget()` whenever the default process group changes (to drop caches of the old world)."""
-    _forget_callbacks.append(forget)
-
-
-def release_process_groups() -> None:
-    """Destroy the groups this library created, newest first, then the default group if it made it,
-    and forget every group of this world (meshes built before raise a clear error when used).
-
-    Runs at interpreter exit (and when a `spawn` worker stops). Destroying a group is local, no
-    barrier, so ranks may exit in any order. c10d's destroy does not stop a gloo group's worker
-    threads: only freeing the group does (its destructor joins them). A thread still alive when
-    Python finalizes aborts the process ("terminate called without an active exception") when it
-    drops the last collective's tensors and finds no interpreter. So the library also drops its own
-    references here (registry, caches); a mesh holds no group, only its rank sets. Groups the user
-    made are not destroyed; so is a world that changed since.
-    """
-    global _world_group, _library_default_group, _generation
-    world = dist.GroupMember.WORLD
-    if world is not None and world is _world_group:
-        for group in reversed(_created_groups):
-            try:
-                dist.destroy_process_group(group)
-            except ValueError:  # the user destroyed it already
-                pass
-        if world is _library_default_group:
-            dist.destroy_process_group()
-    _forget_groups()
-    for forget in _forget_callbacks:
-        forget()
-    _world_group = None
-    _library_default_group = None
-    _generation += 1
-
-
-def _register_exit_handler() -> None:
-    """Register `release_process_groups` at exit once, when the library first holds a group: creates
-    one, or caches the user's (a mesh in a world the program initialized itself, whose groups
-    `_world_group` and the peers cache then keep alive even after the program destroys them)."""
-    global _exit_handler_registered
-    if not _exit_handler_registered:
-        atexit.register(release_process_groups)
-        _exit_handler_registered = True
 
 
 def _rank_lines(mesh: torch.Tensor, mesh_dim: int) -> list[tuple[int, ...]]:
@@ -218,7 +68,7 @@ class DeviceMesh:
 
     def __init__(self, device_type: str, mesh, *, mesh_dim_names: tuple[str, ...] | None = None, _groups_exist=False,
                  _user_group_tokens: tuple[int | None, ...] | None = None):
-        if device_type not in _DEVICE_BACKENDS:
+        if device_type not in DEVICE_BACKENDS:
             raise _device_type_error(device_type)
         ranks = torch.as_tensor(mesh, dtype=torch.int64, device="cpu").detach().clone()
         if ranks.ndim == 0 or ranks.numel() == 0:
@@ -228,7 +78,7 @@ class DeviceMesh:
             raise ValueError(f"mesh {ranks.tolist()} lists a rank more than once; every rank may appear once")
         names = None if mesh_dim_names is None else tuple(mesh_dim_names)
         _check_names(names, ranks.ndim)
-        _ensure_default_group(device_type)
+        ensure_default_group(device_type)
         world_size = dist.get_world_size()
         if min(flat) < 0 or max(flat) >= world_size:
             raise ValueError(
@@ -249,14 +99,14 @@ class DeviceMesh:
             for mesh_dim in range(ranks.ndim):
                 self._create_groups(mesh_dim)
         self._group_ranks = [self._line_through_me(mesh_dim) for mesh_dim in range(ranks.ndim)]
-        # This rank's group per mesh dim, named by its sorted ranks (None outside the mesh): the
-        # registry owns the groups, so that releasing them frees them (see `release_process_groups`).
+        # This rank's group per mesh dim, named by its sorted ranks (None outside the mesh): the registry
+        # owns the groups, so that releasing them frees them (`process_groups.release_process_groups`).
         self._group_keys = [None if line is None else tuple(sorted(line)) for line in self._group_ranks]
 
     def _create_groups(self, mesh_dim: int) -> None:
         """Create all groups along `mesh_dim`, in the same order on every rank."""
         for line in _rank_lines(self.mesh, mesh_dim):
-            _group_for(line)
+            group_for(line)
 
     def _line_through_me(self, mesh_dim: int) -> tuple[int, ...] | None:
         return _line_through(self.mesh, self._coordinate, mesh_dim)
@@ -318,15 +168,7 @@ class DeviceMesh:
         if self._coordinate is None:
             raise _not_in_mesh_error(self, "get_group")
         self.check_world("get_group")
-        token = self._group_tokens[mesh_dim]
-        if token is not None:
-            return _user_groups[token]
-        key = self._group_keys[mesh_dim]
-        if len(key) == dist.get_world_size():
-            return dist.group.WORLD
-        if len(key) == 1:  # a one-rank group, made on demand: only this rank takes part
-            return local_group(key)
-        return _groups[key]
+        return named_group(self._group_keys[mesh_dim], self._group_tokens[mesh_dim])
 
     def check_world(self, what: object) -> None:
         """Raise a clear error when the world this mesh was built in has been destroyed since."""
@@ -380,7 +222,7 @@ class DeviceMesh:
         if shape_only.get_coordinate() is not None:
             for mesh_dim, user_group in enumerate(groups):
                 _check_group_ranks(shape_only, mesh_dim, user_group)
-        tokens = tuple(_user_group_token(user_group) for user_group in groups)
+        tokens = tuple(user_group_token(user_group) for user_group in groups)
         return DeviceMesh(device_type, mesh, mesh_dim_names=mesh_dim_names, _groups_exist=True, _user_group_tokens=tokens)
 
     # --- names and slicing ---------------------------------------------------------------------
@@ -469,7 +311,7 @@ def _rebuild_mesh(device_type: str, ranks: list, mesh_dim_names: tuple[str, ...]
     mesh once in this process first (`init_device_mesh`), as a program does before loading.
     """
     if not dist.is_initialized() and world_size == 1:
-        _ensure_default_group(device_type)
+        ensure_default_group(device_type)
     current_size = dist.get_world_size() if dist.is_initialized() else None
     if current_size != world_size:
         raise _other_world_error(ranks, world_size, current_size)
@@ -481,7 +323,7 @@ def _rebuild_mesh(device_type: str, ranks: list, mesh_dim_names: tuple[str, ...]
     for mesh_dim in range(mesh.ndim):
         line = _line_through(mesh, coordinate, mesh_dim)  # None outside the mesh: no group
         # The world's group always exists; a one-rank group is made on demand (get_group).
-        if line is not None and 1 < len(line) < world_size and tuple(sorted(line)) not in _groups:
+        if line is not None and 1 < len(line) < world_size and not has_group(tuple(sorted(line))):
             raise _missing_group_error(ranks, tuple(sorted(line)))
     return DeviceMesh(device_type, mesh, mesh_dim_names=mesh_dim_names, _groups_exist=True)
 
@@ -506,16 +348,6 @@ def _missing_group_error(ranks: list, key: tuple[int, ...]) -> RuntimeError:
         f"the mesh first on every rank, e.g. init_device_mesh(...) with the shape it was sliced from, "
         f"then load"
     )
-
-
-def _user_group_token(group: dist.ProcessGroup) -> int:
-    """The token of a user's group, the same for the same group (so meshes over it compare equal)."""
-    for token, known in _user_groups.items():
-        if known is group:
-            return token
-    token = next(_user_group_tokens)
-    _user_groups[token] = group
-    return token
 
 
 def _check_group_ranks(mesh: DeviceMesh, mesh_dim: int, group: dist.ProcessGroup) -> None:
@@ -555,7 +387,7 @@ def _unknown_name_error(mesh: DeviceMesh, name: str) -> KeyError:
 def _old_world_error(mesh: DeviceMesh, what: object) -> RuntimeError:
     return RuntimeError(
         f"{what}: {mesh!r} belongs to a process-group world that was destroyed (destroy_process_group, "
-        "or the library released its groups: shardtensor.mesh.release_process_groups); "
+        "or the library released its groups: shardtensor.process_groups.release_process_groups); "
         "its groups are gone. Build a new mesh in the current world (init_device_mesh) and distribute "
         "the data again (distribute_tensor, or from_local of the local tensors saved before)"
     )
@@ -576,12 +408,12 @@ def init_device_mesh(
     >>> init_device_mesh("cpu", (1,)).shape  # doctest: +SKIP
     (1,)
     """
-    if device_type not in _DEVICE_BACKENDS:
+    if device_type not in DEVICE_BACKENDS:
         raise _device_type_error(device_type)
     mesh_shape = tuple(int(size) for size in mesh_shape)
     names = None if mesh_dim_names is None else tuple(mesh_dim_names)
     _check_names(names, len(mesh_shape))
-    _ensure_default_group(device_type)
+    ensure_default_group(device_type)
     world_size = dist.get_world_size()
     if math.prod(mesh_shape) != world_size:
         raise ValueError(

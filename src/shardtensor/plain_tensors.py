@@ -1,9 +1,11 @@
-"""Which plain tensors mixed with DTensors in an aten op may be read as Replicate.
+"""Which plain tensors mixed with DTensors in an aten op may be read as Replicate, and what of a
+0-d one's value decides.
 
 A plain tensor the caller passes could hold anything on each rank, so dispatch refuses it. Two
 kinds are safe: tensors torch itself creates, from global metadata only, inside a public function
 called on DTensors (`outermost_call` marks that call, `created_by_torch` answers), and, unchecked,
-every plain tensor inside an `implicit_replication()` block.
+every plain tensor inside an `implicit_replication()` block. A 0-d plain tensor is read like a
+Python scalar; as the scale of a Partial DTensor its sign decides like a scalar's (`scale_signs`).
 """
 
 from __future__ import annotations
@@ -14,7 +16,10 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["outermost_call", "created_by_torch", "implicit_replication"]
+from .placement import Partial
+from .rules import scale_sign
+
+__all__ = ["outermost_call", "created_by_torch", "implicit_replication", "value_sign", "scale_signs"]
 
 
 class _CallState(threading.local):
@@ -98,3 +103,30 @@ def implicit_replication() -> Iterator[None]:
         yield
     finally:
         state.implicit_replication_depth -= 1
+
+
+def value_sign(tensor: torch.Tensor) -> int | None | str:
+    """`rules.scale_sign` of the value of a 0-d plain tensor: its sign, None for inf or NaN.
+
+    Reads the value: free for a CPU tensor (`torch.tensor(2.0)` is one, and may scale CUDA tensors);
+    for a CUDA tensor, a device-to-host copy that waits for every kernel queued before it (a host sync).
+    """
+    return scale_sign(tensor.item())
+
+
+def scale_signs(dtensor_class: type, values) -> tuple:
+    """`value_sign` of each 0-d plain tensor among `values` (a call's arguments, lists one level deep)
+    when some DTensor among them is Partial; () otherwise, without reading any value.
+
+    A Partial scaled by inf or NaN is not the scaled reduction (a sum of +inf and -inf operands is NaN
+    where inf times the sum is +-inf), so next to a Partial the scale's sign decides, as a Python
+    scalar's does (`ShardingRule.value_keys` SIGN). Read only there: elsewhere no rule row depends on it.
+    """
+    flat = [item for value in values for item in (value if isinstance(value, (list, tuple)) else (value,))]
+    if not any(isinstance(placement, Partial)
+               for value in flat if isinstance(value, dtensor_class) for placement in value._spec.layout.placements):
+        return ()
+    return tuple(
+        value_sign(value) for value in flat
+        if isinstance(value, torch.Tensor) and not isinstance(value, dtensor_class) and value.ndim == 0
+    )

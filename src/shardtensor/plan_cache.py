@@ -9,11 +9,13 @@ its plans for public functions here too, so that one `clear_plans` forgets both.
 A plan is stored under the call's key, in which every non-tensor argument counts with its type and
 value, and, when the op's rule declares arguments whose value does not decide
 (`ShardingRule.value_keys`: `mul`'s scalar by its sign only, `add`'s `alpha` by its type only),
-also under the key without those values (`fast_key(..., modes)`). A call first looks up its own
-key (the hot path, unchanged for repeated values) and then the other: `x * step_size` with a new
-step size every call is a hit. Each cache holds at most `MAX_PLANS` entries; when full, the least
-recently used go first, approximated as CLOCK does (a plan used since the last sweep is kept once
-more), so that a hit only sets a flag. `cache_counts()` reports hits, misses and decisions per op
+also under the key without those values (`fast_key(..., modes)`). A 0-d plain tensor counts with
+its dtype, and, for rules that read a scale's sign, next to a Partial input with its sign too
+(`plain_tensors.scale_signs`). A call first looks up its own key (the hot path, unchanged for
+repeated values) and then the other: `x * step_size` with a new step size every call is a hit.
+Each cache holds at most `MAX_PLANS` entries; when full, the least recently used go first,
+approximated as CLOCK does (a plan used since the last sweep is kept once more), so that a hit
+only sets a flag. `cache_counts()` reports hits, misses and decisions per op
 (`shardtensor.debug.plan_cache_counts`).
 """
 
@@ -27,10 +29,11 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import propagation
-from .mesh import on_new_world
 from .modes import implicit_communication_error, is_explicit
 from .input_moves import moved_local
 from .ops.registry import RULES
+from .plain_tensors import scale_signs
+from .process_groups import on_new_world
 from .redistribute import is_relabel
 from .rules import SIGN, Decision, PlainTensor, TensorMeta, sign_of
 from .spec import DTensorSpec, interned_spec
@@ -38,7 +41,7 @@ from .write_back import mark_views_of_copies, mutated, refuse_writes_into_views_
 
 __all__ = [
     "fast_key", "key_modes", "strip_values", "template", "Plan", "plans", "function_plans", "recording", "store",
-    "store_function_plan", "function_key_modes", "clear_plans", "Recording", "record", "CachedPlan", "MAX_PLANS", "CacheCounts", "cache_counts", "counts_of",
+    "store_function_plan", "function_key_modes", "reads_scale_signs", "clear_plans", "Recording", "record", "CachedPlan", "MAX_PLANS", "CacheCounts", "cache_counts", "counts_of",
 ]
 
 # fast key -> Plan, least recently used first. Keys hold the id of each DTensor argument's spec; the
@@ -222,8 +225,9 @@ _STRIPPED = object()  # marks a value replaced by its type (and sign) in a decis
 on_new_world(clear_plans)  # plans hold specs of the old world's meshes
 
 
-def _key_value(dtensor_class: type, value, key: list) -> bool:
-    """Append `value` to a fast key; False when the call is not flat (nested or plain tensors)."""
+def _key_value(dtensor_class: type, value, key: list) -> bool | str:
+    """Append `value` to a fast key; False when the call is not flat (nested or plain tensors other
+    than 0-d ones), `_PLAIN_TENSOR` after a 0-d plain tensor."""
     kind = type(value)
     if kind is dtensor_class:
         key.append(id(value._spec))
@@ -241,9 +245,23 @@ def _key_value(dtensor_class: type, value, key: list) -> bool:
         if value.ndim:
             return False
         key.append(value.dtype)
+        return _PLAIN_TENSOR
     else:
         return False
     return True
+
+
+_PLAIN_TENSOR = "plain tensor"  # what `_key_value` returns (truthy) after appending a 0-d plain tensor
+
+
+def reads_scale_signs(op) -> bool:
+    """Whether the rule of `op` reads a scale's sign (a SIGN value key): then a 0-d plain tensor next to
+    a Partial input decides by its sign too (`plain_tensors.scale_signs`), and keys hold it."""
+    rule = RULES.get(op)
+    element_rule = getattr(rule, "element_rule", None)  # a multi-tensor op reads what its element op reads
+    if element_rule is not None:
+        rule = element_rule()
+    return rule is not None and SIGN in rule.value_keys.values()
 
 
 def fast_key(dtensor_class: type, op, args: tuple, kwargs: dict, modes: tuple = ()) -> tuple | None:
@@ -252,6 +270,7 @@ def fast_key(dtensor_class: type, op, args: tuple, kwargs: dict, modes: tuple = 
     if modes:
         return _fast_key_with_modes(dtensor_class, op, args, kwargs, modes)
     key = [id(op)]  # ops live as long as the process; hashing an OpOverload runs Python code
+    plain_tensor = False
     for value in args:
         kind = type(value)
         if kind is dtensor_class:  # the common cases, without a call
@@ -259,31 +278,45 @@ def fast_key(dtensor_class: type, op, args: tuple, kwargs: dict, modes: tuple = 
         elif kind is int:
             key.append(int)
             key.append(value)
-        elif not _key_value(dtensor_class, value, key):
-            return None
+        else:
+            appended = _key_value(dtensor_class, value, key)
+            if not appended:
+                return None
+            plain_tensor = plain_tensor or appended is _PLAIN_TENSOR
     if kwargs:
         for name, value in kwargs.items():
             key.append(name)
-            if not _key_value(dtensor_class, value, key):
+            appended = _key_value(dtensor_class, value, key)
+            if not appended:
                 return None
+            plain_tensor = plain_tensor or appended is _PLAIN_TENSOR
+    if plain_tensor and reads_scale_signs(op):
+        key += scale_signs(dtensor_class, (*args, *kwargs.values()))
     return tuple(key)
 
 
 def _fast_key_with_modes(dtensor_class: type, op, args: tuple, kwargs: dict, modes: tuple) -> tuple | None:
     positional, by_name = modes
     key = [id(op)]
+    plain_tensor = False
     for index, value in enumerate(args):
         kind = type(value)
         if kind is dtensor_class:
             key.append(id(value._spec))
         elif kind not in _SCALAR_KINDS or index >= len(positional) or not _mode_key(value, positional[index], key):
-            if not _key_value(dtensor_class, value, key):
+            appended = _key_value(dtensor_class, value, key)
+            if not appended:
                 return None
+            plain_tensor = plain_tensor or appended is _PLAIN_TENSOR
     for name, value in kwargs.items():
         key.append(name)
         if type(value) not in _SCALAR_KINDS or not _mode_key(value, by_name.get(name), key):
-            if not _key_value(dtensor_class, value, key):
+            appended = _key_value(dtensor_class, value, key)
+            if not appended:
                 return None
+            plain_tensor = plain_tensor or appended is _PLAIN_TENSOR
+    if plain_tensor and SIGN in by_name.values():
+        key += scale_signs(dtensor_class, (*args, *kwargs.values()))
     return tuple(key)
 
 

@@ -17,10 +17,15 @@ tensors of 2 or more dims got new ones.
 
 Semantics: `manual_seed(seed)` sets the seed and resets the counter to 0. Every random call on
 DTensors (the `rand`/`randn` factories and random ops such as `uniform_`, `rand_like`,
-`bernoulli_`, dropout) takes the next counter value, on every rank (SPMD programs call in the
-same order), so call number `counter` after `manual_seed(seed)` always gives the same global
-tensor for a given global shape, dtype and distribution. Random ops on plain tensors use torch's
-own generator and neither read nor advance this counter.
+`bernoulli_`, dropout) takes the next counter value, on every rank of the world (SPMD programs call in
+the same order), so call number `counter` after `manual_seed(seed)` always gives the same global
+tensor for a given global shape, dtype and distribution. That includes ranks outside the call's mesh:
+they reach the op too (it gives them an empty shard) and take its number without drawing
+(`skip_random_calls`), so that after dropout on a sub-mesh the next call on any mesh gives every
+rank the same numbers. (A counter per mesh would not do: calls on two meshes would repeat each
+other's numbers.) A program that calls a random op only on the ranks of its mesh (under
+`if mesh.get_coordinate() is not None:`) is not SPMD and leaves the counter out of step. Random ops on
+plain tensors use torch's own generator and neither read nor advance this counter.
 
 Thread policy: the seed and the counter are process-wide and a lock makes each random call take a
 distinct counter value. Calls from several threads take values in the order they reach the lock, so
@@ -37,10 +42,15 @@ import threading
 from collections.abc import Iterator, Sequence
 
 import torch
+import torch.distributed as dist
 
 from . import comm
+from .mesh import DeviceMesh
 
-__all__ = ["BLOCK_SIZE", "FILLS", "manual_seed", "random_shard", "next_random_call", "same_draws_on_every_rank", "tile_shape"]
+__all__ = [
+    "BLOCK_SIZE", "FILLS", "manual_seed", "random_shard", "next_random_call", "same_draws_on_every_rank",
+    "skip_random_calls", "tile_shape",
+]
 
 BLOCK_SIZE = 2**16
 
@@ -68,20 +78,29 @@ def manual_seed(seed: int) -> None:
         _seed, _counter = seed, 0
 
 
-def next_random_call(mesh) -> tuple[int, int]:
-    """(seed, counter) for the next random call, advancing the counter.
+def next_random_call(mesh: DeviceMesh) -> tuple[int, int]:
+    """(seed, counter) for the next random call on `mesh`, advancing the counter.
 
-    Without `manual_seed`, the seed is drawn from torch's default generator on mesh coordinate 0
-    and shared with every rank of the mesh once.
+    Without `manual_seed`, the seed is drawn from torch's default generator on global rank 0 and
+    shared with every rank of the world at the first random call, which every rank reaches (ranks
+    outside `mesh` too): the counter is world-wide, so the seed must be as well.
     """
     global _seed, _counter
     with _lock:
         if _seed is None:
             candidate = int(torch.randint(0, 2**62, ()).item())
-            _seed = comm.all_gather_object(candidate, mesh, None)[0]
+            world = DeviceMesh(mesh.device_type, list(range(dist.get_world_size())))  # the default group: no new one
+            _seed = comm.all_gather_object(candidate, world, None)[0]
         call = (_seed, _counter)
         _counter += 1
     return call
+
+
+def skip_random_calls(mesh: DeviceMesh, count: int) -> None:
+    """On a rank outside `mesh`: take the numbers of the `count` random calls its ranks make for one op,
+    drawing nothing, so that the counter stays the same on every rank of the world."""
+    for _ in range(count):
+        next_random_call(mesh)
 
 
 @contextlib.contextmanager

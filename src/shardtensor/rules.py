@@ -7,6 +7,7 @@ so that the op modules that write rules import only these values.
 
 from __future__ import annotations
 
+import cmath
 import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -19,9 +20,9 @@ from .layout import Layout
 from .placement import Placement
 
 __all__ = [
-    "Row", "LocalCollective", "TensorMeta", "PlainTensor", "DataDependentOutput", "ResizesWritten", "OpCall",
+    "Row", "LocalCollective", "TensorMeta", "PlainTensor", "ReplicateFallback", "DataDependentOutput", "ResizesWritten", "OpCall",
     "schema_positions", "ShardingRule", "RowsRule", "OutVariantRule", "ComposedRule", "Decision",
-    "TYPE_ONLY", "SIGN", "sign_of", "run_on_meta", "rows_keeping_self",
+    "TYPE_ONLY", "SIGN", "UNREAD", "sign_of", "scale_sign", "run_on_meta", "rows_keeping_self",
 ]
 
 
@@ -68,11 +69,17 @@ class TensorMeta:
         return len(self.shape)
 
 
+# `PlainTensor.sign` of a 0-d plain tensor whose value was not read (or is a finite complex number).
+UNREAD = "unread"
+
+
 @dataclass(frozen=True, slots=True)
 class PlainTensor:
-    """Stands for a 0-d plain tensor argument: its dtype matters to the op, its value does not."""
+    """Stands for a 0-d plain tensor argument: its dtype matters to the op, and its value only as
+    a scale of a Partial: `sign` is then `scale_sign` of it (read by `plain_tensors.scale_signs`), else `UNREAD`."""
 
     dtype: torch.dtype
+    sign: int | None | str = UNREAD
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,7 +148,19 @@ def schema_positions(op) -> dict[str, tuple[int, bool, object]]:
     }
 
 
-class DataDependentOutput(Exception):
+class ReplicateFallback(Exception):
+    """A rule's verdict that it has no way to compute this call on shards: dispatch takes the replicate
+    fallback, as for an op without a rule (logged, counted in `fallback_counts`, refused in strict mode),
+    so that every computation that gathers all inputs and runs whole on every rank is accounted alike.
+    `draws`: whether the op draws from torch's generator (seeded alike on every rank); None: as its
+    `nondeterministic_seeded` tag says."""
+
+    def __init__(self, message: str, draws: bool | None = None):
+        super().__init__(message)
+        self.draws = draws
+
+
+class DataDependentOutput(ReplicateFallback):
     """The op's output metadata depends on tensor values, so no rule can decide it ahead of the data."""
 
 
@@ -218,6 +237,12 @@ class ShardingRule:
         None runs the op itself. Output shard sizes come from it on meta tensors, with mesh None."""
         return None
 
+    def random_calls(self, call: OpCall) -> int:
+        """How many numbers of shardtensor's random counter (`random.next_random_call`) the local op
+        takes. Ranks outside the mesh do not run it and take as many without drawing, so that the
+        counter stays the same on every rank of the world."""
+        return 0
+
     def local_shape_key(self, call: OpCall, input_layouts: Sequence[Layout], coordinate: Sequence[int]):
         """What the local op's output shapes depend on at `coordinate` besides its local input shapes
         and arguments (a halo exchange's window); coordinates with equal keys share one evaluation on
@@ -280,6 +305,9 @@ class OutVariantRule(ShardingRule):
         functional = OpCall(self.functional_op, tuple(call.inputs[index] for index in operands), call.args, kwargs)
         return functional, operands, outs
 
+    def random_calls(self, call: OpCall) -> int:
+        return self.functional_rule().random_calls(self.split(call)[0])
+
     def rows(self, call: OpCall) -> Sequence[Row]:
         raise NotImplementedError(f"{self.__name__} is decided by `decide` from its functional op's rule")
 
@@ -337,6 +365,16 @@ def sign_of(value: int | float) -> int | None:
     if not math.isfinite(value):
         return None
     return (value > 0) - (value < 0)
+
+
+def scale_sign(value: int | float | complex) -> int | None | str:
+    """`sign_of` a scale that may be complex: a complex one has no sign, so it is None when not finite, 0
+    when zero and `UNREAD` otherwise (a Partial scaled by it stays linear, nothing more)."""
+    if not isinstance(value, complex):
+        return sign_of(value)
+    if not cmath.isfinite(value):
+        return None
+    return 0 if value == 0 else UNREAD
 
 
 _META = torch.device("meta")

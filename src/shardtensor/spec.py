@@ -13,15 +13,20 @@ from dataclasses import dataclass
 import torch
 
 from .layout import Layout, contiguous_stride
-from .mesh import DeviceMesh, on_new_world
+from .mesh import DeviceMesh
+from .process_groups import on_new_world
 from .placement import Placement
 
 __all__ = ["DTensorSpec", "interned_spec", "contiguous_stride", "global_stride"]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class DTensorSpec:
-    """Everything about a DTensor except its data: mesh, exact layout, global stride and dtype."""
+    """Everything about a DTensor except its data: mesh, exact layout, global stride and dtype.
+
+    Compared and hashed by identity (in C, so a plan key holding the specs of a list of 24
+    DTensors hashes fast): `interned_spec` makes equal specs one object.
+    """
 
     mesh: DeviceMesh
     layout: Layout
@@ -35,18 +40,19 @@ class DTensorSpec:
 
 # One object per distinct spec. Bounded: when full it is emptied, which costs plan-cache misses
 # (new specs are new ids), never wrong results (a plan keeps its specs alive, so ids are not reused).
-_interned_specs: dict[DTensorSpec, DTensorSpec] = {}
+_interned_specs: dict[tuple, DTensorSpec] = {}
 _MAX_INTERNED_SPECS = 4096
 on_new_world(_interned_specs.clear)  # specs hold meshes, which hold the groups of their world
 
 
 def interned_spec(spec: DTensorSpec) -> DTensorSpec:
     """The one stored spec equal to `spec` (stored now if there is none)."""
-    found = _interned_specs.get(spec)
+    fields = (spec.mesh, spec.layout, spec.stride, spec.dtype)
+    found = _interned_specs.get(fields)
     if found is None:
         if len(_interned_specs) >= _MAX_INTERNED_SPECS:
             _interned_specs.clear()
-        _interned_specs[spec] = found = spec
+        _interned_specs[fields] = found = spec
     return found
 
 

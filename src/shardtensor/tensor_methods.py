@@ -13,6 +13,8 @@ so they need no `outermost_call` mark either.
 
 from __future__ import annotations
 
+import types
+
 import torch
 
 from .torch_function import torch_function
@@ -60,13 +62,15 @@ def _method(name: str):
     return method
 
 
-# Common functional methods and operators: when every tensor argument is a DTensor and no torch
-# function mode is on, they call `torch_function` directly with what torch's `__torch_function__`
-# protocol would pass (an operator passes its method: `x + y` passes `Tensor.add`, and a TypeError
-# becomes NotImplemented), without the protocol's C++ round trip (about 0.5-1 us).
+# Common methods and operators, functional and in place (an optimizer's per-parameter updates):
+# when every tensor argument is a DTensor and no torch function mode is on, they call
+# `torch_function` directly with what torch's `__torch_function__` protocol would pass (an operator
+# passes its method: `x + y` passes `Tensor.add`, and a TypeError becomes NotImplemented), without
+# the protocol's C++ round trip (about 0.5-1 us).
 _OPERATOR_METHODS = {"__add__": "add", "__sub__": "sub", "__mul__": "mul", "__truediv__": "div", "__matmul__": "matmul"}
 _FUNCTIONAL_METHODS = (
-    "add", "sub", "mul", "div", "matmul", "mm", "relu", "exp", "tanh", "sigmoid", "neg", "abs", "sum", "mean",
+    "add", "sub", "mul", "div", "matmul", "mm", "relu", "exp", "tanh", "sigmoid", "neg", "abs", "sum", "mean", "sqrt",
+    "add_", "sub_", "mul_", "div_", "lerp_", "addcmul_", "addcdiv_",
 )
 _torch_function_enabled = torch._C._is_torch_function_enabled  # False inside DisableTorchFunctionSubclass
 _function_mode_enabled = torch._C._is_torch_function_mode_enabled
@@ -114,8 +118,22 @@ def _getitem(self, index):
     return _base_getitem(self, index)
 
 
+def _bind_torch_function(cls, **kwargs) -> None:
+    """Give each class made from the mixin `torch_function` bound to it as a plain attribute rather
+    than a classmethod. Torch looks `__torch_function__` up on every tensor argument of every
+    overload it tries (about 650 lookups in an AdamW step of 24 parameters), and a classmethod
+    builds and frees a bound method on each lookup; a bound method stored on the class is returned
+    as it is. Torch's check for the deprecated plain-method form (`__self__` is the argument) sees
+    the class, not the tensor."""
+    super(FastTensorMethods, cls).__init_subclass__(**kwargs)
+    cls.__torch_function__ = types.MethodType(torch_function, cls)
+
+
 def _namespace() -> dict:
-    namespace = {"__slots__": (), "__module__": __name__, "__doc__": __doc__, "__getitem__": _getitem}
+    namespace = {
+        "__slots__": (), "__module__": __name__, "__doc__": __doc__, "__getitem__": _getitem,
+        "__init_subclass__": _bind_torch_function,
+    }
     namespace.update((name, _attribute(name)) for name in METADATA_ATTRIBUTES)
     namespace.update((name, _method(name)) for name in (*METADATA_METHODS, *VIEW_METHODS))
     namespace.update(

@@ -9,12 +9,16 @@ It does three things before the call reaches the aten level:
 - **Fast path.** A call that records no autograd history (grad mode off, or no DTensor argument
   requires grad), runs under no dispatch mode or autocast, and is known to run exactly one aten op
   whose cached plan computes locally (no redistribution, no rule-specific local op or arguments, no
-  view, no in-place or `out=` write, not random) is served here: the same public function runs on
-  the local tensors and its result is wrapped with the plan's output spec. That skips the C++
-  dispatcher round trip into Python, the aten-level argument normalisation and the plan key of
-  `dispatch`. A function is learnt on a call that runs through `dispatch` on cached plans only
-  (`plan_cache.recording`), and checked once by running it on the local tensors: it must run the
-  same single aten op and give a local result of the same shape, stride and dtype.
+  view, no `out=` write, not random) is served here: the same public function runs on the local
+  tensors and its result is wrapped with the plan's output spec. That skips the C++ dispatcher
+  round trip into Python, the aten-level argument normalisation and the plan key of `dispatch`.
+  An in-place call (`p.mul_(s)`, `x += y`: the op writes only its first argument, which it returns,
+  where it lies) returns that DTensor after bumping its version counter, as the dispatcher's
+  ADInplaceOrView kernel does (autograd's saved-tensor checks and kept moves read it); a write into
+  a view of a moved copy takes the normal path, which refuses it. A function is learnt on a call
+  that runs through `dispatch` on cached plans only (`plan_cache.recording`), and checked once by
+  running it on the local tensors (in place: on a copy of the first): it must run the same single
+  aten op and give a local result of the same shape, stride and dtype (in place: its first argument).
 - **Data arguments.** Functions that read a tensor argument's values in C++ before any aten op
   sees it (`tensor_split`'s `indices_or_sections`) get the Python values a DTensor there stands
   for (`full_tensor().tolist()`, the same on every rank).
@@ -29,6 +33,7 @@ Like `dispatch`, this layer is below the DTensor class, which passes itself as `
 from __future__ import annotations
 
 import math
+import operator
 import types
 
 import torch
@@ -43,7 +48,7 @@ from .plan_cache import (
     Recording, counts_of, fast_key, function_key_modes, function_plans, key_modes, recording, store_function_plan,
 )
 from .spec import DTensorSpec
-from .write_back import returns_view
+from .write_back import returns_view, written
 
 __all__ = ["torch_function", "fast_path_enabled"]
 
@@ -53,19 +58,21 @@ _grad_enabled = torch.is_grad_enabled
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 _autocast = torch._C._is_any_autocast_enabled
 _any_requires_grad = torch._C._any_requires_grad  # reads `requires_grad` without coming back here
+_increment_version = torch._C._increment_version
 _NO_KEYWORDS: dict = {}
 _GETTER = types.MethodWrapperType  # `.shape`, `.requires_grad`...: `getset_descriptor.__get__`
 
 
 class _FunctionPlan:
     """What a learnt public function needs: where its DTensors are and the spec of its result
-    (None: not servable here, but known to run from cached aten plans only)."""
+    (None: not servable here, but known to run from cached aten plans only); `in_place`: the call
+    writes its first argument where it lies and returns it."""
 
-    __slots__ = ("function", "positions", "spec", "input_specs", "generation", "counts", "used")
+    __slots__ = ("function", "positions", "spec", "in_place", "input_specs", "generation", "counts", "used")
 
     def __init__(self, cls, function, args: tuple, kwargs: dict, positions: tuple[int, ...], spec: DTensorSpec | None,
-                 op=None):
-        self.function, self.positions, self.spec = function, positions, spec
+                 op=None, in_place: bool = False):
+        self.function, self.positions, self.spec, self.in_place = function, positions, spec, in_place
         # A servable plan counts its calls as hits of the one aten op it stands for.
         self.counts, self.used = (None if op is None else counts_of(op)), False
         # The key holds the ids of these specs: keeping them alive keeps the ids from being reused.
@@ -81,8 +88,8 @@ fast_path_enabled = True
 # from it, as torch answers them from the wrapper (an optimizer asks `torch.is_complex(p)` of every
 # parameter on every step: 11 us each through the normal path, 0.6 us here).
 METADATA_FUNCTIONS = {
-    torch.is_complex: lambda spec: spec.dtype.is_complex,
-    torch.is_floating_point: lambda spec: spec.dtype.is_floating_point,
+    torch.is_complex: operator.attrgetter("dtype.is_complex"),
+    torch.is_floating_point: operator.attrgetter("dtype.is_floating_point"),
     torch.numel: lambda spec: math.prod(spec.layout.shape),
 }
 
@@ -119,11 +126,18 @@ def torch_function(cls, function, types, args=(), kwargs=None):
             and not _autocast()
             and (not _grad_enabled() or not _any_requires_grad(*args))
         ):
-            plan.counts.hits += 1
             local_args = list(args)
             for position in plan.positions:
                 local_args[position] = args[position]._local_tensor
-            return cls._wrap(function(*local_args, **kwargs), plan.spec)
+            if not plan.in_place:
+                plan.counts.hits += 1
+                return cls._wrap(function(*local_args, **kwargs), plan.spec)
+            target = args[0]
+            if not target._view_of_copy:  # else the normal path raises (`write_back`)
+                plan.counts.hits += 1
+                function(*local_args, **kwargs)
+                _increment_version((target,))  # what the dispatcher's ADInplaceOrView kernel does
+                return target
         # Known to run from cached aten plans only, so no plain tensor gets mixed in: no need to
         # mark the call for `created_by_torch`.
         watch_leaves(cls, args, kwargs)
@@ -184,7 +198,8 @@ def _call(cls, function, args: tuple, kwargs: dict, key: tuple | None):
                 result = function(*args, **kwargs)
         finally:
             recording.pop()
-    if None not in recorded:  # every aten op ran from a cached plan: the verdict is final
+    # Every aten op ran from a cached plan: the verdict is final (unless a kept move stood in for an argument).
+    if None not in recorded and not _ran_on_kept_moves(cls, args, kwargs, recorded):
         plan = _learn(cls, function, args, kwargs, recorded, result)
         # Later calls that differ only in values that do not decide find this plan too.
         signature = (function, len(args))
@@ -195,6 +210,16 @@ def _call(cls, function, args: tuple, kwargs: dict, key: tuple | None):
         if function_key_modes[signature]:
             store_function_plan(fast_key(cls, function, args, kwargs, function_key_modes[signature]), plan)
     return result
+
+
+def _ran_on_kept_moves(cls, args: tuple, kwargs: dict, recorded: Recording) -> bool:
+    """Whether the one aten op got a DTensor the call did not pass: a Partial argument's kept move
+    (`input_moves.with_kept_moves`), whose plan is for the moved layout, not for the argument's."""
+    if len(recorded) != 1:  # the DTensors a later op gets are made by the earlier ones
+        return False
+    given = {id(value) for value in (*args, *kwargs.values()) if isinstance(value, cls)}
+    aten_args, aten_kwargs = recorded.arguments[0]
+    return any(isinstance(value, cls) and id(value) not in given for value in (*aten_args, *aten_kwargs.values()))
 
 
 def _modes_passed_through(args: tuple, kwargs: dict, recorded: Recording) -> tuple:
@@ -225,19 +250,21 @@ class _AtenOps(TorchDispatchMode):
         return op(*args, **(kwargs or {}))
 
 
-def _learn(cls, function, args: tuple, kwargs: dict, recorded: list, result) -> _FunctionPlan:
-    """A plan serving the call here if it ran one aten op that computes locally, else one that
-    only says the call needs no marking."""
+def _learn(cls, function, args: tuple, kwargs: dict, recorded: Recording, result) -> _FunctionPlan:
+    """A plan serving the call here if it ran one aten op that computes locally (or writes its first
+    argument in place where it lies), else one that only says the call needs no marking."""
     positions = tuple(index for index, value in enumerate(args) if type(value) is cls)
     if len(recorded) != 1 or type(result) is not cls:
         return _FunctionPlan(cls, function, args, kwargs, positions, None)
     plan = recorded[0]
     op = plan.op
+    in_place = _writes_first_argument_in_place(plan, args, recorded.arguments[0], result)
+    computes_locally = (
+        plan.single_spec is not None and plan.simple_positions is not None and result._spec is plan.single_spec
+    )
     if (
-        plan.single_spec is None
-        or plan.simple_positions is None
+        not (computes_locally or in_place)
         or not plan.runs_op
-        or result._spec is not plan.single_spec
         or returns_view(op)
         or torch.Tag.nondeterministic_seeded in op.tags
         or any(isinstance(value, torch.Tensor) for value in kwargs.values())
@@ -247,18 +274,41 @@ def _learn(cls, function, args: tuple, kwargs: dict, recorded: list, result) -> 
     local_args = list(args)
     for position in positions:
         local_args[position] = args[position]._local_tensor
+    if in_place:  # the check must not write the DTensor a second time
+        local_args[0] = local_args[0].clone()
     with torch.no_grad(), _AtenOps() as seen:
         local = function(*local_args, **kwargs)
-    expected = result._local_tensor
-    if (
-        seen.ops != [op]
-        or type(local) is not torch.Tensor
-        or local.shape != expected.shape
-        or local.stride() != expected.stride()
-        or local.dtype != expected.dtype
-    ):
+    if seen.ops != [op]:
         return _FunctionPlan(cls, function, args, kwargs, positions, None)
-    return _FunctionPlan(cls, function, args, kwargs, positions, plan.single_spec, op)
+    if in_place:
+        served = local is local_args[0]
+    else:
+        expected = result._local_tensor
+        served = (
+            type(local) is torch.Tensor
+            and local.shape == expected.shape
+            and local.stride() == expected.stride()
+            and local.dtype == expected.dtype
+        )
+    if not served:
+        return _FunctionPlan(cls, function, args, kwargs, positions, None)
+    return _FunctionPlan(cls, function, args, kwargs, positions, result._spec, op, in_place)
+
+
+def _writes_first_argument_in_place(plan, args: tuple, aten_arguments: tuple[tuple, dict], result) -> bool:
+    """Whether the aten plan writes only the call's first argument, a DTensor it returns, where it lies:
+    no input moves, no rule-specific local op or arguments, and the layout it keeps."""
+    if not plan.mutates or not args or result is not args[0]:
+        return False
+    targets = written(plan.op, *aten_arguments)
+    return (
+        len(targets) == 1
+        and targets[0] is result
+        and not plan.moves
+        and not plan.local_collectives
+        and plan.local_args is None
+        and plan.output_specs == (result._spec,)
+    )
 
 
 # ---- arguments read as data ----------------------------------------------------------------------

@@ -14,7 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..mesh import DeviceMesh, local_group, on_new_world
+from ..mesh import DeviceMesh
+from ..process_groups import local_group, on_new_world
 
 __all__ = ["MeshDims"]
 

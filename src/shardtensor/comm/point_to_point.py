@@ -8,7 +8,9 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from ..mesh import DeviceMesh
 from .handles import CommHandle, _identity
+from .peers import MeshDims, _names
 from .records import _record
 from .wire import _nbytes, _wire
 
@@ -43,8 +45,14 @@ class PointToPoint:
             raise ValueError(f"PointToPoint kind must be 'send' or 'recv', got {self.kind!r}")
 
 
-def batch_p2p(operations: Sequence[PointToPoint], *, async_op: bool = False):
-    """Run sends and receives together (no ordering deadlocks); returns the received tensors in order."""
+def batch_p2p(operations: Sequence[PointToPoint], *, async_op: bool = False, mesh: DeviceMesh | None = None,
+              mesh_dim: MeshDims | None = None):
+    """Run sends and receives together (no ordering deadlocks); returns the received tensors in order.
+
+    With `mesh` and `mesh_dim` (a mesh dim, or a tuple of them), the caller says every peer lies along
+    that mesh dim through this rank (a halo or a ring over mesh dim 1): the record holds the mesh dim
+    and its names, as a collective's does, instead of None (peers anywhere: a cross-mesh move).
+    """
     if not operations:
         return _identity([], async_op)
     operations = [
@@ -60,7 +68,8 @@ def batch_p2p(operations: Sequence[PointToPoint], *, async_op: bool = False):
     ]
     sent = sum(_nbytes(operation.tensor) for operation in operations if operation.kind == "send")
     received = sum(_nbytes(operation.tensor) for operation in operations if operation.kind == "recv")
-    _record("batch_p2p", None, 2, sent, received)
+    mesh_dim, names = _along(mesh, mesh_dim)
+    _record("batch_p2p", mesh_dim, 2, sent, received, names)
     works = dist.batch_isend_irecv(c10d_operations)
     results = [operation.tensor for operation in operations if operation.kind == "recv"]
     if async_op:
@@ -68,3 +77,12 @@ def batch_p2p(operations: Sequence[PointToPoint], *, async_op: bool = False):
     for work in works:
         work.wait()
     return results
+
+
+def _along(mesh: DeviceMesh | None, mesh_dim: MeshDims | None) -> tuple:
+    """(mesh dim, mesh dim names) of a point-to-point record: None and None without a mesh; a tuple of
+    mesh dims for several, one index for one."""
+    if mesh is None:
+        return None, None
+    indices = tuple(mesh._mesh_dim_index(name) for name in (mesh_dim if isinstance(mesh_dim, tuple) else (mesh_dim,)))
+    return (indices[0] if len(indices) == 1 else indices), _names(mesh, indices)

@@ -21,10 +21,11 @@ class CommRecord:
     sent to / received from other coordinates. all_reduce: ring, sent = received =
     2 * (n-1) / n * bytes. reduce_scatter: sent = input bytes minus this rank's piece, received =
     (n-1) * this rank's piece. broadcast and scatter: the source sends each peer its bytes
-    directly, the others receive theirs. send / recv / batch_p2p: the tensors' bytes, group_size 2.
-    `mesh_dim_names`: the names of the group's mesh dims on the mesh that issued it (FSDP's "dp" sub-mesh
-    and tensor parallelism's "tp" label their own), None for unnamed meshes and point to point; not
-    compared, so records built by hand in tests equal recorded ones.
+    directly, the others receive theirs. send / recv / batch_p2p: the tensors' bytes, group_size 2, and
+    `mesh_dim` None, except a batch_p2p along mesh dims (a halo exchange, a ring, a redistribute
+    exchange): those mesh dims. `mesh_dim_names`: the names of the mesh dims on the mesh that issued it
+    (FSDP's "dp" sub-mesh and tensor parallelism's "tp" label their own), None for unnamed meshes and
+    `mesh_dim` None; not compared, so records built by hand in tests equal recorded ones.
     """
 
     kind: str

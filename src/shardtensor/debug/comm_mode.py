@@ -265,7 +265,8 @@ class CommDebugMode:
         return [(context.module, context.phase, plan) for context, plan in zip(contexts, self.plans)]
 
     def get_fallback_counts(self) -> dict[str, int]:
-        """Ops (by name) that had no sharding rule and gathered their inputs to Replicate, with counts."""
+        """Ops (by name) that took the replicate fallback, with counts: no sharding rule, or a rule with no
+        sharded way for the arguments (attention with dropout: `rules.ReplicateFallback`)."""
         if self._fallbacks is not None:
             return dict(self._fallbacks)
         return dict(collections.Counter(dispatch.fallback_counts) - self._fallbacks_before)

@@ -121,7 +121,7 @@ def _rotate(tensors: list[torch.Tensor], ring: _Ring):
     following, preceding = ring.neighbours()
     operations = [comm.PointToPoint("send", tensor, following) for tensor in tensors]
     operations += [comm.PointToPoint("recv", torch.empty_like(tensor), preceding) for tensor in tensors]
-    return comm.batch_p2p(operations, async_op=True)
+    return comm.batch_p2p(operations, async_op=True, mesh=ring.mesh, mesh_dim=0)
 
 
 def _gather_blocks(key: torch.Tensor, value: torch.Tensor, ring: _Ring) -> list[torch.Tensor]:

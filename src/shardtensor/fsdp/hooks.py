@@ -16,7 +16,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from .unit import ParameterUnit, Reduction
+from .reduction import Reduction
+from .unit import ParameterUnit
 
 __all__ = ["TrainingContext", "pre_forward", "post_forward"]
 

@@ -10,10 +10,13 @@ or bias (it follows by broadcasting), and what each result is. Random state (phi
 sharded.
 
 Dropout is not sharded because a kernel draws its mask for the shapes it is given, so a shard's mask
-would not be its piece of the whole op's mask. With dropout_p > 0 every rank computes the whole op,
-with torch's generator seeded alike on every rank as the replicate fallback seeds random ops
-(`random.same_draws_on_every_rank`), so every rank draws the same mask. The backward, which replays
-that mask from the forward's seed and offset, runs whole too.
+would not be its piece of the whole op's mask. With dropout_p > 0 the rule has no sharded way and says
+so (`ReplicateFallback`): the replicate fallback gathers every input and computes the whole op on every
+rank, a forward with torch's generator seeded alike on every rank (`random.same_draws_on_every_rank`),
+so every rank draws the same mask, the one any mesh (one rank included) draws for that random call.
+The backward, which replays that mask from the forward's seed and offset, draws nothing. Being the
+fallback, it is logged, counted in `fallback_counts` (`CommDebugMode.get_fallback_counts`) and refused
+in strict mode, like every computation that runs whole on every rank.
 """
 
 from __future__ import annotations
@@ -23,8 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from ..placement import Replicate, Shard
-from ..random import same_draws_on_every_rank
-from ..rules import OpCall, Row, ShardingRule, TensorMeta
+from ..rules import OpCall, ReplicateFallback, Row, ShardingRule, TensorMeta
 from .common import empty_shard_results, on_shards
 from .registry import register_rule
 
@@ -120,20 +122,10 @@ def _attention_rows(call: OpCall, kernel: Kernel, metas) -> list[Row]:
     return rows
 
 
-def _drawing_alike(op):
-    """The op run whole on every rank with torch's generator seeded alike (its dropout mask is the same)."""
-
-    def run(mesh, *args, **kwargs):
-        with same_draws_on_every_rank(mesh):
-            return op(*args, **kwargs)
-
-    return run
-
-
 class Attention(ShardingRule):
     """An attention kernel (forward or backward) sharded over batch or heads, as its `Kernel` says.
 
-    With dropout_p > 0 it runs whole (Replicate), its draws seeded alike on every rank. A rank whose
+    With dropout_p > 0 it takes the replicate fallback, its draws seeded alike on every rank. A rank whose
     shard holds no batch or no heads (2 heads on 4 ranks) returns empty results without calling the
     kernel: the CPU kernel dies of a division by zero on zero heads (the other ranks would be left
     waiting), and the CUDA kernels have never been run on empty shards.
@@ -143,14 +135,14 @@ class Attention(ShardingRule):
         self.__name__, self.kernel = name, kernel
 
     def rows(self, call: OpCall) -> list[Row]:
-        metas = self.global_outputs(call)
         if call.argument("dropout_p") > 0:
-            return [Row((R,) * sum(meta is not None for meta in metas), (R,) * len(call.inputs))]
-        return _attention_rows(call, self.kernel, metas)
+            raise ReplicateFallback(f"{call.op} with dropout_p > 0 draws its mask whole", draws=self.kernel.draws)
+        return _attention_rows(call, self.kernel, self.global_outputs(call))
+
+    def random_calls(self, call: OpCall) -> int:
+        return 1 if self.kernel.draws and call.argument("dropout_p") > 0 else 0
 
     def local_op(self, call, input_layouts, coordinate):
-        if call.argument("dropout_p") > 0:
-            return on_shards(call.op, _drawing_alike(call.op)) if self.kernel.draws else None
         local_shapes = [layout.local_shape(coordinate) for layout in input_layouts if layout.ndim == 4]
         if all(shape[0] and shape[1] for shape in local_shapes):
             return None

@@ -12,6 +12,7 @@ input shards). On top of that, an op family may keep Partial inputs Partial wher
     product       P(s) * R, R * P(s), P(s) * c -> P(s);       P * P needs one side reduced first
                   c > 0 keeps P(max)/P(min), c < 0 swaps them;
                   c = +-inf or NaN keeps none                 inf * (a0 + a1) != inf * a0 + inf * a1
+                  (c a Python number or a 0-d plain tensor, whose sign dispatch reads next to a Partial)
     quotient      P(s) / R, P(s) / c -> P(s), c != 0          R / P is not linear in P
     linear first  backward ops: grad P(s), the rest R -> P(s) d(input) is linear in the incoming grad
     extremum      maximum/minimum(P(x), R) -> P(x);           monotone in each argument
@@ -30,7 +31,7 @@ from collections.abc import Callable
 import torch
 
 from ..placement import Partial, Placement, Replicate
-from ..rules import SIGN, TYPE_ONLY, OpCall, Row, RowsRule, TensorMeta, sign_of
+from ..rules import SIGN, TYPE_ONLY, UNREAD, OpCall, PlainTensor, Row, RowsRule, TensorMeta, scale_sign
 from .registry import pointwise, register_rule
 
 __all__ = ["PARTIAL_FAMILIES", "ComparisonRule"]
@@ -101,16 +102,19 @@ def _sum(call: OpCall) -> list[PartialRow]:
 
 
 def _scaling_by_scalar(call: OpCall, dividing: bool = False) -> list[PartialRow]:
-    """One DTensor operand scaled by a Python number (or a 0-d plain tensor, sign unknown), or divided
-    by one. A scale of inf or NaN, or a division by 0, makes each operand +-inf or NaN, which a
-    reduction does not combine as the scaled value: the Partial is reduced first."""
+    """One DTensor operand scaled by a Python number or a 0-d plain tensor, or divided by one. A scale
+    of inf or NaN, or a division by 0, makes each operand +-inf or NaN, which a reduction does not
+    combine as the scaled value: the Partial is reduced first."""
     rows = [(Partial(op), (Partial(op),)) for op in LINEAR_REDUCE_OPS]
-    scalars = [scalar for scalar in _scalars(call) if isinstance(scalar, numbers.Real)]  # a complex one has no sign
-    if len(scalars) != 1:  # a 0-d tensor or a complex number: linear rows only
+    scales = _scalars(call) + [value for value in call.args if isinstance(value, PlainTensor)]
+    if len(scales) != 1:
         return rows
-    sign = sign_of(scalars[0])
+    # A 0-d plain tensor's sign was read by dispatch next to a Partial (else it is UNREAD).
+    sign = scales[0].sign if isinstance(scales[0], PlainTensor) else scale_sign(scales[0])
     if sign is None or (dividing and sign == 0):
         return []
+    if sign == UNREAD:  # linear rows only
+        return rows
     if sign > 0:
         rows += [(Partial(op), (Partial(op),)) for op in EXTREME_REDUCE_OPS]
     elif sign < 0:

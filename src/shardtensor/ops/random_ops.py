@@ -44,6 +44,13 @@ def _draw(kind: str, layout: Layout, coordinate: Sequence[int], parameters: tupl
     return draw
 
 
+class _OneDraw(ShardingRule):
+    """A random rule whose local op draws once per call (one number of the random counter)."""
+
+    def random_calls(self, call: OpCall) -> int:
+        return 1
+
+
 def _layout_rows(call: OpCall, partial_output) -> list[Row]:
     """Replicate and Shard(dim) keep their layout; a Partial input becomes `partial_output` (None: no row)."""
     others = len(call.inputs) - 1
@@ -54,7 +61,7 @@ def _layout_rows(call: OpCall, partial_output) -> list[Row]:
     return rows
 
 
-class InPlaceRandom(ShardingRule):
+class InPlaceRandom(_OneDraw):
     """`uniform_`, `normal_`, ...: overwrite the shard with its box of a global random tensor.
 
     A Partial input is reduced to Replicate first (the dispatcher writes the new value back).
@@ -76,7 +83,7 @@ class InPlaceRandom(ShardingRule):
         return on_shards(call.op, fill)
 
 
-class LikeRandom(ShardingRule):
+class LikeRandom(_OneDraw):
     """`rand_like` & co: a new random tensor laid out like the input (a Partial input gives Replicate)."""
 
     def __init__(self, kind: str, parameters):
@@ -98,7 +105,7 @@ class LikeRandom(ShardingRule):
         return on_shards(call.op, like)
 
 
-class ThresholdRandom(ShardingRule):
+class ThresholdRandom(_OneDraw):
     """Bernoulli draws as `uniform < p`, with `p` a number or a tensor lying like the output.
 
     `probability(tensor, args, kwargs)` picks p from the local arguments; the output has the dtype of
@@ -143,7 +150,7 @@ def _output_layout(call: OpCall, input_layouts: Sequence[Layout]) -> Layout:
     return input_layouts[0]
 
 
-class NativeDropout(ShardingRule):
+class NativeDropout(_OneDraw):
     """`native_dropout(input, p, train)` -> (output, keep mask), the mask drawn as `uniform < 1 - p`.
 
     Dropout is linear in its input for a fixed mask, and every rank of a Partial mesh dim draws the
@@ -151,6 +158,9 @@ class NativeDropout(ShardingRule):
     """
 
     __name__ = "native_dropout"
+
+    def random_calls(self, call: OpCall) -> int:
+        return 0 if call.argument("train") is False else 1  # torch draws nothing in eval mode
 
     def rows(self, call: OpCall) -> list[Row]:
         placements = [Replicate()] + [Shard(dim) for dim in range(call.inputs[0].ndim)]
@@ -173,7 +183,7 @@ class NativeDropout(ShardingRule):
         return on_shards(call.op, dropout)
 
 
-class NormalWithTensorMean(ShardingRule):
+class NormalWithTensorMean(_OneDraw):
     """`normal(mean_tensor, std)`: `mean + std * randn` of the output's global positions."""
 
     __name__ = "normal_with_tensor_mean"

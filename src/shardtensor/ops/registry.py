@@ -103,6 +103,10 @@ class InPlaceVariantRule(ShardingRule):
         local_op = rule.local_op(functional_call, input_layouts, coordinate)
         return None if local_op is None else _into_self(local_op)
 
+    def random_calls(self, call: OpCall) -> int:
+        rule, functional_call = self._functional(call)
+        return rule.random_calls(functional_call)
+
 
 def _into_self(local_op):
     def run(mesh, self, *args, **kwargs):

@@ -186,11 +186,16 @@ def _exchange(local: torch.Tensor, step: Step, mesh, me: tuple[int, ...], *, asy
     if kept is not None:
         _narrow(output, wanted[me][0], kept).copy_(_narrow(local, box[me][0], kept))
 
-    return exchange_into(output, wanted[me][0], operations, placements, async_op=async_op)
+    # Peers differ from this rank only on mesh dims the source does not replicate (`_sender_for`).
+    mesh_dims = tuple(mesh_dim for mesh_dim, placement in enumerate(before.placements)
+                      if not isinstance(placement, Replicate) and before.mesh_shape[mesh_dim] > 1)
+    return exchange_into(output, wanted[me][0], operations, placements, async_op=async_op, mesh=mesh, mesh_dims=mesh_dims)
 
 
-def exchange_into(output: torch.Tensor, output_offset, operations: list, regions: list, *, async_op: bool):
-    """Run point-to-point `operations` and copy each received piece into its region of `output`."""
+def exchange_into(output: torch.Tensor, output_offset, operations: list, regions: list, *, async_op: bool,
+                  mesh=None, mesh_dims: tuple[int, ...] | None = None):
+    """Run point-to-point `operations` and copy each received piece into its region of `output`; the
+    peers lie along `mesh_dims` of `mesh` (named in the record), or anywhere without a mesh."""
 
     def assemble(received) -> torch.Tensor:
         for region, piece in zip(regions, received):
@@ -200,8 +205,8 @@ def exchange_into(output: torch.Tensor, output_offset, operations: list, regions
     if not operations:
         return _Done(output) if async_op else output
     if async_op:
-        return _Assembled(comm.batch_p2p(operations, async_op=True), assemble)
-    return assemble(comm.batch_p2p(operations))
+        return _Assembled(comm.batch_p2p(operations, async_op=True, mesh=mesh, mesh_dim=mesh_dims), assemble)
+    return assemble(comm.batch_p2p(operations, mesh=mesh, mesh_dim=mesh_dims))
 
 
 def _global_rank(mesh, coordinate: tuple[int, ...]) -> int:

@@ -1,0 +1,211 @@
+"""The library's registry of torch.distributed process groups, for the world they belong to.
+
+Groups are created once per distinct set of global ranks and shared by all meshes and sub-meshes
+(c10d needs every rank of the world to create groups in one order). A mesh holds no group: it names
+its groups by rank set (or by a token, for a group the user handed to `DeviceMesh.from_group`) and
+looks them up here, so a mesh or DTensor the program still holds keeps no process group alive. This
+state belongs to the process and its world, not to any one mesh, hence its own module below `mesh`.
+
+A world is the default process group: after `destroy_process_group` and a new `init_process_group`,
+the library forgets the old world's groups (and the caches registered with `on_new_world`), new
+meshes get new groups and an old mesh raises a clear error when used. At interpreter exit the library
+destroys the groups it created, then the default group if it initialized it, and drops every
+reference it holds to a group (see `release_process_groups`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import itertools
+import os
+import socket
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "DEVICE_BACKENDS", "ensure_default_group", "group_for", "local_group", "named_group", "has_group",
+    "user_group_token", "world_generation", "on_new_world", "release_process_groups",
+]
+
+# The backend of the groups a mesh of each device type runs over.
+DEVICE_BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
+
+# One process group per distinct set of global ranks (sorted), shared by every mesh.
+_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+# Groups created by their members alone (`local_group`), by sorted global ranks.
+_local_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+# Groups the user handed to `DeviceMesh.from_group`, by a token the mesh keeps (a mesh holds no group).
+_user_groups: dict[int, dist.ProcessGroup] = {}
+_user_group_tokens = itertools.count()
+# Every group this library created in the current world, oldest first (destroyed at exit).
+_created_groups: list[dist.ProcessGroup] = []
+# The default group the caches above belong to, and a count of the worlds seen in this process (and of
+# releases: a mesh built before a release is of an old world).
+_world_group: dist.ProcessGroup | None = None
+_generation = 0
+_library_default_group: dist.ProcessGroup | None = None  # the default group `ensure_default_group` made
+_forget_callbacks: list[Callable[[], None]] = []
+_exit_handler_registered = False
+
+
+def _timeout() -> datetime.timedelta:
+    return datetime.timedelta(seconds=float(os.environ.get("SHARDTENSOR_TIMEOUT", "300")))
+
+
+def ensure_default_group(device_type: str) -> None:
+    """Initialize the default process group if needed: env:// under torchrun, else a world of 1."""
+    global _library_default_group
+    if dist.is_initialized():
+        return
+    _register_exit_handler()
+    backend = DEVICE_BACKENDS[device_type]
+    if device_type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if os.environ.get("RANK") and os.environ.get("WORLD_SIZE"):
+        dist.init_process_group(backend, init_method="env://", timeout=_timeout())
+    else:
+        _init_world_of_one(backend)
+    _library_default_group = dist.GroupMember.WORLD
+
+
+def _init_world_of_one(backend: str) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    dist.init_process_group(
+        backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1, timeout=_timeout()
+    )
+
+
+def group_for(ranks: Sequence[int]) -> dist.ProcessGroup | None:
+    """The cached group over `ranks`; creates it (a collective call over the world) if new.
+
+    The whole world maps to the default group. One-rank groups are not created here (that would
+    cost a world-wide call for nothing): they are None until `DeviceMesh.get_group` asks for one.
+    """
+    key = tuple(sorted(ranks))
+    if key in _groups:
+        return _groups[key]
+    if len(key) == dist.get_world_size():
+        _groups[key] = dist.group.WORLD
+    elif len(key) == 1:
+        return None
+    else:
+        _groups[key] = _track(dist.new_group(list(key), timeout=_timeout()))
+    return _groups[key]
+
+
+def local_group(ranks: Sequence[int]) -> dist.ProcessGroup:
+    """The cached group over `ranks`, created by its members alone on first use (other ranks need not call)."""
+    key = tuple(sorted(ranks))
+    if key not in _local_groups:
+        _local_groups[key] = _track(dist.new_group(list(key), timeout=_timeout(), use_local_synchronization=True))
+    return _local_groups[key]
+
+
+def named_group(key: tuple[int, ...], user_token: int | None) -> dist.ProcessGroup:
+    """The group a mesh names for one mesh dim: the user's group of `user_token`, else the library's
+    over the sorted ranks `key` (the world's, a one-rank group made on demand, or one `group_for` made)."""
+    if user_token is not None:
+        return _user_groups[user_token]
+    if len(key) == dist.get_world_size():
+        return dist.group.WORLD
+    if len(key) == 1:  # a one-rank group, made on demand: only this rank takes part
+        return local_group(key)
+    return _groups[key]
+
+
+def has_group(key: tuple[int, ...]) -> bool:
+    """Whether `group_for` made (or mapped to the world) a group over the sorted ranks `key` in this world."""
+    return key in _groups
+
+
+def user_group_token(group: dist.ProcessGroup) -> int:
+    """The token of a user's group, the same for the same group (so meshes over it compare equal)."""
+    for token, known in _user_groups.items():
+        if known is group:
+            return token
+    token = next(_user_group_tokens)
+    _user_groups[token] = group
+    return token
+
+
+def _track(group):
+    """Remember a group this library created (this rank is in it), to destroy it at exit."""
+    _register_exit_handler()
+    if group is not None and group is not dist.GroupMember.NON_GROUP_MEMBER:
+        _created_groups.append(group)
+    return group
+
+
+# --- the world the groups belong to ---------------------------------------------------------------
+def world_generation() -> int:
+    """A number that changes whenever the default process group does (destroy, then init again).
+
+    On a change every cached group of the old world is forgotten, here and in the modules that
+    registered with `on_new_world`. Costs one attribute read when nothing changed.
+    """
+    global _world_group, _generation
+    world = dist.GroupMember.WORLD
+    if world is not _world_group:
+        _register_exit_handler()  # the library holds this world's groups from now on, made by it or not
+        if _world_group is not None:
+            _forget_groups()
+            for forget in _forget_callbacks:
+                forget()
+        _world_group = world
+        _generation += 1
+    return _generation
+
+
+def _forget_groups() -> None:
+    for registry in (_groups, _local_groups, _created_groups, _user_groups):
+        registry.clear()
+
+
+def on_new_world(forget: Callable[[], None]) -> None:
+    """Call `forget()` whenever the default process group changes (to drop caches of the old world)."""
+    _forget_callbacks.append(forget)
+
+
+def release_process_groups() -> None:
+    """Destroy the groups this library created, newest first, then the default group if it made it,
+    and forget every group of this world (meshes built before raise a clear error when used).
+
+    Runs at interpreter exit (and when a `spawn` worker stops). Destroying a group is local, no
+    barrier, so ranks may exit in any order. c10d's destroy does not stop a gloo group's worker
+    threads: only freeing the group does (its destructor joins them). A thread still alive when
+    Python finalizes aborts the process ("terminate called without an active exception") when it
+    drops the last collective's tensors and finds no interpreter. So the library also drops its own
+    references here (registry, caches); a mesh holds no group, only its rank sets. Groups the user
+    made are not destroyed; so is a world that changed since.
+    """
+    global _world_group, _library_default_group, _generation
+    world = dist.GroupMember.WORLD
+    if world is not None and world is _world_group:
+        for group in reversed(_created_groups):
+            try:
+                dist.destroy_process_group(group)
+            except ValueError:  # the user destroyed it already
+                pass
+        if world is _library_default_group:
+            dist.destroy_process_group()
+    _forget_groups()
+    for forget in _forget_callbacks:
+        forget()
+    _world_group = None
+    _library_default_group = None
+    _generation += 1
+
+
+def _register_exit_handler() -> None:
+    """Register `release_process_groups` at exit once, when the library first holds a group: creates
+    one, or caches the user's (a mesh in a world the program initialized itself, whose groups
+    `_world_group` and the peers cache then keep alive even after the program destroys them)."""
+    global _exit_handler_registered
+    if not _exit_handler_registered:
+        atexit.register(release_process_groups)
+        _exit_handler_registered = True
