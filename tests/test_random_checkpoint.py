@@ -11,7 +11,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 import shardtensor
-from shardtensor import Replicate, Shard, distribute_tensor
+from shardtensor import DeviceMesh, Replicate, Shard, distribute_tensor
 from shardtensor.random import checkpoint
 
 SHAPE = (8, 6)
@@ -125,6 +125,26 @@ def test_recomputation_uses_the_forward_s_seed(mesh):
         assert torch.equal(x.grad.full_tensor(), output.full_tensor()), use_reentrant
         after = shardtensor.rand(*SHAPE, device_mesh=mesh, dtype=torch.float64).full_tensor()
         assert torch.equal(after, documented_random("rand", SHAPE, seed=SEED + 1, counter=0)), use_reentrant
+
+
+@spmd(meshes=[(4,)])
+def test_ranks_outside_a_sub_mesh_and_the_replicate_fallback_replay_too(mesh):
+    """A dropout on a sub-mesh (ranks 0 and 2 take its number without drawing) and poisson (computed whole
+    on every rank, torch's generator seeded from the counter) inside the region: the recomputation
+    draws what the forward drew on every rank, and the world stays in step."""
+    sub_mesh = DeviceMesh("cpu", [1, 3])
+    sub = distribute_tensor(torch.ones(SHAPE, dtype=torch.float64), sub_mesh, [Shard(0)])
+
+    def region(x, w):
+        F.dropout(sub, 0.5)
+        return F.dropout(x * w, 0.5) * torch.poisson(torch.full_like(x, 2.0))
+
+    for use_reentrant in (False, True):
+        plain, plain_after, _ = _run(mesh, [Shard(0)], region)
+        checkpointed, after, _ = _run(mesh, [Shard(0)], lambda x, w: checkpoint(region, x, w, use_reentrant=use_reentrant))
+        assert all(torch.equal(ours, theirs) for ours, theirs in zip(checkpointed, plain)), use_reentrant
+        assert torch.equal(after, plain_after)
+        assert torch.equal(after, documented_random("rand", SHAPE, seed=SEED, counter=3)), use_reentrant
 
 
 class _Block(torch.nn.Module):
