@@ -63,21 +63,26 @@ def _rank_body(repeats: int):
         "backward check (graph task id)": (lambda: torch._C._current_graph_task_id(), None),
         "next_random_call": (lambda: next_random_call(mesh), None),
         "block without random ops fwd+bwd, checkpointed: random.checkpoint (A) vs torch's checkpoint (B), ours": (
-            _step(shardtensor, checkpoint, _deterministic_block), _step(shardtensor, torch_checkpoint, _deterministic_block)),
+            _step(shardtensor, checkpoint, _deterministic_block),
+            _step(shardtensor, torch_checkpoint, _deterministic_block),
+        ),
         "dropout block fwd+bwd: ours (A) vs torch DTensor (B)": (_step(shardtensor, None), _step(torch_tensor, None)),
-        "dropout block fwd+bwd, checkpointed: ours (A) vs torch DTensor (B)": (_step(shardtensor, checkpoint), _step(torch_tensor, torch_checkpoint)),
+        "dropout block fwd+bwd, checkpointed: ours (A) vs torch DTensor (B)": (
+            _step(shardtensor, checkpoint), _step(torch_tensor, torch_checkpoint),
+        ),
     }
     results = {}
-    for name, (ours, theirs) in rows.items():
+    for name, (first, second) in rows.items():
+        functions = [function for function in (first, second) if function is not None]
         for _ in range(3):  # warm: decisions cached
-            ours(), theirs and theirs()
-        our_samples, their_samples = [], []
+            for function in functions:
+                function()
+        samples = [[] for _ in functions]
         for _ in range(repeats):
             torch.distributed.barrier()
-            our_samples.append(_time_per_call(ours))
-            if theirs is not None:
-                their_samples.append(_time_per_call(theirs))
-        results[name] = (our_samples, their_samples)
+            for function, function_samples in zip(functions, samples):
+                function_samples.append(_time_per_call(function))
+        results[name] = samples
     return results
 
 
@@ -94,9 +99,12 @@ def main() -> None:
         f"| row ({options.ranks} ranks) | A us min | median | B us min | median | A/B (min) |",
         "|---|---:|---:|---:|---:|---:|",
     ]
-    for name, (ours, theirs) in results.items():
-        their_text = f"{min(theirs):.2f} | {statistics.median(theirs):.2f} | {min(ours) / min(theirs):.2f}" if theirs else "n/a | n/a | n/a"
-        lines.append(f"| {name} | {min(ours):.2f} | {statistics.median(ours):.2f} | {their_text} |")
+    for name, samples in results.items():
+        cells = [f"{min(times):.2f} | {statistics.median(times):.2f}" for times in samples]
+        ratio = f"{min(samples[0]) / min(samples[1]):.2f}" if len(samples) == 2 else "n/a"
+        if len(samples) == 1:
+            cells.append("n/a | n/a")
+        lines.append(f"| {name} | {' | '.join(cells)} | {ratio} |")
     print("\n".join(lines))
 
 

@@ -78,7 +78,8 @@ def test_checkpoint_recomputes_the_forward_draws(mesh):
         for nested in (False, True):
             for use_reentrant in (False, True):
                 note = (placements, nested, use_reentrant)
-                plain, plain_after, (x_full, w_full) = _run(mesh, placements, _program(_no_checkpoint, nested, use_reentrant))
+                without = _program(_no_checkpoint, nested, use_reentrant)
+                plain, plain_after, (x_full, w_full) = _run(mesh, placements, without)
                 checkpointed, after, _ = _run(mesh, placements, _program(checkpoint, nested, use_reentrant))
                 assert all(torch.equal(ours, theirs) for ours, theirs in zip(checkpointed, plain)), note
                 # the recomputation leaves the counter where the forward left it
@@ -140,8 +141,11 @@ def test_ranks_outside_a_sub_mesh_and_the_replicate_fallback_replay_too(mesh):
         return F.dropout(x * w, 0.5) * torch.poisson(torch.full_like(x, 2.0))
 
     for use_reentrant in (False, True):
+        def checkpointed_region(x, w):
+            return checkpoint(region, x, w, use_reentrant=use_reentrant)
+
         plain, plain_after, _ = _run(mesh, [Shard(0)], region)
-        checkpointed, after, _ = _run(mesh, [Shard(0)], lambda x, w: checkpoint(region, x, w, use_reentrant=use_reentrant))
+        checkpointed, after, _ = _run(mesh, [Shard(0)], checkpointed_region)
         assert all(torch.equal(ours, theirs) for ours, theirs in zip(checkpointed, plain)), use_reentrant
         assert torch.equal(after, plain_after)
         assert torch.equal(after, documented_random("rand", SHAPE, seed=SEED, counter=3)), use_reentrant

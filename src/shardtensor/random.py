@@ -31,9 +31,11 @@ Activation checkpointing: `torch.utils.checkpoint.checkpoint` makes its recomput
 forward drew by restoring torch's generators, which hold no part of this counter, so a plain
 checkpoint would recompute dropout with another mask and give wrong gradients. `checkpoint` here
 takes torch's arguments and also replays the counter; a random call during backward anywhere else
-raises (`next_random_call`) instead of drawing numbers the forward did not draw. (The counter
-cannot live in torch's CPU generator, the one state checkpoint restores on a CPU mesh, without
-drawing from that generator at every call: the mt19937 state has no field for it.)
+raises (`next_random_call`) instead of drawing numbers the forward did not draw. Keeping the counter
+where torch's checkpoint would restore it is not sound: on a CPU mesh that is only torch's default
+CPU generator, whose mt19937 state has no field to spare, so each call would have to draw from it
+(changing the numbers of plain random ops) and look the draw up in a table of past calls that grows
+without bound and that `torch.manual_seed` on some ranks and not others would send out of step.
 
 Thread policy: the seed and the counter are process-wide and a lock makes each random call take a
 distinct counter value. Calls from several threads take values in the order they reach the lock, so
@@ -118,7 +120,7 @@ def _random_in_backward_error() -> RuntimeError:
         "draw other numbers (another dropout mask) than the forward did, and the gradients would be wrong. "
         "Checkpoint with shardtensor.random.checkpoint(function, *args, use_reentrant=..., ...) instead: it "
         "takes torch's arguments and replays the forward's draws (with torch's checkpoint_wrapper, pass "
-        "checkpoint_fn=shardtensor.random.checkpoint)."
+        "checkpoint_fn=shardtensor.random.checkpoint; for checkpoint_sequential, checkpoint each segment with it)."
     )
 
 
