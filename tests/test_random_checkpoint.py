@@ -93,7 +93,7 @@ def test_checkpoint_recomputes_the_forward_draws(mesh):
                     torch.testing.assert_close(ours, reference.detach(), rtol=1e-12, atol=1e-12, msg=str(note))
 
 
-@spmd(meshes=[(2,), (2, 2)])
+@spmd(meshes=[(1,), (2,), (2, 2)])
 def test_plain_torch_checkpoint_raises_instead_of_drawing_another_mask(mesh):
     placements = _placement_lists(mesh)[0]
     for use_reentrant in (False, True):
