@@ -164,3 +164,20 @@ def test_torch_checkpoint_wrapper_with_our_checkpoint_function(mesh):
                                      use_reentrant=use_reentrant)
         checkpointed, _, _ = _run(mesh, [Shard(0)], wrapped)
         assert all(torch.equal(ours, theirs) for ours, theirs in zip(checkpointed, plain)), use_reentrant
+
+
+@spmd(meshes=[(2,), (2, 2)])
+def test_a_draw_that_belongs_in_backward_runs_inside_draws_in_backward(mesh):
+    """Noise added to a gradient in a hook is drawn in backward on purpose: refused as a likely
+    checkpoint recomputation, allowed inside `draws_in_backward`, where it takes the next counter value."""
+    placements = _placement_lists(mesh)[0]
+    shardtensor.manual_seed(SEED)
+    x = distribute_tensor(torch.randn(SHAPE, dtype=torch.float64), mesh, placements).requires_grad_()
+    x.register_hook(lambda grad: grad + torch.rand_like(grad))
+    with pytest.raises(RuntimeError, match="draws_in_backward"):
+        (x * 2).sum().backward()
+    x.grad = None
+    with shardtensor.random.draws_in_backward():
+        (x * 2).sum().backward()
+    noise = documented_random("rand", SHAPE, seed=SEED, counter=0)
+    assert torch.equal(x.grad.full_tensor(), 2 + noise)

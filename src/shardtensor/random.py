@@ -59,7 +59,7 @@ from . import comm
 from .mesh import DeviceMesh
 
 __all__ = [
-    "BLOCK_SIZE", "FILLS", "checkpoint", "manual_seed", "random_shard", "next_random_call",
+    "BLOCK_SIZE", "FILLS", "checkpoint", "draws_in_backward", "manual_seed", "random_shard", "next_random_call",
     "same_draws_on_every_rank", "skip_random_calls", "tile_shape",
 ]
 
@@ -73,7 +73,7 @@ _ALIASES = {"rand": "uniform_", "randn": "normal_"}
 
 _seed: int | None = None
 _counter = 0
-_replays = 0  # how many `checkpoint` recomputations are running: random calls during backward are theirs
+_replays = 0  # `checkpoint` recomputations and `draws_in_backward` blocks running: random calls in backward are theirs
 _lock = threading.Lock()  # guards _seed, _counter and _replays
 
 
@@ -120,7 +120,9 @@ def _random_in_backward_error() -> RuntimeError:
         "draw other numbers (another dropout mask) than the forward did, and the gradients would be wrong. "
         "Checkpoint with shardtensor.random.checkpoint(function, *args, use_reentrant=..., ...) instead: it "
         "takes torch's arguments and replays the forward's draws (with torch's checkpoint_wrapper, pass "
-        "checkpoint_fn=shardtensor.random.checkpoint; for checkpoint_sequential, checkpoint each segment with it)."
+        "checkpoint_fn=shardtensor.random.checkpoint; for checkpoint_sequential, checkpoint each segment with it). "
+        "If the draw belongs in backward (noise added to a gradient in a hook), run it inside "
+        "shardtensor.random.draws_in_backward()."
     )
 
 
@@ -148,6 +150,22 @@ class _Replay:
         finally:
             with _lock:
                 (_seed, _counter), _replays = outer, _replays - 1
+
+
+@contextlib.contextmanager
+def draws_in_backward() -> Iterator[None]:
+    """Allow random calls on DTensors during backward in this block: for code that draws there on
+    purpose (noise added to gradients in a hook, a custom autograd backward), which `next_random_call`
+    otherwise refuses as a likely torch-checkpoint recomputation. The draws take counter values like
+    any other random call."""
+    global _replays
+    with _lock:
+        _replays += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _replays -= 1
 
 
 def checkpoint(function, *args, **kwargs):
