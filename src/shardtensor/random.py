@@ -27,6 +27,16 @@ other's numbers.) A program that calls a random op only on the ranks of its mesh
 `if mesh.get_coordinate() is not None:`) is not SPMD and leaves the counter out of step. Random ops on
 plain tensors use torch's own generator and neither read nor advance this counter.
 
+Activation checkpointing: `torch.utils.checkpoint.checkpoint` makes its recomputation draw what the
+forward drew by restoring torch's generators, which hold no part of this counter, so a plain
+checkpoint would recompute dropout with another mask and give wrong gradients. `checkpoint` here
+takes torch's arguments and also replays the counter; a random call during backward anywhere else
+raises (`next_random_call`) instead of drawing numbers the forward did not draw. Keeping the counter
+where torch's checkpoint would restore it is not sound: on a CPU mesh that is only torch's default
+CPU generator, whose mt19937 state has no field to spare, so each call would have to draw from it
+(changing the numbers of plain random ops) and look the draw up in a table of past calls that grows
+without bound and that `torch.manual_seed` on some ranks and not others would send out of step.
+
 Thread policy: the seed and the counter are process-wide and a lock makes each random call take a
 distinct counter value. Calls from several threads take values in the order they reach the lock, so
 a program that draws random DTensors from several threads must order those calls alike on every rank.
@@ -43,13 +53,14 @@ from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 
 from . import comm
 from .mesh import DeviceMesh
 
 __all__ = [
-    "BLOCK_SIZE", "FILLS", "manual_seed", "random_shard", "next_random_call", "same_draws_on_every_rank",
-    "skip_random_calls", "tile_shape",
+    "BLOCK_SIZE", "FILLS", "checkpoint", "draws_in_backward", "manual_seed", "random_shard", "next_random_call",
+    "same_draws_on_every_rank", "skip_random_calls", "tile_shape",
 ]
 
 BLOCK_SIZE = 2**16
@@ -62,7 +73,8 @@ _ALIASES = {"rand": "uniform_", "randn": "normal_"}
 
 _seed: int | None = None
 _counter = 0
-_lock = threading.Lock()  # guards _seed and _counter
+_replays = 0  # `checkpoint` recomputations and `draws_in_backward` blocks running: random calls in backward are theirs
+_lock = threading.Lock()  # guards _seed, _counter and _replays
 
 
 def manual_seed(seed: int) -> None:
@@ -83,9 +95,13 @@ def next_random_call(mesh: DeviceMesh) -> tuple[int, int]:
 
     Without `manual_seed`, the seed is drawn from torch's default generator on global rank 0 and
     shared with every rank of the world at the first random call, which every rank reaches (ranks
-    outside `mesh` too): the counter is world-wide, so the seed must be as well.
+    outside `mesh` too): the counter is world-wide, so the seed must be as well. During backward
+    (autograd's graph task), only `checkpoint`'s recomputation may draw: anything else is most
+    likely a plain torch checkpoint recomputing, which would draw numbers the forward did not.
     """
     global _seed, _counter
+    if not _replays and torch._C._current_graph_task_id() != -1:  # the test FSDP2 uses for "in backward"
+        raise _random_in_backward_error()
     with _lock:
         if _seed is None:
             candidate = int(torch.randint(0, 2**62, ()).item())
@@ -94,6 +110,72 @@ def next_random_call(mesh: DeviceMesh) -> tuple[int, int]:
         call = (_seed, _counter)
         _counter += 1
     return call
+
+
+def _random_in_backward_error() -> RuntimeError:
+    return RuntimeError(
+        "A random op on DTensors (dropout, rand_like, bernoulli_...) ran during backward. This is most "
+        "likely the recomputation of torch.utils.checkpoint.checkpoint (or checkpoint_sequential): it "
+        "restores torch's generators but not shardtensor's random counter, so the recomputed forward would "
+        "draw other numbers (another dropout mask) than the forward did, and the gradients would be wrong. "
+        "Checkpoint with shardtensor.random.checkpoint(function, *args, use_reentrant=..., ...) instead: it "
+        "takes torch's arguments and replays the forward's draws (with torch's checkpoint_wrapper, pass "
+        "checkpoint_fn=shardtensor.random.checkpoint; for checkpoint_sequential, checkpoint each segment with it). "
+        "If the draw belongs in backward (noise added to a gradient in a hook), run it inside "
+        "shardtensor.random.draws_in_backward()."
+    )
+
+
+class _Replay:
+    """`function` as `checkpoint` hands it to torch: the first call (the forward) notes the seed and
+    the counter it starts from; every later call (a recomputation) runs from that same point, and
+    leaves the seed and the counter as it found them, as `torch.random.fork_rng` does for torch's."""
+
+    def __init__(self, function):
+        self.function, self.start = function, None
+
+    def __call__(self, *args, **kwargs):
+        global _seed, _counter, _replays
+        if self.start is None:
+            with _lock:
+                seed, counter = _seed, _counter
+            result = self.function(*args, **kwargs)
+            self.start = (_seed if seed is None else seed, counter)  # None: the seed its first random call drew
+            return result
+        with _lock:
+            outer = (_seed, _counter)
+            (_seed, _counter), _replays = self.start, _replays + 1
+        try:
+            return self.function(*args, **kwargs)
+        finally:
+            with _lock:
+                (_seed, _counter), _replays = outer, _replays - 1
+
+
+@contextlib.contextmanager
+def draws_in_backward() -> Iterator[None]:
+    """Allow random calls on DTensors during backward in this block: for code that draws there on
+    purpose (noise added to gradients in a hook, a custom autograd backward), which `next_random_call`
+    otherwise refuses as a likely torch-checkpoint recomputation. The draws take counter values like
+    any other random call."""
+    global _replays
+    with _lock:
+        _replays += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _replays -= 1
+
+
+def checkpoint(function, *args, **kwargs):
+    """`torch.utils.checkpoint.checkpoint(function, *args, **kwargs)` whose recomputation draws the
+    random DTensors (dropout masks...) the forward drew, in either `use_reentrant` mode; the
+    recomputation leaves shardtensor's random counter where it was.
+
+    >>> y = shardtensor.random.checkpoint(lambda x: F.dropout(x, 0.1), x, use_reentrant=False)  # doctest: +SKIP
+    """
+    return torch.utils.checkpoint.checkpoint(_Replay(function), *args, **kwargs)
 
 
 def skip_random_calls(mesh: DeviceMesh, count: int) -> None:
