@@ -297,8 +297,7 @@ def _fallback(dtensor_class: type, op, flat, tree, positions, dtensors, mutated_
     if name not in fallback_counts:
         logger.info("%s %s: gathering its inputs (%s) to Replicate", name, why, describe(dtensors))
     fallback_counts[name] += 1
-    # Asked before the op runs, on the same shapes as the ranks outside the mesh ask it.
-    data_dependent = mesh.size() < dist.get_world_size() and _output_metas(op, flat, tree, positions, dtensors) is None
+    data_dependent = mesh.size() < dist.get_world_size() and _shapes_depend_on_data(op, flat, tree, positions, dtensors)
     try:
         with same_draws_on_every_rank(mesh) if draws else contextlib.nullcontext():
             result = _run(dtensor_class, op, flat, tree, positions, dtensors, mutated_dtensors, mesh, replicated, None, None)
@@ -324,6 +323,15 @@ def _output_metas(op, flat, tree, positions, dtensors) -> tuple[object, dict[int
         return op(*meta_args, **meta_kwargs), arguments
     except NotImplementedError:
         return None
+
+
+def _shapes_depend_on_data(op, flat, tree, positions, dtensors) -> bool:
+    """Whether the ranks outside the mesh will wait for the op's output metadata: asked before the op
+    runs, on the shapes they ask it with. Another error on meta tensors they raise without waiting."""
+    try:
+        return _output_metas(op, flat, tree, positions, dtensors) is None
+    except Exception:
+        return False
 
 
 def _global_meta(dtensor) -> TensorMeta:
