@@ -218,6 +218,20 @@ def test_all_gather_object(mesh):
         assert mesh.get_rank() in [rank for _, rank in along]
 
 
+@spmd()
+def test_broadcast_object(mesh):
+    """Every peer gets the source coordinate's object; two broadcasts (length, then bytes), recorded."""
+    for mesh_dim in range(mesh.ndim):
+        source = mesh.size(mesh_dim) - 1
+        mine = {"from": mesh.get_coordinate()} if mesh.get_local_rank(mesh_dim) == source else None
+        with comm.observe() as records:
+            received = comm.broadcast_object(mine, mesh, mesh_dim, src=source)
+        expected = list(mesh.get_coordinate())
+        expected[mesh_dim] = source
+        assert received == {"from": expected}
+        assert [record.kind for record in records] == ["broadcast"] * (2 if mesh.size(mesh_dim) > 1 else 0)
+
+
 @spmd(meshes=[(4,)])
 def test_unsorted_mesh_coordinates(mesh):
     unsorted = DeviceMesh("cpu", [[3, 1], [2, 0]])

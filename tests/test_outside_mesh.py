@@ -2,14 +2,18 @@
 
 A world of 4 ranks and the sub-mesh `DeviceMesh("cpu", [1, 3])`: ranks 1 and 3 compute, ranks 0 and 2
 hold local tensors without elements and get DTensors with the same global shape and placements.
+Ops whose output shapes depend on data (`nonzero`, boolean-mask indexing) are the one case where
+ranks outside the mesh communicate: they receive the shapes from the mesh's first rank.
 """
 
+import pytest
 import torch
 import torch.distributed as dist
 from spmd import spmd
 
 import shardtensor
 from shardtensor import DeviceMesh, DTensor, Replicate, Shard, comm, distribute_tensor
+from shardtensor.debug import CommDebugMode
 
 R = Replicate()
 MEMBERS = [1, 3]
@@ -131,3 +135,55 @@ def test_factories(mesh):
     dist.all_gather_object(gathered, world_rand)
     assert all(torch.equal(values, world_rand) for values in gathered)
     _same_metadata_on_every_rank(*made.values())
+
+
+# Ops whose output shapes depend on the data: the replicate fallback's all_gathers on the mesh's
+# ranks for a Shard(0) input (the boolean mask `x > 0` is a second sharded input).
+DATA_DEPENDENT = {
+    "mask": (lambda x: x[x > 0], 2),
+    "nonzero": (torch.nonzero, 1),
+    "masked_select": (lambda x: torch.masked_select(x, x > 0), 2),
+    "unique": (lambda x: torch.unique(x, return_inverse=True, return_counts=True), 1),
+    "where": (lambda x: torch.where(x > 0), 1),
+}
+def _sub_meshes(world) -> list[list[int]]:
+    """The sub-meshes checked in a 4-rank world, as lists of ranks, the whole world last."""
+    if world.ndim == 2:
+        return [world.mesh[0].tolist(), world.mesh.flatten().tolist()]  # the 2x2 mesh's first row
+    return [[1, 3], [0, 1, 2], world.mesh.tolist()]
+
+
+@spmd(meshes=[(4,), (2, 2)])
+def test_data_dependent_output_shapes(mesh):
+    """Inside the mesh: the single-device values. Outside: the same global shapes, no elements, and the
+    shapes' two broadcasts over the world as the only communication; on the whole world, no broadcast."""
+    full = _full((5, 4), 3)
+    for ranks in _sub_meshes(mesh):
+        sub_mesh = DeviceMesh("cpu", ranks)
+        inside = sub_mesh.get_coordinate() is not None
+        x = distribute_tensor(full, sub_mesh, [Shard(0)])
+        broadcasts = {"broadcast": 2} if len(ranks) < dist.get_world_size() else {}
+        for name, (function, gathers) in DATA_DEPENDENT.items():
+            with CommDebugMode() as comm_mode:
+                results = function(x)
+            expected_counts = {"all_gather": gathers, **broadcasts} if inside else broadcasts
+            assert comm_mode.get_comm_counts() == expected_counts, (ranks, name, comm_mode.get_comm_counts())
+            results = results if isinstance(results, tuple) else (results,)
+            expected = function(full)
+            expected = expected if isinstance(expected, tuple) else (expected,)
+            assert len(results) == len(expected)
+            for result, value in zip(results, expected):
+                _check(result, value, inside)
+            _same_metadata_on_every_rank(*results)
+
+
+@spmd(meshes=[(4,)])
+def test_data_dependent_op_failing_on_the_mesh(mesh):
+    """When the op fails on the mesh's ranks, the ranks outside raise its error type instead of waiting."""
+    sub_mesh = DeviceMesh("cpu", MEMBERS)
+    x = distribute_tensor(_full((8,)), sub_mesh, [Shard(0)])
+    mask = distribute_tensor(torch.ones(5, dtype=torch.bool), sub_mesh, [R])
+    with CommDebugMode() as comm_mode:
+        with pytest.raises(IndexError, match="shape of the mask"):
+            x[mask]
+    assert comm_mode.get_comm_counts().get("broadcast") == 2

@@ -14,18 +14,24 @@ This layer is below the DTensor class: the class passes itself (`dtensor_class`)
 
 from __future__ import annotations
 
+import builtins
+import contextlib
+import dataclasses
 import logging
 from collections import Counter
 
 import torch
+import torch.distributed as dist
 from torch._C import _increment_version
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 from . import ops  # noqa: F401  (registers every op family)
 from . import plan_cache, propagation
+from .comm import broadcast_object
 from .input_moves import KeptMoves, moved_local, moved_locals, with_kept_moves
 from .layout import Layout
 from .list_plans import ListPlan, is_multi_tensor, list_key
+from .mesh import DeviceMesh
 from .modes import describe, implicit_communication_error, is_explicit, is_strict
 from .ops.foreach import canonical_arguments
 from .ops.registry import RULES
@@ -269,7 +275,8 @@ def _local_flat(flat: list, local_arguments: tuple[tuple, dict]) -> tuple[list, 
 def _fallback(dtensor_class: type, op, flat, tree, positions, dtensors, mutated_dtensors, mesh,
               verdict: ReplicateFallback | None = None):
     """No rule (or a rule's `verdict`): gather every input to Replicate, compute the single-device result,
-    return it."""
+    return it. On a sub-mesh, an op whose output shapes depend on data (`_output_metas` is None) sends
+    them to the ranks outside the mesh, which cannot compute them (`_exchange_output_metas`)."""
     why = "has no sharding rule" if verdict is None else f"has no sharded way for these arguments ({verdict})"
     if is_strict():
         raise NotImplementedError(
@@ -290,40 +297,107 @@ def _fallback(dtensor_class: type, op, flat, tree, positions, dtensors, mutated_
     if name not in fallback_counts:
         logger.info("%s %s: gathering its inputs (%s) to Replicate", name, why, describe(dtensors))
     fallback_counts[name] += 1
-    if draws:
-        with same_draws_on_every_rank(mesh):
-            return _run(dtensor_class, op, flat, tree, positions, dtensors, mutated_dtensors, mesh, replicated, None, None)
-    return _run(dtensor_class, op, flat, tree, positions, dtensors, mutated_dtensors, mesh, replicated, None, None)
+    data_dependent = mesh.size() < dist.get_world_size() and _shapes_depend_on_data(op, flat, tree, positions, dtensors)
+    try:
+        with same_draws_on_every_rank(mesh) if draws else contextlib.nullcontext():
+            result = _run(dtensor_class, op, flat, tree, positions, dtensors, mutated_dtensors, mesh, replicated, None, None)
+    except Exception as error:
+        if data_dependent:  # the ranks outside the mesh wait for the shapes: they raise the error instead
+            _exchange_output_metas(mesh, _FailedOnMesh(type(error).__name__, str(error)))
+        raise
+    if data_dependent:
+        _exchange_output_metas(mesh, tree_map_only(dtensor_class, _global_meta, result))
+    return result
 
 
-def _outside_mesh(dtensor_class: type, op, flat, tree, positions, dtensors, mesh, output_layouts, random_calls: int):
-    """The op on a rank outside the mesh: no data and no communication, only metadata.
-
-    The op runs on meta tensors of the global shapes; outputs are DTensors with the layouts the
-    mesh's ranks get (`output_layouts`, or the fallback's when None) and a local tensor without
-    elements, and in-place or `out=` ops return their DTensor argument. A random op takes its
-    `random_calls` numbers of the random counter as the mesh's ranks do, so the counter stays in step.
-    """
-    skip_random_calls(mesh, random_calls)
+def _output_metas(op, flat, tree, positions, dtensors) -> tuple[object, dict[int, object]] | None:
+    """The op's outputs on meta tensors of the global shapes, and its DTensor arguments by the id of
+    their meta stand-ins; None when meta tensors cannot say the outputs' shapes (`nonzero`,
+    `unique`, boolean-mask indexing: they depend on the data)."""
     meta_flat, arguments = list(flat), {}
     for index, dtensor in zip(positions, dtensors):
         meta_flat[index] = torch.empty_strided(dtensor.shape, dtensor.stride(), dtype=dtensor.dtype, device="meta")
         arguments[id(meta_flat[index])] = dtensor
     meta_args, meta_kwargs = tree_unflatten(meta_flat, tree)
-    outputs, output_tree = tree_flatten(op(*meta_args, **meta_kwargs))
+    try:
+        return op(*meta_args, **meta_kwargs), arguments
+    except NotImplementedError:
+        return None
+
+
+def _shapes_depend_on_data(op, flat, tree, positions, dtensors) -> bool:
+    """Whether the ranks outside the mesh will wait for the op's output metadata: asked before the op
+    runs, on the shapes they ask it with. Another error on meta tensors they raise without waiting."""
+    try:
+        return _output_metas(op, flat, tree, positions, dtensors) is None
+    except Exception:
+        return False
+
+
+def _global_meta(dtensor) -> TensorMeta:
+    return TensorMeta(tuple(dtensor.shape), dtensor._spec.stride, dtensor.dtype)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _FailedOnMesh:
+    """What the mesh's first rank sends instead of a data-dependent op's output metadata when the op failed."""
+
+    kind: str
+    message: str
+
+    def error(self, op, mesh) -> Exception:
+        """The error for the ranks outside the mesh: the same builtin type (IndexError...), or a RuntimeError."""
+        kind = getattr(builtins, self.kind, None)
+        kind = kind if isinstance(kind, type) and issubclass(kind, Exception) else RuntimeError
+        return kind(f"{op} failed on the ranks of {mesh!r} (this rank is outside it): {self.kind}: {self.message}")
+
+
+def _exchange_output_metas(mesh, metas=None):
+    """The global metadata of a data-dependent op's outputs (`TensorMeta` in the outputs' structure),
+    from the mesh's first rank to every rank of the world, the mesh's ranks included (a collective
+    over the world: every rank calls it alike; the mesh's ranks pass `metas`, or `_FailedOnMesh`).
+
+    Only a sub-mesh calls this, so an op on a mesh over the whole world costs nothing more.
+    """
+    world = DeviceMesh(mesh.device_type, list(range(dist.get_world_size())), _groups_exist=True)
+    first = int(mesh.mesh.flatten()[0])
+    return broadcast_object(metas if world.get_rank() == first else None, world, 0, src=first)
+
+
+def _outside_mesh(dtensor_class: type, op, flat, tree, positions, dtensors, mesh, output_layouts, random_calls: int):
+    """The op on a rank outside the mesh: no data, only metadata.
+
+    The op runs on meta tensors of the global shapes; outputs are DTensors with the layouts the
+    mesh's ranks get (`output_layouts`, or the fallback's when None) and a local tensor without
+    elements, and in-place or `out=` ops return their DTensor argument. An op whose output shapes
+    depend on data (meta tensors cannot run it) receives them from the mesh's first rank, the one
+    communication of this path. A random op takes its `random_calls` numbers of the random counter
+    as the mesh's ranks do, so the counter stays in step.
+    """
+    skip_random_calls(mesh, random_calls)
+    computed = _output_metas(op, flat, tree, positions, dtensors)
+    if computed is None:  # only on the fallback's path: a rule's decision has evaluated the outputs on meta
+        received = _exchange_output_metas(mesh)
+        if isinstance(received, _FailedOnMesh):
+            raise received.error(op, mesh)
+        computed = received, {}
+    result, arguments = computed
+    outputs, output_tree = tree_flatten(result)
     wrapped = []
     for position, output in enumerate(outputs):
-        if not isinstance(output, torch.Tensor) or id(output) in arguments:
+        if isinstance(output, torch.Tensor) and id(output) not in arguments:
+            output = TensorMeta(tuple(output.shape), tuple(output.stride()), output.dtype)
+        if not isinstance(output, TensorMeta):
             wrapped.append(arguments.get(id(output), output))
             continue
         if output_layouts is not None:
             layout = output_layouts[position]
-        elif tuple(output.shape) == tuple(dtensors[0].shape):
+        elif output.shape == tuple(dtensors[0].shape):
             layout = dtensors[0].sharding.without_partial()
         else:
             layout = Layout.create(mesh.shape, [Replicate()] * mesh.ndim, output.shape)
         local = torch.empty((0,) * max(output.ndim, 1), dtype=output.dtype, device=mesh.device_type)
-        wrapped.append(dtensor_class(local, DTensorSpec(mesh, layout, tuple(output.stride()), output.dtype)))
+        wrapped.append(dtensor_class(local, DTensorSpec(mesh, layout, output.stride, output.dtype)))
     return tree_unflatten(wrapped, output_tree)
 
 
