@@ -17,7 +17,8 @@ It does three things before the call reaches the aten level:
   ADInplaceOrView kernel does (autograd's saved-tensor checks and kept moves read it); a write into
   a view of a moved copy takes the normal path, which refuses it. A function is learnt on a call
   that runs through `dispatch` on cached plans only (`plan_cache.recording`), and checked once by
-  running it on the local tensors (in place: on a copy of the first): it must run the same single
+  running it on the local tensors (in place: on meta stand-ins of them, so the check neither writes
+  the DTensor a second time nor allocates a copy of it): it must run the same single
   aten op and give a local result of the same shape, stride and dtype (in place: its first argument).
 - **Data arguments.** Functions that read a tensor argument's values in C++ before any aten op
   sees it (`tensor_split`'s `indices_or_sections`) get the Python values a DTensor there stands
@@ -274,8 +275,8 @@ def _learn(cls, function, args: tuple, kwargs: dict, recorded: Recording, result
     local_args = list(args)
     for position in positions:
         local_args[position] = args[position]._local_tensor
-    if in_place:  # the check must not write the DTensor a second time
-        local_args[0] = local_args[0].clone()
+    if in_place:  # the check must not write the DTensor a second time: meta stand-ins, no data, no copy
+        local_args = [_meta_stand_in(value) for value in local_args]
     with torch.no_grad(), _AtenOps() as seen:
         local = function(*local_args, **kwargs)
     if seen.ops != [op]:
@@ -293,6 +294,13 @@ def _learn(cls, function, args: tuple, kwargs: dict, recorded: Recording, result
     if not served:
         return _FunctionPlan(cls, function, args, kwargs, positions, None)
     return _FunctionPlan(cls, function, args, kwargs, positions, result._spec, op, in_place)
+
+
+def _meta_stand_in(value):
+    """A tensor's meta twin (same shape, stride and dtype, no data); anything else as it is."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
 
 
 def _writes_first_argument_in_place(plan, args: tuple, aten_arguments: tuple[tuple, dict], result) -> bool:
