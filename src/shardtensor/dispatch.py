@@ -31,7 +31,7 @@ from .comm import broadcast_object
 from .input_moves import KeptMoves, moved_local, moved_locals, with_kept_moves
 from .layout import Layout
 from .list_plans import ListPlan, is_multi_tensor, list_key
-from .mesh import DeviceMesh
+from .mesh import world_mesh
 from .modes import describe, implicit_communication_error, is_explicit, is_strict
 from .ops.foreach import canonical_arguments
 from .ops.registry import RULES
@@ -359,7 +359,7 @@ def _exchange_output_metas(mesh, metas=None):
 
     Only a sub-mesh calls this, so an op on a mesh over the whole world costs nothing more.
     """
-    world = DeviceMesh(mesh.device_type, list(range(dist.get_world_size())), _groups_exist=True)
+    world = world_mesh(mesh.device_type)
     first = int(mesh.mesh.flatten()[0])
     return broadcast_object(metas if world.get_rank() == first else None, world, 0, src=first)
 

@@ -424,6 +424,13 @@ def init_device_mesh(
     return DeviceMesh(device_type, ranks, mesh_dim_names=names)
 
 
+def world_mesh(device_type: str) -> DeviceMesh:
+    """A 1-D mesh of every rank of the world over the default group, creating no group (so not a
+    collective): for the exchanges every rank takes part in whatever mesh a call is on (the random
+    seed, a sub-mesh's data-dependent output shapes)."""
+    return DeviceMesh(device_type, list(range(dist.get_world_size())), _groups_exist=True)
+
+
 def current_mesh() -> DeviceMesh:
     """The innermost mesh entered with `with mesh:` in this thread (each thread has its own stack)."""
     if not _mesh_stack.meshes:

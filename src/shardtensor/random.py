@@ -52,11 +52,10 @@ import threading
 from collections.abc import Iterator, Sequence
 
 import torch
-import torch.distributed as dist
 import torch.utils.checkpoint
 
 from . import comm
-from .mesh import DeviceMesh
+from .mesh import DeviceMesh, world_mesh
 
 __all__ = [
     "BLOCK_SIZE", "FILLS", "checkpoint", "draws_in_backward", "manual_seed", "random_shard", "next_random_call",
@@ -105,8 +104,7 @@ def next_random_call(mesh: DeviceMesh) -> tuple[int, int]:
     with _lock:
         if _seed is None:
             candidate = int(torch.randint(0, 2**62, ()).item())
-            world = DeviceMesh(mesh.device_type, list(range(dist.get_world_size())))  # the default group: no new one
-            _seed = comm.all_gather_object(candidate, world, None)[0]
+            _seed = comm.all_gather_object(candidate, world_mesh(mesh.device_type), None)[0]
         call = (_seed, _counter)
         _counter += 1
     return call
