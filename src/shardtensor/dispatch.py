@@ -33,6 +33,7 @@ from .layout import Layout
 from .list_plans import ListPlan, is_multi_tensor, list_key
 from .mesh import world_mesh
 from .modes import describe, implicit_communication_error, is_explicit, is_strict
+from .ops.common import meta_like
 from .ops.foreach import canonical_arguments
 from .ops.registry import RULES
 from .ops.sparse import sparse_layout_error
@@ -316,7 +317,7 @@ def _output_metas(op, flat, tree, positions, dtensors) -> tuple[object, dict[int
     `unique`, boolean-mask indexing: they depend on the data)."""
     meta_flat, arguments = list(flat), {}
     for index, dtensor in zip(positions, dtensors):
-        meta_flat[index] = torch.empty_strided(dtensor.shape, dtensor.stride(), dtype=dtensor.dtype, device="meta")
+        meta_flat[index] = meta_like(dtensor)
         arguments[id(meta_flat[index])] = dtensor
     meta_args, meta_kwargs = tree_unflatten(meta_flat, tree)
     try:

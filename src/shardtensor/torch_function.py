@@ -43,6 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from . import propagation
 from .gradients import watch_leaves
 from .list_plans import is_multi_tensor_function, learn_function, list_key
+from .ops.common import meta_like
 from .ops.registry import FUNCTION_REWRITES
 from .plain_tensors import outermost_call
 from .plan_cache import (
@@ -276,7 +277,7 @@ def _learn(cls, function, args: tuple, kwargs: dict, recorded: Recording, result
     for position in positions:
         local_args[position] = args[position]._local_tensor
     if in_place:  # the check must not write the DTensor a second time: meta stand-ins, no data, no copy
-        local_args = [_meta_stand_in(value) for value in local_args]
+        local_args = [meta_like(value) if isinstance(value, torch.Tensor) else value for value in local_args]
     with torch.no_grad(), _AtenOps() as seen:
         local = function(*local_args, **kwargs)
     if seen.ops != [op]:
@@ -294,13 +295,6 @@ def _learn(cls, function, args: tuple, kwargs: dict, recorded: Recording, result
     if not served:
         return _FunctionPlan(cls, function, args, kwargs, positions, None)
     return _FunctionPlan(cls, function, args, kwargs, positions, result._spec, op, in_place)
-
-
-def _meta_stand_in(value):
-    """A tensor's meta twin (same shape, stride and dtype, no data); anything else as it is."""
-    if not isinstance(value, torch.Tensor):
-        return value
-    return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
 
 
 def _writes_first_argument_in_place(plan, args: tuple, aten_arguments: tuple[tuple, dict], result) -> bool:

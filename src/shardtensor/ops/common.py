@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 
 from ..rules import OpCall, Row
 
-__all__ = ["normalized_dim", "dim_argument", "one_input_row", "on_shards", "empty_shard_results"]
+__all__ = ["normalized_dim", "dim_argument", "one_input_row", "on_shards", "meta_like", "empty_shard_results"]
 
 
 def normalized_dim(dim: int, ndim: int) -> int:
@@ -45,11 +45,12 @@ def on_shards(op, function: Callable) -> Callable:
     return run
 
 
-def _to_meta(tensor: torch.Tensor) -> torch.Tensor:
+def meta_like(tensor: torch.Tensor) -> torch.Tensor:
+    """A meta tensor of `tensor`'s shape, stride and dtype: what an op gives without data."""
     return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="meta")
 
 
-def empty_shard_results(op, args: tuple, kwargs: dict | None = None, *, stand_in: Callable = _to_meta,
+def empty_shard_results(op, args: tuple, kwargs: dict | None = None, *, stand_in: Callable = meta_like,
                         local_shape: Callable | None = None, fill=0):
     """`op`'s results on this rank's shard without running its kernel: shapes and dtypes from `op`
     on meta tensors (`stand_in` makes each tensor argument's, by default of the same shape; some
