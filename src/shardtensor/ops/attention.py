@@ -140,7 +140,7 @@ class Attention(ShardingRule):
         return _attention_rows(call, self.kernel, self.global_outputs(call))
 
     def random_calls(self, call: OpCall) -> int:
-        return 1 if self.kernel.draws and call.argument("dropout_p") > 0 else 0
+        return 0  # a call that draws (dropout_p > 0) takes the replicate fallback (`rows`), which counts its draw
 
     def local_op(self, call, input_layouts, coordinate):
         local_shapes = [layout.local_shape(coordinate) for layout in input_layouts if layout.ndim == 4]
