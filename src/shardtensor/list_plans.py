@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_flatten
 
 from .ops.foreach import canonical_scalar
 from .plain_tensors import scale_signs
-from .plan_cache import CachedPlan, reads_scale_signs, store_function_plan
+from .plan_cache import PLAIN_TENSOR, CachedPlan, reads_scale_signs, store_function_plan
 from .rules import ComposedRule, Decision, sign_of
 from .spec import DTensorSpec, interned_spec
 
@@ -42,12 +42,9 @@ def is_multi_tensor(op) -> bool:
     return known
 
 
-_PLAIN_TENSOR = "plain tensor"  # what `_append` returns (truthy) after plain 0-d tensors
-
-
 def _append(dtensor_class: type, value, key: list) -> bool | str:
     """Append what of `value` decides to `key`; False for a call no plan serves (mixed lists...),
-    `_PLAIN_TENSOR` after plain 0-d tensors."""
+    `PLAIN_TENSOR` after plain 0-d tensors."""
     kind = type(value)
     if kind is list or kind is tuple:
         if not value:
@@ -63,7 +60,7 @@ def _append(dtensor_class: type, value, key: list) -> bool | str:
             if any(type(item) is not torch.Tensor or item.ndim for item in value):
                 return False
             key.append(("plain", tuple(item.dtype for item in value)))
-            return _PLAIN_TENSOR
+            return PLAIN_TENSOR
         elif first in _KEY_TYPES:
             types = tuple(map(type, value))
             key.append((kind, types, _signs(types, value)))
@@ -76,7 +73,7 @@ def _append(dtensor_class: type, value, key: list) -> bool | str:
         key.append(canonical_scalar(value))
     elif kind is torch.Tensor and not value.ndim:
         key.append(("plain", value.dtype))
-        return _PLAIN_TENSOR
+        return PLAIN_TENSOR
     else:
         return False
     return True
@@ -115,13 +112,13 @@ def list_key(dtensor_class: type, op, args: tuple, kwargs: dict) -> tuple | None
             appended = _append(dtensor_class, value, key)
             if not appended:
                 return None
-            plain_tensor = plain_tensor or appended is _PLAIN_TENSOR
+            plain_tensor = plain_tensor or appended is PLAIN_TENSOR
     for name, value in kwargs.items():
         key.append(name)
         appended = _append(dtensor_class, value, key)
         if not appended:
             return None
-        plain_tensor = plain_tensor or appended is _PLAIN_TENSOR
+        plain_tensor = plain_tensor or appended is PLAIN_TENSOR
     if plain_tensor and _reads_scale_signs(op):
         key += scale_signs(dtensor_class, (*args, *kwargs.values()))
     return tuple(key)

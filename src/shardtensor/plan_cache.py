@@ -41,7 +41,7 @@ from .write_back import mark_views_of_copies, mutated, refuse_writes_into_views_
 
 __all__ = [
     "fast_key", "key_modes", "strip_values", "template", "Plan", "plans", "function_plans", "recording", "store",
-    "store_function_plan", "function_key_modes", "reads_scale_signs", "clear_plans", "Recording", "record", "CachedPlan", "MAX_PLANS", "CacheCounts", "cache_counts", "counts_of",
+    "store_function_plan", "function_key_modes", "reads_scale_signs", "PLAIN_TENSOR", "clear_plans", "Recording", "record", "CachedPlan", "MAX_PLANS", "CacheCounts", "cache_counts", "counts_of",
 ]
 
 # fast key -> Plan, least recently used first. Keys hold the id of each DTensor argument's spec; the
@@ -227,7 +227,7 @@ on_new_world(clear_plans)  # plans hold specs of the old world's meshes
 
 def _key_value(dtensor_class: type, value, key: list) -> bool | str:
     """Append `value` to a fast key; False when the call is not flat (nested or plain tensors other
-    than 0-d ones), `_PLAIN_TENSOR` after a 0-d plain tensor."""
+    than 0-d ones), `PLAIN_TENSOR` after a 0-d plain tensor."""
     kind = type(value)
     if kind is dtensor_class:
         key.append(id(value._spec))
@@ -245,13 +245,14 @@ def _key_value(dtensor_class: type, value, key: list) -> bool | str:
         if value.ndim:
             return False
         key.append(value.dtype)
-        return _PLAIN_TENSOR
+        return PLAIN_TENSOR
     else:
         return False
     return True
 
 
-_PLAIN_TENSOR = "plain tensor"  # what `_key_value` returns (truthy) after appending a 0-d plain tensor
+# What `_key_value` (and `list_plans`' key builder) returns, truthy, after appending a 0-d plain tensor.
+PLAIN_TENSOR = "plain tensor"
 
 
 def reads_scale_signs(op) -> bool:
@@ -282,14 +283,14 @@ def fast_key(dtensor_class: type, op, args: tuple, kwargs: dict, modes: tuple = 
             appended = _key_value(dtensor_class, value, key)
             if not appended:
                 return None
-            plain_tensor = plain_tensor or appended is _PLAIN_TENSOR
+            plain_tensor = plain_tensor or appended is PLAIN_TENSOR
     if kwargs:
         for name, value in kwargs.items():
             key.append(name)
             appended = _key_value(dtensor_class, value, key)
             if not appended:
                 return None
-            plain_tensor = plain_tensor or appended is _PLAIN_TENSOR
+            plain_tensor = plain_tensor or appended is PLAIN_TENSOR
     if plain_tensor and reads_scale_signs(op):
         key += scale_signs(dtensor_class, (*args, *kwargs.values()))
     return tuple(key)
@@ -307,14 +308,14 @@ def _fast_key_with_modes(dtensor_class: type, op, args: tuple, kwargs: dict, mod
             appended = _key_value(dtensor_class, value, key)
             if not appended:
                 return None
-            plain_tensor = plain_tensor or appended is _PLAIN_TENSOR
+            plain_tensor = plain_tensor or appended is PLAIN_TENSOR
     for name, value in kwargs.items():
         key.append(name)
         if type(value) not in _SCALAR_KINDS or not _mode_key(value, by_name.get(name), key):
             appended = _key_value(dtensor_class, value, key)
             if not appended:
                 return None
-            plain_tensor = plain_tensor or appended is _PLAIN_TENSOR
+            plain_tensor = plain_tensor or appended is PLAIN_TENSOR
     if plain_tensor and SIGN in by_name.values():
         key += scale_signs(dtensor_class, (*args, *kwargs.values()))
     return tuple(key)
