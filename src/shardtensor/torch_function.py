@@ -63,6 +63,7 @@ _any_requires_grad = torch._C._any_requires_grad  # reads `requires_grad` withou
 _increment_version = torch._C._increment_version
 _NO_KEYWORDS: dict = {}
 _GETTER = types.MethodWrapperType  # `.shape`, `.requires_grad`...: `getset_descriptor.__get__`
+_SEQUENCES = (list, tuple)  # a multi-tensor function's lists (`_foreach_sqrt` returns a tuple)
 
 
 class _FunctionPlan:
@@ -98,7 +99,7 @@ METADATA_FUNCTIONS = {
 
 def torch_function(cls, function, types, args=(), kwargs=None):
     """`DTensor.__torch_function__`: serve the call from a function plan, or run it normally."""
-    if args and type(args[0]) is list and is_multi_tensor_function(function):  # an optimizer's step
+    if args and type(args[0]) in _SEQUENCES and is_multi_tensor_function(function):  # an optimizer's step
         return _multi_tensor_call(cls, function, args, kwargs or _NO_KEYWORDS)
     if type(function) is _GETTER:
         with _disabled():
