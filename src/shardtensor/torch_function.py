@@ -117,7 +117,7 @@ def torch_function(cls, function, types, args=(), kwargs=None):
         key = fast_key(cls, function, args, kwargs)
     plan = function_plans.get(key) if key is not None else None
     if plan is None and key is not None:  # the plan may be stored without the values that do not decide
-        modes = function_key_modes.get((function, len(args)))
+        modes = function_key_modes.get(_signature(function, args, kwargs))
         if modes:
             plan = function_plans.get(fast_key(cls, function, args, kwargs, modes))
     if plan is not None and plan.function is function and plan.generation == propagation.generation:
@@ -205,7 +205,7 @@ def _call(cls, function, args: tuple, kwargs: dict, key: tuple | None):
     if None not in recorded and not _ran_on_kept_moves(cls, args, kwargs, recorded):
         plan = _learn(cls, function, args, kwargs, recorded, result)
         # Later calls that differ only in values that do not decide find this plan too.
-        signature = (function, len(args))
+        signature = _signature(function, args, kwargs)
         modes = _modes_passed_through(args, kwargs, recorded)
         if function_key_modes.setdefault(signature, modes) != modes:
             function_key_modes[signature] = ()
@@ -213,6 +213,14 @@ def _call(cls, function, args: tuple, kwargs: dict, key: tuple | None):
         if function_key_modes[signature]:
             store_function_plan(fast_key(cls, function, args, kwargs, function_key_modes[signature]), plan)
     return result
+
+
+def _signature(function, args: tuple, kwargs: dict) -> tuple:
+    """What decides which aten op a call runs and how it passes its arguments on: the function, the
+    types of its arguments and the names of its keywords (`x.add_(y)`, `x.add_(y, alpha=s)` and
+    `x.add_(2.0)` each learn their own key modes; with one set per function, their disagreement
+    left every later call keyed on its values, so changing scalars missed)."""
+    return (function, *map(type, args), *kwargs, *map(type, kwargs.values()))
 
 
 def _ran_on_kept_moves(cls, args: tuple, kwargs: dict, recorded: Recording) -> bool:
@@ -227,14 +235,21 @@ def _ran_on_kept_moves(cls, args: tuple, kwargs: dict, recorded: Recording) -> b
 
 def _modes_passed_through(args: tuple, kwargs: dict, recorded: Recording) -> tuple:
     """The aten op's key modes (`plan_cache.key_modes`) when the function ran one aten op and passed
-    it its own arguments unchanged, position for position and keyword for keyword; else ()."""
+    it its own arguments unchanged, position for position and keyword for keyword (torch leaves out
+    a keyword equal to its default: `x.add_(y, alpha=1)` reaches aten without `alpha`); else ()."""
     if len(recorded) != 1:
         return ()
     plan, (aten_args, aten_kwargs) = recorded[0], recorded.arguments[0]
     modes = key_modes(plan.op)
-    if not modes or len(aten_args) != len(args) or list(aten_kwargs) != list(kwargs):
+    if not modes or len(aten_args) != len(args) or not kwargs.keys() >= aten_kwargs.keys():
         return ()
-    pairs = [*zip(args, aten_args), *((kwargs[name], aten_kwargs[name]) for name in kwargs)]
+    defaults = {argument.name: argument.default_value for argument in plan.op._schema.arguments if argument.has_default_value()}
+    pairs = list(zip(args, aten_args))
+    for name, value in kwargs.items():
+        if name in aten_kwargs:
+            pairs.append((value, aten_kwargs[name]))
+        elif name not in defaults or isinstance(value, torch.Tensor) or value != defaults[name]:
+            return ()
     if all(given is passed or (type(given) is type(passed) and not isinstance(given, torch.Tensor) and given == passed)
            for given, passed in pairs):
         return modes
