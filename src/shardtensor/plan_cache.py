@@ -52,9 +52,9 @@ function_plans: OrderedDict[tuple, object] = OrderedDict()
 # The size of each of the two caches; when one is full its least recently used plan is dropped.
 MAX_PLANS = 8192
 
-# A public call's signature (function, argument types, keyword names and types: `torch_function._signature`)
-# -> key modes learnt from the one aten op such calls run with their arguments unchanged (`key_modes` of
-# that op); () once two calls disagree (arguments not passed through), so that no value is left out.
+# (public function, number of positional arguments) -> key modes learnt by `torch_function` from the
+# one aten op such calls run with their arguments unchanged (`key_modes` of that op); () once two
+# calls disagree (other overloads, or arguments not passed through), so that no value is left out.
 function_key_modes: dict = {}
 
 

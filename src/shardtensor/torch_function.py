@@ -63,7 +63,6 @@ _any_requires_grad = torch._C._any_requires_grad  # reads `requires_grad` withou
 _increment_version = torch._C._increment_version
 _NO_KEYWORDS: dict = {}
 _GETTER = types.MethodWrapperType  # `.shape`, `.requires_grad`...: `getset_descriptor.__get__`
-_SEQUENCES = (list, tuple)  # a multi-tensor function's lists (`_foreach_sqrt` returns a tuple)
 
 
 class _FunctionPlan:
@@ -99,7 +98,8 @@ METADATA_FUNCTIONS = {
 
 def torch_function(cls, function, types, args=(), kwargs=None):
     """`DTensor.__torch_function__`: serve the call from a function plan, or run it normally."""
-    if args and type(args[0]) in _SEQUENCES and is_multi_tensor_function(function):  # an optimizer's step
+    if args and ((first := type(args[0])) is list or first is tuple) and is_multi_tensor_function(function):
+        # an optimizer's step (lists, or tuples: `_foreach_sqrt` returns one, which optimizers pass on)
         return _multi_tensor_call(cls, function, args, kwargs or _NO_KEYWORDS)
     if type(function) is _GETTER:
         with _disabled():
@@ -117,7 +117,7 @@ def torch_function(cls, function, types, args=(), kwargs=None):
         key = fast_key(cls, function, args, kwargs)
     plan = function_plans.get(key) if key is not None else None
     if plan is None and key is not None:  # the plan may be stored without the values that do not decide
-        modes = function_key_modes.get(_signature(function, args, kwargs))
+        modes = function_key_modes.get((function, len(args)))
         if modes:
             plan = function_plans.get(fast_key(cls, function, args, kwargs, modes))
     if plan is not None and plan.function is function and plan.generation == propagation.generation:
@@ -205,7 +205,7 @@ def _call(cls, function, args: tuple, kwargs: dict, key: tuple | None):
     if None not in recorded and not _ran_on_kept_moves(cls, args, kwargs, recorded):
         plan = _learn(cls, function, args, kwargs, recorded, result)
         # Later calls that differ only in values that do not decide find this plan too.
-        signature = _signature(function, args, kwargs)
+        signature = (function, len(args))
         modes = _modes_passed_through(args, kwargs, recorded)
         if function_key_modes.setdefault(signature, modes) != modes:
             function_key_modes[signature] = ()
@@ -213,14 +213,6 @@ def _call(cls, function, args: tuple, kwargs: dict, key: tuple | None):
         if function_key_modes[signature]:
             store_function_plan(fast_key(cls, function, args, kwargs, function_key_modes[signature]), plan)
     return result
-
-
-def _signature(function, args: tuple, kwargs: dict) -> tuple:
-    """What decides which aten op a call runs and how it passes its arguments on: the function, the
-    types of its arguments and the names of its keywords (`x.add_(y)`, `x.add_(y, alpha=s)` and
-    `x.add_(2.0)` each learn their own key modes; with one set per function, their disagreement
-    left every later call keyed on its values, so changing scalars missed)."""
-    return (function, *map(type, args), *kwargs, *map(type, kwargs.values()))
 
 
 def _ran_on_kept_moves(cls, args: tuple, kwargs: dict, recorded: Recording) -> bool:
