@@ -192,7 +192,8 @@ class ListPlan(CachedPlan):
             _increment_version(args[position])
         if not self.output_specs:
             return result if self.returned_argument is None else args[self.returned_argument]
-        return self.wrap(result, self.output_specs)
+        wrapped = self.wrap(result, self.output_specs)
+        return tuple(wrapped) if type(result) is tuple else wrapped  # a public function returns a tuple
 
 
 # ---- public functions ---------------------------------------------------------------------------
