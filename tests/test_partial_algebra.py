@@ -233,6 +233,9 @@ def test_casts_keep_partial_only_when_widening_floats(mesh):
         wider = single.to(torch.float64)
     assert list(records) == [] and wider.placements == (Partial(),) * mesh.ndim
     torch.testing.assert_close(wider.full_tensor(), value.double(), rtol=1e-6, atol=1e-6)
+    leaf = single.detach().requires_grad_()
+    (leaf.to(torch.float64) * 3).sum().backward()  # backward through the kept cast too
+    assert leaf.grad.dtype == torch.float32 and torch.equal(leaf.grad.full_tensor(), torch.full((2, 3), 3.0))
     double, double_value = _partial(mesh)
     with shardtensor.strict_mode():
         narrower, integer = double.to(torch.float32), double.to(torch.int64)
