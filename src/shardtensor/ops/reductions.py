@@ -6,8 +6,9 @@ shards' results combine exactly (sum -> P(sum), amax -> P(max), prod -> P(produc
 of bools); otherwise (indices, variances, logsumexp) the dim is gathered first. `mean` of a sharded
 dim runs `sum / global count` on each shard, a P(sum) that is exact for uneven shards. An empty
 shard of a max-like reduction counts as the reduce op's identity instead of raising on that rank
-only (when the reduced dim is empty globally, every rank raises, as one device does). Partial inputs pass through only linear-in-the-reduce-op reductions (sum of P(sum)); max,
-var, ... of a Partial reduce it first. Median and mode need the whole reduced dim; `dist`, `histc`
+only (when the reduced dim is empty globally, every rank raises, as one device does). Partial
+inputs pass through only linear-in-the-reduce-op reductions (sum of P(sum)); max, var, ... of a
+Partial reduce it first. Median and mode need the whole reduced dim; `dist`, `histc`
 (with an explicit range) and `trace` have their own small rules below.
 """
 
