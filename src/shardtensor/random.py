@@ -29,8 +29,8 @@ plain tensors use torch's own generator and neither read nor advance this counte
 
 Activation checkpointing: `torch.utils.checkpoint.checkpoint` makes its recomputation draw what the
 forward drew by restoring torch's generators, which hold no part of this counter, so a plain
-checkpoint would recompute dropout with another mask and give wrong gradients. `checkpoint` here
-takes torch's arguments and also replays the counter; a random call during backward anywhere else
+checkpoint would recompute dropout with another mask and give wrong gradients. `checkpoint` (and
+`checkpoint_sequential`) here take torch's arguments and also replay the counter; a random call during backward anywhere else
 raises (`next_random_call`) instead of drawing numbers the forward did not draw. Keeping the counter
 where torch's checkpoint would restore it is not sound: on a CPU mesh that is only torch's default
 CPU generator, whose mt19937 state has no field to spare, so each call would have to draw from it
@@ -58,7 +58,7 @@ from . import comm
 from .mesh import DeviceMesh, world_mesh
 
 __all__ = [
-    "BLOCK_SIZE", "FILLS", "checkpoint", "draws_in_backward", "manual_seed", "random_shard", "next_random_call",
+    "BLOCK_SIZE", "FILLS", "checkpoint", "checkpoint_sequential", "draws_in_backward", "manual_seed", "random_shard", "next_random_call",
     "same_draws_on_every_rank", "skip_random_calls", "tile_shape",
 ]
 
@@ -118,7 +118,8 @@ def _random_in_backward_error() -> RuntimeError:
         "draw other numbers (another dropout mask) than the forward did, and the gradients would be wrong. "
         "Checkpoint with shardtensor.random.checkpoint(function, *args, use_reentrant=..., ...) instead: it "
         "takes torch's arguments and replays the forward's draws (with torch's checkpoint_wrapper, pass "
-        "checkpoint_fn=shardtensor.random.checkpoint; for checkpoint_sequential, checkpoint each segment with it). "
+        "checkpoint_fn=shardtensor.random.checkpoint; for checkpoint_sequential, "
+        "shardtensor.random.checkpoint_sequential). "
         "If the draw belongs in backward (noise added to a gradient in a hook), run it inside "
         "shardtensor.random.draws_in_backward()."
     )
@@ -174,6 +175,30 @@ def checkpoint(function, *args, **kwargs):
     >>> y = shardtensor.random.checkpoint(lambda x: F.dropout(x, 0.1), x, use_reentrant=False)  # doctest: +SKIP
     """
     return torch.utils.checkpoint.checkpoint(_Replay(function), *args, **kwargs)
+
+
+def checkpoint_sequential(functions, segments: int, input, use_reentrant: bool | None = None, **kwargs):
+    """`torch.utils.checkpoint.checkpoint_sequential` with `checkpoint` above for each segment, so that
+    recomputations draw the random DTensors the forward drew. The functions (a `Sequential`'s children,
+    or a list of callables) are cut as torch cuts them: `segments - 1` runs of `len // segments`
+    functions, each checkpointed, then the rest, run normally (its activations are needed at once)."""
+    if isinstance(functions, torch.nn.Sequential):
+        functions = list(functions.children())
+    if not 1 <= segments <= len(functions):
+        raise ValueError(f"checkpoint_sequential: segments must be between 1 and the number of functions "
+                         f"({len(functions)}), got {segments}")
+    size = len(functions) // segments
+
+    def run(part):
+        def forward(value):
+            for function in part:
+                value = function(value)
+            return value
+        return forward
+
+    for start in range(0, size * (segments - 1), size):
+        input = checkpoint(run(functions[start:start + size]), input, use_reentrant=use_reentrant, **kwargs)
+    return run(functions[size * (segments - 1):])(input)
 
 
 def skip_random_calls(mesh: DeviceMesh, count: int) -> None:
