@@ -75,7 +75,7 @@ class ReductionRule(ShardingRule):
     def reduced_dims(self, call: OpCall) -> tuple[int, ...]:
         ndim = call.inputs[0].ndim
         dims = call.argument("dim")
-        if dims is None or dims == ():
+        if dims is None or dims == () or dims == []:  # `[]` is the schema's default of `amax(dim=[])`
             return tuple(range(ndim))
         dims = (dims,) if isinstance(dims, int) else dims
         return tuple(sorted({normalized_dim(dim, ndim) for dim in dims}))
