@@ -2,8 +2,9 @@
 
 A world of 4 ranks and the sub-mesh `DeviceMesh("cpu", [1, 3])`: ranks 1 and 3 compute, ranks 0 and 2
 hold local tensors without elements and get DTensors with the same global shape and placements.
-Ops whose output shapes depend on data (`nonzero`, boolean-mask indexing) are the one case where
-ranks outside the mesh communicate: they receive the shapes from the mesh's first rank.
+Ops whose output shapes depend on data (`nonzero`, boolean-mask indexing) and ops that return Python
+values read from the data (`item()`, `equal`, `tolist()`) are the cases where ranks outside the mesh
+communicate: they receive the shapes or the values from the mesh's first rank.
 """
 
 import pytest
@@ -59,6 +60,7 @@ def test_distribute_ops_and_redistribute(mesh):
             }
         resharded = x.redistribute(placements=[Shard(1)])
         fallback = torch.linalg.matrix_norm(x)  # no rule: the replicate fallback
+        histogram = torch.histogram(x, bins=3)  # its rule says the outputs: meta tensors cannot run it
     if not inside:
         assert records == []
     expected = {
@@ -69,7 +71,9 @@ def test_distribute_ops_and_redistribute(mesh):
         _check(result, expected[name], inside)
     _check(resharded, full_x, inside)
     _check(fallback, torch.linalg.matrix_norm(full_x), inside)
-    _same_metadata_on_every_rank(x, w, resharded, fallback, *results.values())
+    for result, value in zip(histogram, torch.histogram(full_x, bins=3)):
+        _check(result, value, inside)
+    _same_metadata_on_every_rank(x, w, resharded, fallback, *histogram, *results.values())
 
 
 @spmd(meshes=[(4,)])
@@ -187,3 +191,93 @@ def test_data_dependent_op_failing_on_the_mesh(mesh):
         with pytest.raises(IndexError, match="shape of the mask"):
             x[mask]
     assert comm_mode.get_comm_counts().get("broadcast") == 2
+
+
+@spmd(meshes=[(4,)])
+def test_out_argument_of_another_shape(mesh):
+    """`add(x, 1, out=y)` with `y` of another shape: every rank resizes `y` as the mesh's ranks do (the
+    ranks outside raised the rule's internal verdict instead), without communicating."""
+    sub_mesh = DeviceMesh("cpu", MEMBERS)
+    full = _full((5, 4), 6)
+    x = distribute_tensor(full, sub_mesh, [Shard(0)])
+    out = distribute_tensor(torch.zeros(0, 4, dtype=full.dtype), sub_mesh, [Shard(0)])
+    with CommDebugMode() as comm_mode:
+        result = torch.add(x, 1, out=out)
+    assert comm_mode.get_comm_counts() == {}
+    assert result is out and out.placements == (Shard(0),)
+    _check(out, full + 1, sub_mesh.get_coordinate() is not None)
+    _same_metadata_on_every_rank(out)
+
+
+# Ops that return Python values, and the collectives the mesh's ranks issue for them with a Shard(0) `x` and
+# a Replicate `y`; on a sub-mesh the two broadcasts of the value to every rank of the world come on top.
+PYTHON_VALUES = {
+    "item": (lambda x, y: x.sum().item(), {"all_reduce": 1}),  # the Partial sum reduced
+    "float": (lambda x, y: float(x.amax()), {"all_reduce": 1}),
+    "bool": (lambda x, y: bool((x > 4).any()), {"all_reduce": 1}),
+    "tolist": (lambda x, y: x.tolist(), {"all_gather": 1}),
+    "equal": (lambda x, y: torch.equal(x, y), {"all_reduce": 1}),  # y sliced where it lies; each shard's answer ANDed
+    "unequal": (lambda x, y: torch.equal(x, y + 1), {"all_reduce": 1}),
+    "allclose": (lambda x, y: torch.allclose(x, y * 1.5), {"all_reduce": 1}),
+}
+
+
+@spmd(meshes=[(4,), (2, 2)])
+def test_python_values_on_every_rank(mesh):
+    """Every rank of the world, inside the mesh or not, gets the single-device value (torch's DTensor
+    gives the ranks outside None), called twice: a sub-mesh never serves these from a plan, which
+    would not send the value. On the whole world nothing is sent."""
+    full = _full((5, 4), 4)
+    for ranks in _sub_meshes(mesh):
+        sub_mesh = DeviceMesh("cpu", ranks)
+        inside = sub_mesh.get_coordinate() is not None
+        x = distribute_tensor(full, sub_mesh, [Shard(0)])
+        y = distribute_tensor(full, sub_mesh, [R])
+        broadcasts = {"broadcast": 2} if len(ranks) < dist.get_world_size() else {}
+        for name, (function, counts) in PYTHON_VALUES.items():
+            expected = function(full, full)
+            for _ in range(2):
+                with CommDebugMode() as comm_mode:
+                    value = function(x, y)
+                assert comm_mode.get_comm_counts() == ({**counts, **broadcasts} if inside else broadcasts), (
+                    ranks, name, comm_mode.get_comm_counts())
+                assert type(value) is type(expected) and value == expected, (ranks, name, value, expected)
+
+
+@spmd(meshes=[(4,), (2, 2)])
+def test_tensor_split_reads_dtensor_indices_on_every_rank(mesh):
+    """`tensor_split` reads a DTensor `indices` as Python values (`tolist()`): the ranks outside the mesh
+    receive them, so their pieces have the single-device shapes too."""
+    full = _full((5, 7), 5)
+    indices_full = torch.tensor([1, 4])
+    for ranks in _sub_meshes(mesh):
+        sub_mesh = DeviceMesh("cpu", ranks)
+        inside = sub_mesh.get_coordinate() is not None
+        x = distribute_tensor(full, sub_mesh, [Shard(0)])
+        indices = distribute_tensor(indices_full, sub_mesh, [R])
+        broadcasts = {"broadcast": 2} if len(ranks) < dist.get_world_size() else {}
+        with CommDebugMode() as comm_mode:
+            pieces = torch.tensor_split(x, indices, 1)
+        assert comm_mode.get_comm_counts() == broadcasts
+        expected = torch.tensor_split(full, indices_full, 1)
+        assert len(pieces) == len(expected)
+        for piece, value in zip(pieces, expected):
+            _check(piece, value, inside)
+        _same_metadata_on_every_rank(*pieces)
+
+
+@spmd(meshes=[(4,)])
+def test_python_value_failing_on_the_mesh(mesh):
+    """An op failing on the mesh's ranks raises on the ranks outside too (its error is sent instead of
+    the value); a call refused by explicit-communication mode raises on every rank without sending."""
+    sub_mesh = DeviceMesh("cpu", MEMBERS)
+    x = distribute_tensor(_full((8,)), sub_mesh, [Shard(0)])
+    y = distribute_tensor(_full((8,)).float(), sub_mesh, [Shard(0)])
+    with CommDebugMode() as comm_mode:
+        with pytest.raises(RuntimeError, match="did not match"):
+            torch.allclose(x, y)
+    assert comm_mode.get_comm_counts() == {"broadcast": 2}
+    with CommDebugMode() as comm_mode:
+        with shardtensor.explicit_communication(), pytest.raises(RuntimeError, match="communicate implicitly"):
+            torch.equal(x, x)
+    assert comm_mode.get_comm_counts() == {}
