@@ -193,6 +193,27 @@ def test_data_dependent_op_failing_on_the_mesh(mesh):
     assert comm_mode.get_comm_counts().get("broadcast") == 2
 
 
+@spmd(meshes=[(4,), (2, 2)])
+def test_data_dependent_out_argument(mesh):
+    """`nonzero(x, out=y)` resizes `y` to the data's shape on every rank, keeping `y`'s placements where
+    they fit; the ranks outside the mesh receive that shape, as for `nonzero(x)`."""
+    full = _full((5, 4), 3)
+    expected = torch.nonzero(full)
+    for ranks in _sub_meshes(mesh):
+        sub_mesh = DeviceMesh("cpu", ranks)
+        inside = sub_mesh.get_coordinate() is not None
+        x = distribute_tensor(full, sub_mesh, [Shard(0)])
+        broadcasts = {"broadcast": 2} if len(ranks) < dist.get_world_size() else {}
+        for placement, shape in [(R, (0, 2)), (Shard(0), (3, 2))]:
+            out = distribute_tensor(torch.zeros(shape, dtype=torch.int64), sub_mesh, [placement])
+            with CommDebugMode() as comm_mode:
+                result = torch.nonzero(x, out=out)
+            assert comm_mode.get_comm_counts() == ({"all_gather": 1, **broadcasts} if inside else broadcasts)
+            assert result is out and out.placements == (placement,)
+            _check(out, expected, inside)
+            _same_metadata_on_every_rank(out)
+
+
 @spmd(meshes=[(4,)])
 def test_out_argument_of_another_shape(mesh):
     """`add(x, 1, out=y)` with `y` of another shape: every rank resizes `y` as the mesh's ranks do (the

@@ -31,7 +31,7 @@ from .list_plans import ListPlan, is_multi_tensor, list_key
 from .modes import describe, implicit_communication_error, is_explicit, is_strict
 from .ops.common import meta_like
 from .ops.foreach import canonical_arguments
-from .ops.registry import RULES
+from .ops.registry import RULES, functional_overload
 from .ops.sparse import sparse_layout_error
 from .placement import Replicate
 from .plain_tensors import created_by_torch, value_sign
@@ -204,6 +204,11 @@ def _dispatch_slowly(dtensor_class: type, op, args: tuple, kwargs: dict, key: tu
     mutated_dtensors = mutated(dtensor_class, op, *tree_unflatten(flat, tree))
     refuse_writes_into_views_of_copies(op, mutated_dtensors)
     if rule is None:
+        functional = functional_overload(op)
+        if functional is not None and _shapes_depend_on_data(op, flat, tree, positions, dtensors):
+            # `nonzero(x, out=y)`: torch resizes `y` to a shape of the data's, which the fallback's write
+            # into `y`'s own shard cannot do: the functional op's result is given to `y` (on every rank)
+            return write_resized(dtensor_class, op, args, kwargs, *tree_unflatten(flat, tree), functional)
         return _fallback(dtensor_class, op, flat, tree, positions, dtensors, mutated_dtensors, mesh)
     metas = tuple(TensorMeta(tuple(dtensor.shape), dtensor._spec.stride, dtensor.dtype) for dtensor in dtensors)
     stand_ins = list(flat)
