@@ -4,12 +4,16 @@ A world of 4 ranks and the sub-mesh `DeviceMesh("cpu", [1, 3])`: ranks 1 and 3 c
 hold local tensors without elements and get DTensors with the same global shape and placements.
 Ops whose output shapes depend on data (`nonzero`, boolean-mask indexing) and ops that return Python
 values read from the data (`item()`, `equal`, `tolist()`) are the cases where ranks outside the mesh
-communicate: they receive the shapes or the values from the mesh's first rank.
+communicate: they receive the shapes or the values from the mesh's first rank, in an exchange over the
+world that every rank on a sub-mesh takes part in (also each rank on its own row of a 2-D mesh).
 """
+
+import collections
 
 import pytest
 import torch
 import torch.distributed as dist
+from parallel_helpers import data_seed, tp_mesh
 from spmd import spmd
 
 import shardtensor
@@ -31,6 +35,22 @@ def _same_metadata_on_every_rank(*dtensors):
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     assert all(entry == mine for entry in gathered), gathered
+
+
+# How the mesh's result reaches the ranks outside it over the world (`comm.share_object`): an all_reduce
+# of the number of senders, and a broadcast from the one sender; sibling meshes (each rank on its own row)
+# each send, so no broadcast follows.
+ONE_MESH_SENDS = {"all_reduce": 1, "broadcast": 1}
+SIBLINGS_SEND = {"all_reduce": 1}
+
+
+def _expected_counts(mesh_counts: dict, ranks: list[int], inside: bool, exchange: dict = ONE_MESH_SENDS) -> dict:
+    """This rank's collectives: the mesh's own (`mesh_counts`) inside it, and on a sub-mesh the
+    `exchange` over the world that sends the mesh's result to the ranks outside (`sub_mesh`)."""
+    counts = collections.Counter(mesh_counts if inside else {})
+    if len(ranks) < dist.get_world_size():
+        counts.update(exchange)
+    return dict(counts)
 
 
 def _check(dtensor, expected, inside):
@@ -160,17 +180,16 @@ def _sub_meshes(world) -> list[list[int]]:
 @spmd(meshes=[(4,), (2, 2)])
 def test_data_dependent_output_shapes(mesh):
     """Inside the mesh: the single-device values. Outside: the same global shapes, no elements, and the
-    shapes' two broadcasts over the world as the only communication; on the whole world, no broadcast."""
+    shapes' all_reduce over the world as the only communication; on the whole world, none."""
     full = _full((5, 4), 3)
     for ranks in _sub_meshes(mesh):
         sub_mesh = DeviceMesh("cpu", ranks)
         inside = sub_mesh.get_coordinate() is not None
         x = distribute_tensor(full, sub_mesh, [Shard(0)])
-        broadcasts = {"broadcast": 2} if len(ranks) < dist.get_world_size() else {}
         for name, (function, gathers) in DATA_DEPENDENT.items():
             with CommDebugMode() as comm_mode:
                 results = function(x)
-            expected_counts = {"all_gather": gathers, **broadcasts} if inside else broadcasts
+            expected_counts = _expected_counts({"all_gather": gathers}, ranks, inside)
             assert comm_mode.get_comm_counts() == expected_counts, (ranks, name, comm_mode.get_comm_counts())
             results = results if isinstance(results, tuple) else (results,)
             expected = function(full)
@@ -190,7 +209,8 @@ def test_data_dependent_op_failing_on_the_mesh(mesh):
     with CommDebugMode() as comm_mode:
         with pytest.raises(IndexError, match="shape of the mask"):
             x[mask]
-    assert comm_mode.get_comm_counts().get("broadcast") == 2
+    inside = sub_mesh.get_coordinate() is not None
+    assert comm_mode.get_comm_counts() == _expected_counts({"all_gather": 1}, MEMBERS, inside)
 
 
 @spmd(meshes=[(4,), (2, 2)])
@@ -203,12 +223,11 @@ def test_data_dependent_out_argument(mesh):
         sub_mesh = DeviceMesh("cpu", ranks)
         inside = sub_mesh.get_coordinate() is not None
         x = distribute_tensor(full, sub_mesh, [Shard(0)])
-        broadcasts = {"broadcast": 2} if len(ranks) < dist.get_world_size() else {}
         for placement, shape in [(R, (0, 2)), (Shard(0), (3, 2))]:
             out = distribute_tensor(torch.zeros(shape, dtype=torch.int64), sub_mesh, [placement])
             with CommDebugMode() as comm_mode:
                 result = torch.nonzero(x, out=out)
-            assert comm_mode.get_comm_counts() == ({"all_gather": 1, **broadcasts} if inside else broadcasts)
+            assert comm_mode.get_comm_counts() == _expected_counts({"all_gather": 1}, ranks, inside)
             assert result is out and out.placements == (placement,)
             _check(out, expected, inside)
             _same_metadata_on_every_rank(out)
@@ -231,7 +250,7 @@ def test_out_argument_of_another_shape(mesh):
 
 
 # Ops that return Python values, and the collectives the mesh's ranks issue for them with a Shard(0) `x` and
-# a Replicate `y`; on a sub-mesh the two broadcasts of the value to every rank of the world come on top.
+# a Replicate `y`; on a sub-mesh the all_reduce that sends the value to every rank of the world comes on top.
 PYTHON_VALUES = {
     "item": (lambda x, y: x.sum().item(), {"all_reduce": 1}),  # the Partial sum reduced
     "float": (lambda x, y: float(x.amax()), {"all_reduce": 1}),
@@ -254,13 +273,12 @@ def test_python_values_on_every_rank(mesh):
         inside = sub_mesh.get_coordinate() is not None
         x = distribute_tensor(full, sub_mesh, [Shard(0)])
         y = distribute_tensor(full, sub_mesh, [R])
-        broadcasts = {"broadcast": 2} if len(ranks) < dist.get_world_size() else {}
         for name, (function, counts) in PYTHON_VALUES.items():
             expected = function(full, full)
             for _ in range(2):
                 with CommDebugMode() as comm_mode:
                     value = function(x, y)
-                assert comm_mode.get_comm_counts() == ({**counts, **broadcasts} if inside else broadcasts), (
+                assert comm_mode.get_comm_counts() == _expected_counts(counts, ranks, inside), (
                     ranks, name, comm_mode.get_comm_counts())
                 assert type(value) is type(expected) and value == expected, (ranks, name, value, expected)
 
@@ -276,15 +294,67 @@ def test_tensor_split_reads_dtensor_indices_on_every_rank(mesh):
         inside = sub_mesh.get_coordinate() is not None
         x = distribute_tensor(full, sub_mesh, [Shard(0)])
         indices = distribute_tensor(indices_full, sub_mesh, [R])
-        broadcasts = {"broadcast": 2} if len(ranks) < dist.get_world_size() else {}
         with CommDebugMode() as comm_mode:
             pieces = torch.tensor_split(x, indices, 1)
-        assert comm_mode.get_comm_counts() == broadcasts
+        assert comm_mode.get_comm_counts() == _expected_counts({}, ranks, inside)
         expected = torch.tensor_split(full, indices_full, 1)
         assert len(pieces) == len(expected)
         for piece, value in zip(pieces, expected):
             _check(piece, value, inside)
         _same_metadata_on_every_rank(*pieces)
+
+
+def _own_row(mesh, built: str):
+    """This rank's row of the 2x2 mesh: sliced (`mesh["tp"]`) or built explicitly (every rank builds both
+    rows), and the exchange its first rank takes part in for the ranks outside (none for a slice)."""
+    if built == "sliced":
+        return tp_mesh(mesh), {}
+    rows = [DeviceMesh("cpu", ranks) for ranks in mesh.mesh.tolist()]
+    return next(row for row in rows if row.get_coordinate() is not None), SIBLINGS_SEND
+
+
+@pytest.mark.parametrize("built", ["sliced", "explicit"])
+@spmd(meshes=[(2, 2)])
+def test_each_rank_on_its_own_row(mesh, built):
+    """Each rank runs the ops on its own row of the 2x2 mesh, inside its mesh, each row with its own data:
+    every rank gets its row's single-device results. A row sliced from the world mesh sends nothing (every
+    rank is in a row it sliced itself); on explicit rows both rows' first ranks send in one all_reduce over
+    the world, which keeps the world in step (a broadcast from each would not match) and, with two
+    senders, ends the exchange."""
+    row, exchange = _own_row(mesh, built)
+    full = _full((5, 4), data_seed(mesh))
+    x = distribute_tensor(full, row, [Shard(0)])
+    y = distribute_tensor(full, row, [R])
+    ranks = row.mesh.tolist()
+    for name, (function, counts) in PYTHON_VALUES.items():
+        with CommDebugMode() as comm_mode:
+            value = function(x, y)
+        assert comm_mode.get_comm_counts() == _expected_counts(counts, ranks, True, exchange), name
+        assert value == function(full, full), name
+    for name, (function, gathers) in DATA_DEPENDENT.items():
+        with CommDebugMode() as comm_mode:
+            results = function(x)
+        expected_counts = _expected_counts({"all_gather": gathers}, ranks, True, exchange)
+        assert comm_mode.get_comm_counts() == expected_counts, name
+        results = results if isinstance(results, tuple) else (results,)
+        expected = function(full)
+        for result, value in zip(results, expected if isinstance(expected, tuple) else (expected,)):
+            _check(result, value, True)
+
+
+@spmd(meshes=[(2, 2)])
+def test_only_one_row_reads_values(mesh):
+    """Rows sliced from the world mesh may run different ops (pipeline stages: only the last reads its
+    loss): a value or data-dependent shape read on one row alone communicates on that row only."""
+    row = tp_mesh(mesh)
+    full = _full((5, 4), 7)
+    x = distribute_tensor(full, row, [Shard(0)])
+    if mesh.get_coordinate()[0] == 1:
+        with CommDebugMode() as comm_mode:
+            assert x.sum().item() == full.sum().item()
+            _check(x[x > 0], full[full > 0], True)
+        assert comm_mode.get_comm_counts() == {"all_reduce": 1, "all_gather": 2}
+    dist.barrier()
 
 
 @spmd(meshes=[(4,)])
@@ -297,7 +367,7 @@ def test_python_value_failing_on_the_mesh(mesh):
     with CommDebugMode() as comm_mode:
         with pytest.raises(RuntimeError, match="did not match"):
             torch.allclose(x, y)
-    assert comm_mode.get_comm_counts() == {"broadcast": 2}
+    assert comm_mode.get_comm_counts() == ONE_MESH_SENDS
     with CommDebugMode() as comm_mode:
         with shardtensor.explicit_communication(), pytest.raises(RuntimeError, match="communicate implicitly"):
             torch.equal(x, x)

@@ -44,7 +44,7 @@ from .random import same_draws_on_every_rank, skip_random_calls
 from .redistribute import redistribute_local_tensor
 from .rules import Decision, OpCall, PlainTensor, ReplicateFallback, ResizesWritten, TensorMeta
 from .spec import DTensorSpec
-from .sub_mesh import is_sub_mesh, received_from_mesh, sent_to_world
+from .sub_mesh import has_ranks_outside, received_from_mesh, sent_to_world
 from .write_back import (
     inplace_view, mark_views_of_copies, mutated, refuse_writes_into_views_of_copies, returns_view, write_back,
     write_resized, writes, written,
@@ -247,7 +247,7 @@ def _dispatch_slowly(dtensor_class: type, op, args: tuple, kwargs: dict, key: tu
         return _fallback(dtensor_class, op, flat, tree, positions, dtensors, mutated_dtensors, mesh, verdict)
     except ResizesWritten as resize:
         return write_resized(dtensor_class, op, args, kwargs, *tree_unflatten(flat, tree), resize.functional_op)
-    sends_value = rule.returns_value and is_sub_mesh(mesh)
+    sends_value = rule.returns_value and has_ranks_outside(mesh)
     if sends_value:  # every call sends its value to the ranks outside the mesh, which a plan would not do
         key = None
     if modes and (decision.local_arguments is not None or decision.local_op is not None):
@@ -311,7 +311,7 @@ def _fallback(dtensor_class: type, op, flat, tree, positions, dtensors, mutated_
     if name not in fallback_counts:
         logger.info("%s %s: gathering its inputs (%s) to Replicate", name, why, describe(dtensors))
     fallback_counts[name] += 1
-    data_dependent = is_sub_mesh(mesh) and _shapes_depend_on_data(op, flat, tree, positions, dtensors)
+    data_dependent = has_ranks_outside(mesh) and _shapes_depend_on_data(op, flat, tree, positions, dtensors)
 
     def run():
         with same_draws_on_every_rank(mesh) if draws else contextlib.nullcontext():

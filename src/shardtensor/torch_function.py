@@ -51,7 +51,7 @@ from .plan_cache import (
     Recording, counts_of, fast_key, function_key_modes, function_plans, key_modes, recording, store_function_plan,
 )
 from .spec import DTensorSpec
-from .sub_mesh import is_sub_mesh, received_from_mesh, sent_to_world
+from .sub_mesh import has_ranks_outside, received_from_mesh, sent_to_world
 from .write_back import returns_view, written
 
 __all__ = ["torch_function", "fast_path_enabled"]
@@ -344,7 +344,7 @@ def _tolist(dtensor) -> list:
         with _disabled():
             return full.tolist()
 
-    return sent_to_world(mesh, values) if is_sub_mesh(mesh) else values()
+    return sent_to_world(mesh, values) if has_ranks_outside(mesh) else values()
 
 
 def _read_data_arguments(cls, reader, args: tuple, kwargs: dict):

@@ -24,7 +24,8 @@ from ..rules import (
 from .common import one_input_row
 
 __all__ = [
-    "RULES", "FUNCTION_REWRITES", "register_rule", "register_function_rewrite", "register_variants", "functional_overload", "InPlaceVariantRule", "same_layout", "like_factory", "pointwise",
+    "RULES", "FUNCTION_REWRITES", "register_rule", "register_function_rewrite", "register_variants",
+    "functional_overload", "InPlaceVariantRule", "same_layout", "like_factory", "pointwise",
 ]
 
 aten = torch.ops.aten
@@ -167,7 +168,9 @@ def functional_overload(overload):
 def _functional_by_signature(packet) -> dict:
     """The packet's overloads without out tensors, by their arguments' names and types."""
     overloads = [getattr(packet, overload) for overload in packet.overloads()]
-    return {_argument_signature(overload): overload for overload in overloads if not OutVariantRule.out_names_of(overload)}
+    return {
+        _argument_signature(overload): overload for overload in overloads if not OutVariantRule.out_names_of(overload)
+    }
 
 
 def _argument_signature(overload, leave_out: tuple[str, ...] = ()) -> tuple:
