@@ -2,8 +2,9 @@
 
     .venv/bin/python bench/bench_sub_mesh_values.py    # 4 ranks; prints the table for bench/README.md
 
-A 8x8 float32 `x` sharded `Shard(0)` and a Replicate `y`, on the 4-rank world and on the sub-mesh of
-ranks [1, 3]. Rank 0 is outside the sub-mesh, rank 1 inside. Each row: wall-clock microseconds per
+A 8x8 float32 `x` sharded `Shard(0)` and a Replicate `y`, on the 4-rank world, on the sub-mesh of
+ranks [1, 3] (rank 0 outside it, rank 1 inside) and on each rank's own row of a 2x2 mesh (`mesh["tp"]`:
+every rank inside its own sub-mesh). Each row: wall-clock microseconds per
 call (the calls synchronize the ranks, so CPU time would hide the waiting), min and median over the
 repeats, and this rank's collectives per call; where torch does not give the single-device value,
 what it gives instead (untimed).
@@ -43,15 +44,22 @@ def _rank_body():
     from torch.distributed import tensor as torch_tensor
     from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
 
+    from torch.distributed.device_mesh import init_device_mesh as torch_init_device_mesh
+
     import shardtensor
     from shardtensor import comm
 
     full_x, full_y = torch.randn(8, 8), torch.randn(8, 8)
+    ours_2d = shardtensor.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    theirs_2d = torch_init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    meshes_by_label = {
+        "world": (shardtensor.DeviceMesh("cpu", [0, 1, 2, 3]), TorchDeviceMesh("cpu", [0, 1, 2, 3])),
+        "sub-mesh [1, 3]": (shardtensor.DeviceMesh("cpu", [1, 3]), TorchDeviceMesh("cpu", [1, 3])),
+        "own row of 2x2": (ours_2d["tp"], theirs_2d["tp"]),
+    }
     rows = {}
-    for mesh_label, ranks in (("world", [0, 1, 2, 3]), ("sub-mesh [1, 3]", [1, 3])):
-        meshes = {"ours": (shardtensor, shardtensor.DeviceMesh("cpu", ranks)),
-                  "torch": (torch_tensor, TorchDeviceMesh("cpu", ranks))}
-        for library_name, (library, mesh) in meshes.items():
+    for mesh_label, (our_mesh, their_mesh) in meshes_by_label.items():
+        for library_name, library, mesh in (("ours", shardtensor, our_mesh), ("torch", torch_tensor, their_mesh)):
             x = library.distribute_tensor(full_x, mesh, [library.Shard(0)])
             y = library.distribute_tensor(full_y, mesh, [library.Replicate()])
             calls = {
@@ -88,7 +96,7 @@ def main() -> None:
                 continue
             _, our_samples, collectives = rows[(mesh_label, op_name, "ours")]
             their_outcome, their_samples, _ = rows[(mesh_label, op_name, "torch")]
-            where = "outside" if mesh_label != "world" and rank == 0 else "inside"
+            where = "outside" if mesh_label == "sub-mesh [1, 3]" and rank == 0 else "inside"
             ours = f"{min(our_samples):.0f} | {statistics.median(our_samples):.0f} | {collectives}"
             if their_outcome is not None:
                 theirs, ratio = f"{their_outcome} | | ", ""
