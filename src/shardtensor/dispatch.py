@@ -289,8 +289,8 @@ def _local_flat(flat: list, local_arguments: tuple[tuple, dict]) -> tuple[list, 
 def _fallback(dtensor_class: type, op, flat, tree, positions, dtensors, mutated_dtensors, mesh,
               verdict: ReplicateFallback | None = None):
     """No rule (or a rule's `verdict`): gather every input to Replicate, compute the single-device result,
-    return it. On a sub-mesh, an op whose output shapes depend on data (`_output_metas` is None) sends
-    them to the ranks outside the mesh, which cannot compute them (`sub_mesh.sent_to_world`)."""
+    return it. On a mesh that may have ranks outside (`sub_mesh.has_ranks_outside`), an op whose output
+    shapes depend on data (`_output_metas` is None) sends them to those ranks, which cannot compute them."""
     why = "has no sharding rule" if verdict is None else f"has no sharded way for these arguments ({verdict})"
     if is_strict():
         raise NotImplementedError(
