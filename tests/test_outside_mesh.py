@@ -372,3 +372,17 @@ def test_python_value_failing_on_the_mesh(mesh):
         with shardtensor.explicit_communication(), pytest.raises(RuntimeError, match="communicate implicitly"):
             torch.equal(x, x)
     assert comm_mode.get_comm_counts() == {}
+
+
+@spmd(meshes=[(4,)])
+def test_outside_rank_while_several_sub_meshes_send(mesh):
+    """Not SPMD: ranks 0-1 and 2 each read a value on their own mesh while rank 3 reads it outside the
+    first: two first ranks send, so rank 3 raises instead of reading one of them (no hang anywhere)."""
+    first, second = DeviceMesh("cpu", [0, 1]), DeviceMesh("cpu", [2])
+    own = second if dist.get_rank() == 2 else first
+    x = distribute_tensor(_full((4,)), own, [Shard(0)])
+    if dist.get_rank() == 3:
+        with pytest.raises(RuntimeError, match="2 ranks sent one"):
+            x.sum().item()
+    else:
+        assert x.sum().item() == _full((4,)).sum().item()
