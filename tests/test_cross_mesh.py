@@ -43,12 +43,13 @@ def _placement_lists(mesh_ndim, shape_ndim, *, partial=False):
     return [[choice, other] for choice in choices for other in (Shard(shape_ndim - 1), R)]
 
 
-def _make(full, mesh, placements, *, requires_grad=False):
+def _make(full, mesh, placements, *, requires_grad=False, shard_sizes=None):
     """A DTensor on `mesh` built by every rank of the world; ranks outside the mesh hold no elements.
 
-    A Partial(sum) mesh dim holds value / count on each of its ranks (exact for powers of two).
+    A Partial(sum) mesh dim holds value / count on each of its ranks (exact for powers of two);
+    `shard_sizes` ({mesh_dim: sizes}) gives pieces other than torch.chunk's.
     """
-    layout = Layout.create(mesh.shape, placements, full.shape)
+    layout = Layout.create(mesh.shape, placements, full.shape, shard_sizes=shard_sizes)
     coordinate = mesh.get_coordinate()
     if coordinate is None:
         local = full.new_empty((0,) * full.ndim)
@@ -82,10 +83,10 @@ def _missing_bytes(source, source_mesh, target, target_mesh, itemsize):
     return (math.prod(wanted[1]) - held_numel) * itemsize
 
 
-def _check_move(source_mesh, target_mesh, source_placements, target_placements, shape):
+def _check_move(source_mesh, target_mesh, source_placements, target_placements, shape, source_sizes=None):
     full = _full(shape)
     weights = _full(shape) * 3 + 1  # d(sum(out * weights)) / d(in) = weights
-    source = _make(full, source_mesh, source_placements, requires_grad=True)
+    source = _make(full, source_mesh, source_placements, requires_grad=True, shard_sizes=source_sizes)
     with comm.observe() as records:
         result = source.redistribute(target_mesh, target_placements)
     assert result.device_mesh == target_mesh and result.placements == tuple(target_placements)
@@ -121,6 +122,10 @@ def test_cross_mesh_uneven_and_empty_shards(mesh):
     for shape in [(3, 2), (1, 5), (0, 3)]:
         _check_move(source_mesh, target_mesh, [Shard(0), Shard(0)], [Shard(0)], shape)
         _check_move(target_mesh, source_mesh, [Shard(1)], [Shard(1), Shard(0)], shape)
+    # pieces other than torch.chunk's (an empty one among them) onto a smaller and a reordered mesh
+    world, pair = DeviceMesh("cpu", [0, 1, 2, 3]), DeviceMesh("cpu", [2, 0])
+    for target_mesh, target_placements in ((pair, [Shard(1)]), (pair, [Shard(0)]), (source_mesh, [Shard(1), Shard(0)])):
+        _check_move(world, target_mesh, [Shard(0)], target_placements, (6, 4), source_sizes={0: [2, 0, 3, 1]})
 
 
 @spmd(meshes=[(4,)])

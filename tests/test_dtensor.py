@@ -49,6 +49,25 @@ def test_from_local_uneven_sizes_are_inferred_exactly(mesh):
         assert "shard_sizes" in repr(dtensor)
 
 
+@spmd(meshes=[(2, 2)])
+def test_from_local_sizes_inferred_on_both_mesh_dims_give_the_full_tensor_and_move_exactly(mesh):
+    """PEER_BUGS #143372/#144109: non-chunk pieces (an empty one included) on each mesh dim, inferred from
+    the local shapes; full_tensor, redistributes and an op read the one global tensor."""
+    rows, columns = [1, 4], [3, 0]
+    row, column = mesh.get_coordinate()
+    full = torch.arange(5.0 * 3).reshape(5, 3)
+    local = full[sum(rows[:row]):sum(rows[:row + 1]), sum(columns[:column]):sum(columns[:column + 1])]
+    dtensor = DTensor.from_local(local.clone(), mesh, [Shard(0), Shard(1)])
+    assert dtensor.shape == (5, 3) and torch.equal(dtensor.full_tensor(), full)
+    for placements in ([Shard(1), Shard(0)], [Replicate(), Shard(0)], [Shard(0), Replicate()]):
+        moved = dtensor.redistribute(placements=placements)
+        assert torch.equal(moved.to_local(), layout_box(full, moved.sharding, mesh.get_coordinate())), placements
+        assert torch.equal(moved.full_tensor(), full), placements
+    kept = dtensor.redistribute(placements=[Shard(0), Replicate()])
+    assert kept.sharding.pieces[0] == (1, 4)  # the rows stay where they are: only the columns were gathered
+    assert torch.equal((dtensor * 2).sum(0).full_tensor(), (full * 2).sum(0))
+
+
 @spmd(meshes=[(2,), (4,)])
 def test_from_local_explicit_shard_sizes_and_chunk(mesh):
     sizes = [0] * (mesh.shape[0] - 1) + [5]

@@ -220,3 +220,26 @@ def test_a_wrapper_dropped_while_waiting_stops_counting_as_waiting(mesh):
     result = torch._foreach_mul(dtensors[0], 2.0)
     for dtensor, full in zip(result, fulls[0]):
         assert_close(dtensor.full_tensor(), full * 2.0)
+
+
+@spmd(meshes=[(2,), (2, 2)])
+def test_tuples_of_dtensors_are_served_like_lists_and_results_are_tuples_as_torchs(mesh):
+    """`torch._foreach_sqrt` returns a tuple, which an optimizer passes on (`_foreach_div_(sqrts, ...)`):
+    tuples take the multi-tensor fast path as lists do (served without reaching `__torch_dispatch__`),
+    and a served out-of-place call returns a tuple, as torch and the call that learnt it do."""
+    fulls, dtensors = _lists(mesh, 1, positive=True)
+    expected_roots = torch._foreach_sqrt(fulls[0])
+    for _ in range(3):  # learnt, then served
+        roots = torch._foreach_sqrt(tuple(dtensors[0]))
+        assert type(roots) is type(expected_roots) is tuple
+        torch._foreach_div_(roots, 2.0)
+    dispatched = []
+    original = DTensor.__torch_dispatch__
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setattr(DTensor, "__torch_dispatch__",
+                            classmethod(lambda cls, op, *rest: dispatched.append(op) or original(op, *rest)))
+        roots = torch._foreach_sqrt(tuple(dtensors[0]))
+        torch._foreach_div_(roots, 2.0)
+    assert dispatched == [] and type(roots) is tuple
+    torch._foreach_div_(expected_roots, 2.0)
+    _assert_lists_close(roots, expected_roots, mesh)

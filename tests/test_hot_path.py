@@ -327,6 +327,27 @@ def test_in_place_calls_are_served_where_the_tensor_lies(mesh, placement):
         assert not dispatched, name  # the third call was served
 
 
+@spmd(meshes=[(2,)])
+def test_other_call_patterns_of_a_function_do_not_key_its_calls_on_their_scalars(mesh):
+    """`x.add_(2.0)`, `x.add_(y)`, `x.add_(y, alpha=1)` (torch leaves out an `alpha` equal to its
+    default) and `x.add_(y, alpha=s)` reach aten differently; whatever ran before, `alpha` values new
+    on every call (an optimizer's step sizes) are served after the first."""
+    full, other = torch.randn(7, 5, dtype=torch.float64), torch.randn(7, 5, dtype=torch.float64)
+    x, y = (distribute_tensor(value.clone(), mesh, [Shard(0)]) for value in (full, other))
+    for _ in range(2):
+        for tensor, operand in ((x, y), (full, other)):
+            tensor.add_(2.0), tensor.add_(operand), tensor.add_(operand, alpha=1), tensor.add_(operand, alpha=1.0)
+    for step in range(4):
+        alpha = 0.5 + step
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            dispatched = _counting_dispatch(monkeypatch)
+            x.add_(y, alpha=alpha)
+        full.add_(other, alpha=alpha)
+        if step >= 2:  # learnt at the first call on cached plans; every later alpha is served
+            assert not dispatched, step
+    torch.testing.assert_close(x.full_tensor(), full)
+
+
 def _write_after_save(leaf, weight):
     """`weight`, saved for `leaf`'s gradient, written in place under no_grad; then backward."""
     product = leaf * weight

@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from helpers import partial_of
 from spmd import spmd
 from torch.testing import assert_close
 
@@ -149,6 +150,31 @@ def test_clip_grad_norm_without_foreach_issues_one_collective(mesh):
             assert_close(total.full_tensor(), expected)
             for dtensor, reference in zip(dtensors, references):
                 assert list(dtensor.grad.placements) == list(dtensor.placements)
+                assert_close(dtensor.grad.full_tensor(), reference.grad)
+
+
+@spmd(meshes=[(2,), (4,), (2, 2)])
+def test_clip_grad_norm_of_partial_gradients_gives_the_one_device_norm_and_grads(mesh):
+    """PEER_BUGS #183363: Replicate parameters whose gradients are Partial(sum) (a different operand on
+    every rank, as data parallel leaves them): the total norm and the clipped gradients equal one
+    device's for every norm type, foreach or not, with the collectives counted."""
+    for foreach in (True, False):
+        for norm_type in (2.0, math.inf, 1.0):
+            fulls, _, grads = _parameters(mesh)
+            dtensors = [distribute_tensor(full.clone(), mesh, [R] * mesh.ndim).requires_grad_() for full in fulls]
+            references = [full.clone().requires_grad_() for full in fulls]
+            for index, (dtensor, reference, grad) in enumerate(zip(dtensors, references, grads[0])):
+                dtensor.grad, reference.grad = partial_of(grad, mesh, seed=10 * index), grad.clone()
+            with comm.observe() as records:
+                total = torch.nn.utils.clip_grad_norm_(dtensors, max_norm=1.0, norm_type=norm_type, foreach=foreach)
+            # foreach: the gradients reduced together (one all_reduce); one at a time: each gradient's
+            # norm reduce-scatters it (a NormPartial of its shards, half an all_reduce's bytes), then
+            # the total's one all_reduce
+            kinds = ["all_reduce"] if foreach else ["reduce_scatter"] * len(dtensors) + ["all_reduce"]
+            assert [record.kind for record in records] == kinds, (foreach, norm_type, records)
+            expected = torch.nn.utils.clip_grad_norm_(references, max_norm=1.0, norm_type=norm_type, foreach=False)
+            assert_close(total.full_tensor(), expected)
+            for dtensor, reference in zip(dtensors, references):
                 assert_close(dtensor.grad.full_tensor(), reference.grad)
 
 

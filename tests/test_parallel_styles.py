@@ -128,6 +128,27 @@ def test_sequence_parallel_norm_and_dropout_on_an_uneven_sequence(mesh):
 
 
 @spmd(meshes=[(2,), (4,)])
+def test_sequence_parallel_norm_gradients_are_replicate_after_one_all_reduce(mesh):
+    """Under torch's SequenceParallel the LayerNorm weight and bias gradients come out Partial(sum),
+    each reduced later by the optimizer; ours have the parameters' Replicate layout when backward
+    ends, both reduced in one all_reduce, and equal one device's (sequence 7 over 2 and 4 ranks)."""
+    torch.manual_seed(0)
+    norm = parallelize_module(nn.LayerNorm(8), mesh, SequenceParallel())
+    reference = nn.LayerNorm(8)
+    x_full, weights_full = torch.randn(2, 7, 8), torch.randn(2, 7, 8)
+    x, weights = (distribute_tensor(full, mesh, [Shard(1)]) for full in (x_full, weights_full))
+    with comm.observe() as forward:
+        y = norm(x)
+    with comm.observe() as backward:
+        (y * weights).sum().backward()
+    assert list(forward) == [] and [record.kind for record in backward] == ["all_reduce"], backward
+    (reference(x_full) * weights_full).sum().backward()
+    for parameter, expected in ((norm.weight, reference.weight), (norm.bias, reference.bias)):
+        assert parameter.grad.placements == (Replicate(),)
+        assert_close(parameter.grad.to_local(), expected.grad)
+
+
+@spmd(meshes=[(2,), (4,)])
 def test_a_plain_tensor_of_unknown_global_size_raises_instead_of_communicating(mesh):
     norm = parallelize_module(nn.LayerNorm(4), mesh, SequenceParallel())
     untagged = torch.randn(2, 3, 4)  # this rank's shard of what? A residual sum loses the style's tag.

@@ -49,6 +49,31 @@ def test_partial_sum_plus_scalar_or_replicate_adds_it_once(mesh):
 
 
 @spmd()
+def test_a_scalar_added_in_place_or_by_a_list_op_to_a_partial_sum_is_added_once(mesh):
+    """PEER_BUGS #163193 through the other doors: in place (the Partial itself holds the sum after), a
+    0-d plain tensor, `_foreach_add` with a scalar, a list of scalars or a 0-d tensor; each reduces the
+    Partial once (one all_reduce over every mesh dim at once) and adds the scalar once."""
+    scalar = torch.tensor(1.5, dtype=torch.float64)
+    calls = {"add_": lambda t: t.add_(1.5), "+=": lambda t: t.__iadd__(1.5), "sub_": lambda t: t.sub_(2.0),
+             "add(alpha)": lambda t: torch.add(t, 1.5, alpha=2), "rsub": lambda t: torch.rsub(t, 2.0),
+             "+ 0-d": lambda t: t + scalar, "add_(0-d)": lambda t: t.add_(scalar),
+             "_foreach_add": lambda t: torch._foreach_add([t], 1.5)[0],
+             "_foreach_add_": lambda t: (torch._foreach_add_([t], 1.5), t)[1],
+             "_foreach_add([s])": lambda t: torch._foreach_add([t], [1.5])[0],
+             "_foreach_sub_(0-d)": lambda t: (torch._foreach_sub_([t], scalar), t)[1]}
+    reduced_once = ["all_reduce"] if mesh.size() > 1 else []
+    for name, call in calls.items():
+        partial, value = _partial(mesh)
+        with shardtensor.strict_mode(), comm.observe() as records:
+            result = call(partial)
+        assert [record.kind for record in records] == reduced_once, (name, records)
+        expected = call(value)
+        _check(result, expected)
+        if name.endswith("_") or name in ("+=", "add_(0-d)", "_foreach_sub_(0-d)"):
+            assert result is partial, name
+
+
+@spmd()
 def test_linear_ops_keep_partial_sum_without_communication(mesh):
     a, a_value = _partial(mesh, seed=0)
     b, b_value = _partial(mesh, seed=3)
@@ -208,6 +233,9 @@ def test_casts_keep_partial_only_when_widening_floats(mesh):
         wider = single.to(torch.float64)
     assert list(records) == [] and wider.placements == (Partial(),) * mesh.ndim
     torch.testing.assert_close(wider.full_tensor(), value.double(), rtol=1e-6, atol=1e-6)
+    leaf = single.detach().requires_grad_()
+    (leaf.to(torch.float64) * 3).sum().backward()  # backward through the kept cast too
+    assert leaf.grad.dtype == torch.float32 and torch.equal(leaf.grad.full_tensor(), torch.full((2, 3), 3.0))
     double, double_value = _partial(mesh)
     with shardtensor.strict_mode():
         narrower, integer = double.to(torch.float32), double.to(torch.int64)

@@ -8,7 +8,7 @@ from spmd import spmd
 from torch.testing import assert_close
 
 import shardtensor
-from shardtensor import Replicate, Shard, distribute_tensor
+from shardtensor import DeviceMesh, Replicate, Shard, distribute_tensor
 
 R = Replicate()
 ROWS = 8  # index rows: divisible by 4, so the last one lies in the last rank's shard
@@ -173,3 +173,29 @@ def test_trusted_indices_skip_the_agreement_collective(mesh):
         result = torch.gather(sharded_x, 1, sharded_index)
     assert [record.kind for record in checked] == ["all_reduce"] and trusted == []
     assert_close(result.full_tensor(), torch.gather(x, 1, index))
+
+
+@spmd(meshes=[(2,), (4,), (2, 2)], timeout=30)
+def test_a_bad_index_into_a_vocabulary_sharded_table_raises_on_every_rank(mesh):
+    """A table sharded by rows (RowwiseParallel's embedding) looks up only the indices a rank owns: an
+    index past the vocabulary (or negative) is owned by none and must raise on every rank, not read as
+    zeros; good indices give the single-device rows."""
+    from torch import nn
+
+    from shardtensor.parallel import RowwiseParallel, parallelize_module
+
+    table = torch.randn(11, 4)
+    weight = distribute_tensor(table, mesh, [Shard(0)] * mesh.ndim)
+    good = torch.tensor([1, 2, 10, 4, 3, 0, 7, 5])
+    for index_placements in ([R] * mesh.ndim, [Shard(0)] * mesh.ndim):
+        indices = distribute_tensor(good, mesh, index_placements)
+        assert torch.equal(F.embedding(indices, weight).full_tensor(), F.embedding(good, table))
+        for value in (13, -1):
+            bad = good.clone()
+            bad[-1] = value
+            with pytest.raises(IndexError, match=f"embedding.*index {value} "):
+                F.embedding(distribute_tensor(bad, mesh, index_placements), weight)
+    tp = mesh if mesh.ndim == 1 else DeviceMesh("cpu", mesh.mesh.flatten().tolist())
+    embedding = parallelize_module(nn.Embedding(11, 4), tp, RowwiseParallel(input_layouts=Replicate()))
+    with pytest.raises(IndexError, match="index 13 "):
+        embedding(torch.tensor([[1, 2], [3, 13]]))

@@ -168,17 +168,25 @@ def test_partial_inputs(mesh):
     for result, reference in zip(linear, [full.sum(1), full.mean(0), full.sum(), full.cumsum(1)]):
         assert result.placements == (Partial(),) * mesh.ndim
         torch.testing.assert_close(result.full_tensor(), reference)
-    with shardtensor.strict_mode():  # nonlinear reductions reduce the Partial first
-        nonlinear = [partial.amax(1), partial.max(), partial.max(0).indices, partial.var(1), partial.prod(0),
-                     torch.linalg.vector_norm(partial, dim=1)]
-    expected = [full.amax(1), full.max(), full.max(0).indices, full.var(1), full.prod(0), torch.linalg.vector_norm(full, dim=1)]
-    for result, reference in zip(nonlinear, expected):
-        torch.testing.assert_close(result.full_tensor(), reference)
-    maximum, maximum_value = partial_and_value(mesh, (4, 6), "max")
-    with shardtensor.strict_mode(), comm.observe() as records:
-        largest = maximum.amax(0)
-    assert list(records) == [] and largest.placements == (Partial("max"),) * mesh.ndim
-    torch.testing.assert_close(largest.full_tensor(), maximum_value.amax(0))
+    # nonlinear reductions reduce the Partial first (PEER_BUGS #165962: max/min of a Partial), each family
+    nonlinear = [lambda t: t.amax(1), lambda t: t.max(), lambda t: t.max(0).indices, lambda t: t.amin(1),
+                 lambda t: t.min(), lambda t: t.min(0).values, lambda t: t.argmin(), lambda t: torch.aminmax(t, dim=1).min,
+                 lambda t: t.var(1), lambda t: t.prod(0), lambda t: torch.linalg.vector_norm(t, dim=1)]
+    for reduce_op in ("sum", "avg"):
+        partial, full = partial_and_value(mesh, (4, 6), reduce_op)
+        with shardtensor.strict_mode():
+            results = [reduction(partial) for reduction in nonlinear]
+        for result, reduction in zip(results, nonlinear):
+            torch.testing.assert_close(result.full_tensor(), reduction(full))
+    for reduce_op, kept, other in (("max", lambda t: t.amax(0), lambda t: t.amin(0)),
+                                   ("min", lambda t: t.amin(0), lambda t: t.amax(0))):
+        extreme, extreme_value = partial_and_value(mesh, (4, 6), reduce_op)
+        with shardtensor.strict_mode(), comm.observe() as records:
+            same = kept(extreme)
+        assert list(records) == [] and same.placements == (Partial(reduce_op),) * mesh.ndim
+        torch.testing.assert_close(same.full_tensor(), kept(extreme_value))
+        with shardtensor.strict_mode():  # amin of a P(max) is not a P(max): reduced first
+            torch.testing.assert_close(other(extreme).full_tensor(), other(extreme_value))
 
 
 @spmd()

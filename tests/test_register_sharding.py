@@ -1,11 +1,15 @@
 """`shardtensor.experimental.register_sharding`: users add or replace an op's rule."""
 
+import math
+
 import pytest
 import torch
+from helpers import partial_and_value
 from spmd import spmd
 
 import shardtensor
-from shardtensor import Replicate, Shard, comm, distribute_tensor
+from shardtensor import Partial, Replicate, Shard, comm, distribute_tensor
+from shardtensor.debug import CacheCounts, plan_cache_counts
 from shardtensor.experimental import register_sharding
 from shardtensor.ops.registry import RULES, register_rule
 from shardtensor.propagation import clear_cache
@@ -97,6 +101,50 @@ def test_custom_op_that_returns_nothing(mesh):
     with shardtensor.strict_mode():
         torch.ops.register_sharding_test.fill_with_row_index_(rows, 5)  # gathered, filled, written back
     assert torch.equal(rows.full_tensor(), torch.arange(5.0, 9.0).unsqueeze(1).expand(4, 3))
+
+
+def _any_scale_keeps_a_partial_sum(x, other):
+    # Reads no sign: a Partial(sum) times any finite scale is the sum of the scaled operands.
+    return [([Replicate()], [Replicate(), None]), ([Partial()], [Partial(), None])]
+
+
+@spmd(meshes=[(2,), (2, 2)])
+def test_a_replaced_rule_decides_whether_a_0d_scales_sign_is_read(mesh):
+    """Plan keys hold the sign of a 0-d plain scale next to a Partial only while the op's rule reads it:
+    after a rule that reads no sign replaces mul's, `* tensor(2)` and `* tensor(-2)` share one plan;
+    with mul's own rule put back, `* tensor(inf)` reduces first. Flat and multi-tensor calls alike
+    (`_foreach_mul` decides element by element with mul's rule)."""
+    x, value = partial_and_value(mesh, (4, 3))
+    calls = {aten.mul.Tensor: lambda t, scale: t * scale,
+             aten._foreach_mul.Tensor: lambda t, scale: torch._foreach_mul([t], scale)[0]}
+    replaced = [aten.mul.Tensor, aten.mul.Scalar]
+    previous = [RULES[op] for op in replaced]
+
+    def run(op, call, scales: tuple) -> CacheCounts:
+        before = plan_cache_counts().get(str(op), CacheCounts(0, 0, 0, 0))
+        for scale in scales:
+            with shardtensor.strict_mode():
+                result = call(x, torch.tensor(scale, dtype=torch.float64))
+            expected = call(value, torch.tensor(scale, dtype=torch.float64))
+            torch.testing.assert_close(result.full_tensor(), expected, rtol=1e-12, atol=1e-12, equal_nan=True)
+            assert result.placements == (x.placements if math.isfinite(scale) else (Replicate(),) * mesh.ndim)
+        after = plan_cache_counts()[str(op)]
+        return CacheCounts(after.hits - before.hits, after.misses - before.misses, 0, 0)
+
+    clear_cache()  # no plan of an earlier test for these layouts: every count below is exact
+    for op, call in calls.items():
+        counts = run(op, call, (2.0, -2.0))
+        assert (counts.hits, counts.misses) == (0, 2), (op, counts)  # mul's rule: the two signs, two plans
+    try:
+        register_sharding(replaced)(_any_scale_keeps_a_partial_sum)
+        for op, call in calls.items():
+            counts = run(op, call, (2.0, -2.0))
+            assert (counts.hits, counts.misses) == (1, 1), (op, counts)
+    finally:
+        for op, rule in zip(replaced, previous):
+            register_rule([op], rule, override=True)
+    for op, call in calls.items():
+        run(op, call, (2.0, math.inf))
 
 
 def test_bad_strategies_and_ops_are_explained():

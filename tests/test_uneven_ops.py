@@ -123,6 +123,11 @@ EMPTY_SHARD_OPS = {
     "argmax": lambda x: torch.argmax(x, 0),
     "amax": lambda x: torch.amax(x, 0),
     "max": lambda x: x.max(),
+    "min.dim": lambda x: torch.min(x, 0).values,
+    "argmin": lambda x: torch.argmin(x, 0),
+    "amin": lambda x: torch.amin(x, 0),
+    "min": lambda x: x.min(),
+    "aminmax": lambda x: torch.stack(torch.aminmax(x, dim=0)),
     "median.dim": lambda x: torch.median(x, 0).values,
     "mode": lambda x: torch.mode(x, 0).values,
     "kthvalue": lambda x: torch.kthvalue(x, 1, 0).values,
@@ -138,3 +143,27 @@ def test_a_kernel_rejecting_an_empty_shard_does_not_diverge(mesh, op):
     x = distribute_tensor(full, mesh, [Shard(0)] * mesh.ndim)
     result = EMPTY_SHARD_OPS[op](x)
     assert torch.equal(result.full_tensor(), EMPTY_SHARD_OPS[op](full))
+
+
+# Reductions of a dim that is empty on one device too: each raises there, so each must raise on every rank
+# (an empty shard reads as the identity only when another shard holds elements). The message of the
+# local kernel where it runs (None: the meta kernel raises first, with its own words).
+GLOBALLY_EMPTY_OPS = {
+    "max": (lambda x: x.max(), r"max\(\): Expected reduction dim"),
+    "min": (lambda x: x.min(), r"min\(\): Expected reduction dim"),
+    "amax": (lambda x: torch.amax(x, 0), None),
+    "aminmax": (lambda x: torch.aminmax(x), None),
+    "vector_norm inf": (lambda x: torch.linalg.vector_norm(x, float("inf")), "inf norm"),
+}
+
+
+@spmd(meshes=[(2,), (4,), (2, 2)], timeout=30)
+def test_a_reduction_of_a_globally_empty_dim_raises_on_every_rank(mesh):
+    """max() of a (0, 3) tensor sharded on dim 0 returned -inf (every shard read as the identity)."""
+    for placements in ([Shard(0)] * mesh.ndim, [Shard(1)] * mesh.ndim):
+        x = distribute_tensor(torch.empty(0, 3), mesh, placements)
+        for name, (op, message) in GLOBALLY_EMPTY_OPS.items():
+            with pytest.raises((RuntimeError, IndexError)):
+                op(torch.empty(0, 3))
+            with pytest.raises((RuntimeError, IndexError), match=message):
+                op(x).full_tensor()

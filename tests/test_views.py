@@ -77,6 +77,12 @@ RESHAPES = [
     ((5, 1, 6), lambda x: x.squeeze((1,)), (2, 0)),
     ((5, 6), lambda x: x.unsqueeze(1)[..., None], (0, 1)),
     ((5, 6), lambda x: x[None], (1, 0)),
+    # dim 1 sharded (PEER_BUGS #179502): the inner dim of a merge must move first; the outer dim of one not
+    ((4, 6), lambda x: x.view(24), (1, 0)),
+    ((3, 4, 2), lambda x: x.view(12, 2), (1, 2)),
+    ((3, 4, 2), lambda x: x.view(3, 8), (1, 0)),
+    ((3, 8), lambda x: x.view(3, 2, 4), (1, 0)),
+    ((3, 6, 2), lambda x: x.flatten(1), (1, 0)),
 ]
 
 

@@ -119,24 +119,9 @@ def list_key(dtensor_class: type, op, args: tuple, kwargs: dict) -> tuple | None
         if not appended:
             return None
         plain_tensor = plain_tensor or appended is PLAIN_TENSOR
-    if plain_tensor and _reads_scale_signs(op):
+    if plain_tensor and reads_scale_signs(op):
         key += scale_signs(dtensor_class, (*args, *kwargs.values()))
     return tuple(key)
-
-
-_sign_readers: dict = {}
-
-
-def _reads_scale_signs(op) -> bool:
-    """`plan_cache.reads_scale_signs` of an aten op's packet, or of the packet a public function
-    (`torch._foreach_mul_`) runs, found by its name: whether its 0-d plain tensors decide by sign."""
-    known = _sign_readers.get(op)
-    if known is None:
-        name = op._schema.name.removeprefix("aten::") if isinstance(op, torch._ops.OpOverload) else op.__name__
-        packet = getattr(torch.ops.aten, name, None)
-        known = packet is not None and any(reads_scale_signs(getattr(packet, overload)) for overload in packet.overloads())
-        _sign_readers[op] = known
-    return known
 
 
 class ListPlan(CachedPlan):
@@ -207,7 +192,8 @@ class ListPlan(CachedPlan):
             _increment_version(args[position])
         if not self.output_specs:
             return result if self.returned_argument is None else args[self.returned_argument]
-        return self.wrap(result, self.output_specs)
+        wrapped = self.wrap(result, self.output_specs)
+        return tuple(wrapped) if type(result) is tuple else wrapped  # a public function returns a tuple
 
 
 # ---- public functions ---------------------------------------------------------------------------

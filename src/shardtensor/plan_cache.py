@@ -256,13 +256,30 @@ PLAIN_TENSOR = "plain tensor"
 
 
 def reads_scale_signs(op) -> bool:
-    """Whether the rule of `op` reads a scale's sign (a SIGN value key): then a 0-d plain tensor next to
-    a Partial input decides by its sign too (`plain_tensors.scale_signs`), and keys hold it."""
-    rule = RULES.get(op)
-    element_rule = getattr(rule, "element_rule", None)  # a multi-tensor op reads what its element op reads
-    if element_rule is not None:
-        rule = element_rule()
-    return rule is not None and SIGN in rule.value_keys.values()
+    """Whether a 0-d plain tensor next to a Partial input of `op` (an aten op or a public function)
+    decides by its sign (`plain_tensors.scale_signs`), so that keys hold it. One dict lookup: the
+    answer is kept until a rule is added or replaced (`propagation.clear_cache` forgets it)."""
+    known = propagation.sign_readers.get(op)
+    if known is None:
+        known = propagation.sign_readers[op] = _reads_scale_signs(op)
+    return known
+
+
+def _reads_scale_signs(op) -> bool:
+    """An aten op: whether its rule reads a scale's sign (a SIGN value key). A multi-tensor public
+    function (`torch._foreach_mul_`, keyed by `list_plans`): whether an aten op of its name does."""
+    if isinstance(op, torch._ops.OpOverload):
+        rule = RULES.get(op)
+        element_rule = getattr(rule, "element_rule", None)  # a multi-tensor op reads what its element op reads
+        if element_rule is not None:
+            rule = element_rule()
+        return rule is not None and SIGN in rule.value_keys.values()
+    # Other public functions: their plans never compute with a plain tensor argument (`torch_function._learn`).
+    name = getattr(op, "__name__", None)
+    if not isinstance(name, str) or not name.startswith(("_foreach_", "_fused_")):
+        return False
+    packet = getattr(torch.ops.aten, name, None)
+    return packet is not None and any(_reads_scale_signs(getattr(packet, overload)) for overload in packet.overloads())
 
 
 def fast_key(dtensor_class: type, op, args: tuple, kwargs: dict, modes: tuple = ()) -> tuple | None:

@@ -192,6 +192,9 @@ decisions_made: Counter = Counter()
 decision_cache_hits: Counter = Counter()
 # op -> how its arguments enter cache keys (dispatch fills it from the op's rule); cleared with the rules.
 key_modes: dict = {}
+# op or public function -> whether its keys hold a 0-d plain scale's sign (`plan_cache.reads_scale_signs`
+# fills it from the rules); cleared with the rules.
+sign_readers: dict = {}
 
 # Counts `clear_cache` calls: a dispatch plan built from a decision is valid while this is unchanged.
 generation = 0
@@ -202,6 +205,7 @@ def clear_cache() -> None:
     global generation
     _cache.clear()
     key_modes.clear()
+    sign_readers.clear()
     generation += 1
 
 

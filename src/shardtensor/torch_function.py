@@ -100,7 +100,8 @@ METADATA_FUNCTIONS = {
 
 def torch_function(cls, function, types, args=(), kwargs=None):
     """`DTensor.__torch_function__`: serve the call from a function plan, or run it normally."""
-    if args and type(args[0]) is list and is_multi_tensor_function(function):  # an optimizer's step
+    if args and ((first := type(args[0])) is list or first is tuple) and is_multi_tensor_function(function):
+        # an optimizer's step (lists, or tuples: `_foreach_sqrt` returns one, which optimizers pass on)
         return _multi_tensor_call(cls, function, args, kwargs or _NO_KEYWORDS)
     if type(function) is _GETTER:
         with _disabled():
@@ -230,14 +231,21 @@ def _ran_on_kept_moves(cls, args: tuple, kwargs: dict, recorded: Recording) -> b
 
 def _modes_passed_through(args: tuple, kwargs: dict, recorded: Recording) -> tuple:
     """The aten op's key modes (`plan_cache.key_modes`) when the function ran one aten op and passed
-    it its own arguments unchanged, position for position and keyword for keyword; else ()."""
+    it its own arguments unchanged, position for position and keyword for keyword (torch leaves out
+    a keyword equal to its default: `x.add_(y, alpha=1)` reaches aten without `alpha`); else ()."""
     if len(recorded) != 1:
         return ()
     plan, (aten_args, aten_kwargs) = recorded[0], recorded.arguments[0]
     modes = key_modes(plan.op)
-    if not modes or len(aten_args) != len(args) or list(aten_kwargs) != list(kwargs):
+    if not modes or len(aten_args) != len(args) or not kwargs.keys() >= aten_kwargs.keys():
         return ()
-    pairs = [*zip(args, aten_args), *((kwargs[name], aten_kwargs[name]) for name in kwargs)]
+    defaults = {argument.name: argument.default_value for argument in plan.op._schema.arguments if argument.has_default_value()}
+    pairs = list(zip(args, aten_args))
+    for name, value in kwargs.items():
+        if name in aten_kwargs:
+            pairs.append((value, aten_kwargs[name]))
+        elif name not in defaults or isinstance(value, torch.Tensor) or value != defaults[name]:
+            return ()
     if all(given is passed or (type(given) is type(passed) and not isinstance(given, torch.Tensor) and given == passed)
            for given, passed in pairs):
         return modes

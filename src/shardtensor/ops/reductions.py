@@ -6,8 +6,9 @@ shards' results combine exactly (sum -> P(sum), amax -> P(max), prod -> P(produc
 of bools); otherwise (indices, variances, logsumexp) the dim is gathered first. `mean` of a sharded
 dim runs `sum / global count` on each shard, a P(sum) that is exact for uneven shards. An empty
 shard of a max-like reduction counts as the reduce op's identity instead of raising on that rank
-only. Partial inputs pass through only linear-in-the-reduce-op reductions (sum of P(sum)); max,
-var, ... of a Partial reduce it first. Median and mode need the whole reduced dim; `dist`, `histc`
+only (when the reduced dim is empty globally, every rank raises, as one device does). Partial
+inputs pass through only linear-in-the-reduce-op reductions (sum of P(sum)); max, var, ... of a
+Partial reduce it first. Median and mode need the whole reduced dim; `dist`, `histc`
 (with an explicit range) and `trace` have their own small rules below.
 """
 
@@ -43,6 +44,13 @@ def _reduce_empty_as_identity(op, dims: tuple[int, ...], fill, mesh, tensor, *ar
         shape = [1 if dim in dims and size == 0 else size for dim, size in enumerate(tensor.shape)]
         tensor = tensor.new_full(shape, fill)
     return op(tensor, *args, **kwargs)
+
+
+def _globally_empty(call: OpCall, reduced: tuple[int, ...]) -> bool:
+    """Whether a reduced dim of the global input has no elements: then every shard is empty there
+    too, and the op itself must run so that it raises on every rank as on one device (max() of an
+    empty tensor), instead of each shard reading as the identity."""
+    return any(call.inputs[0].shape[dim] == 0 for dim in reduced)
 
 
 def _local_mean(count: int, mesh, tensor, dim=None, keepdim=False, *, dtype=None):
@@ -109,8 +117,8 @@ class ReductionRule(ShardingRule):
             placement.dim for placement in input_layouts[0].placements
             if isinstance(placement, Shard) and placement.dim in reduced
         }))
-        if not sharded:
-            return None  # every reduced dim is whole on this rank: the op itself is right
+        if not sharded or _globally_empty(call, reduced):
+            return None  # every reduced dim is whole on this rank, or empty everywhere: the op itself is right
         if self.mean:
             count = math.prod(call.inputs[0].shape[dim] for dim in reduced)
             return functools.partial(_local_mean, count)
@@ -180,6 +188,8 @@ class AminmaxRule(ReductionRule):
 
     def local_op(self, call: OpCall, input_layouts: Sequence[Layout], coordinate: Sequence[int]):
         reduced = self.reduced_dims(call)
+        if _globally_empty(call, reduced):
+            return None
         if any(isinstance(p, Shard) and p.dim in reduced for p in input_layouts[0].placements):
             return _aminmax_empty_as_identity
         return None

@@ -111,9 +111,11 @@ _SEQUENCE_MODULES = (nn.LayerNorm, nn.RMSNorm, nn.Dropout)
 class SequenceParallel(ParallelStyle):
     """Run a norm or dropout on activations sharded along `sequence_dim` (default 1).
 
-    Parameters are replicated (their gradients come out Partial: each rank saw part of the
-    sequence). The input is read or moved to `Shard(sequence_dim)`; the output stays so, as a
-    DTensor unless `use_local_output`. Uneven sequences (7 over 4 ranks) are exact.
+    Parameters are replicated; each rank sees part of the sequence, so their gradients arrive as
+    partial sums and are reduced into Replicate gradients when backward ends (one all_reduce with
+    the other such gradients, `gradients.py`). The input is read or moved to `Shard(sequence_dim)`;
+    the output stays so, as a DTensor unless `use_local_output`. Uneven sequences (7 over 4 ranks)
+    are exact.
     """
 
     sequence_dim: int = 1
