@@ -238,7 +238,8 @@ class AllElementsRule(ShardingRule):
     Replicate; sharded, each rank answers for its shards and one all_reduce(min) of a bool over the
     sharded mesh dims gives every rank the answer for the whole tensors. A Partial is reduced first.
     `equal` of tensors of different shapes is False wherever they lie: nothing moves. On a sub-mesh
-    the ranks outside it get the answer too, sent by the mesh (torch's DTensor gives them None)."""
+    the ranks outside it get the answer too, sent by the mesh (`sub_mesh`; torch's DTensor instead
+    all_reduces equal's answer over the whole world on every call, whatever the mesh)."""
 
     __name__ = "all_elements"
     returns_value = True
