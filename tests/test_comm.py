@@ -232,6 +232,28 @@ def test_broadcast_object(mesh):
         assert [record.kind for record in records] == ["broadcast"] * (2 if mesh.size(mesh_dim) > 1 else 0)
 
 
+@spmd()
+def test_share_object(mesh):
+    """Every peer gets the one sender's object and the number of senders (an all_reduce, then a broadcast
+    from the sender); with several senders or none, their number and None (the all_reduce only)."""
+    for mesh_dim in range(mesh.ndim):
+        peers = mesh.size(mesh_dim)
+        expected = list(mesh.get_coordinate())
+        expected[mesh_dim] = peers - 1
+        for padding in (0, 2000):
+            sent = {"from": mesh.get_coordinate(), "padding": "x" * padding}
+            mine = sent if mesh.get_local_rank(mesh_dim) == peers - 1 else None
+            with comm.observe() as records:
+                senders, received = comm.share_object(mine, mesh, mesh_dim)
+            assert (senders, received) == (1, {"from": expected, "padding": "x" * padding})
+            assert [record.kind for record in records] == (["all_reduce", "broadcast"] if peers > 1 else [])
+        if peers > 1:
+            with comm.observe() as records:
+                assert comm.share_object("x" * 3000, mesh, mesh_dim) == (peers, None)
+                assert comm.share_object(None, mesh, mesh_dim) == (0, None)
+            assert [record.kind for record in records] == ["all_reduce"] * 2
+
+
 @spmd(meshes=[(4,)])
 def test_unsorted_mesh_coordinates(mesh):
     unsorted = DeviceMesh("cpu", [[3, 1], [2, 0]])

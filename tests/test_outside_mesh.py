@@ -2,13 +2,18 @@
 
 A world of 4 ranks and the sub-mesh `DeviceMesh("cpu", [1, 3])`: ranks 1 and 3 compute, ranks 0 and 2
 hold local tensors without elements and get DTensors with the same global shape and placements.
-Ops whose output shapes depend on data (`nonzero`, boolean-mask indexing) are the one case where
-ranks outside the mesh communicate: they receive the shapes from the mesh's first rank.
+Ops whose output shapes depend on data (`nonzero`, boolean-mask indexing) and ops that return Python
+values read from the data (`item()`, `equal`, `tolist()`) are the cases where ranks outside the mesh
+communicate: they receive the shapes or the values from the mesh's first rank, in an exchange over the
+world that every rank on a sub-mesh takes part in (also each rank on its own row of a 2-D mesh).
 """
+
+import collections
 
 import pytest
 import torch
 import torch.distributed as dist
+from parallel_helpers import data_seed, tp_mesh
 from spmd import spmd
 
 import shardtensor
@@ -30,6 +35,22 @@ def _same_metadata_on_every_rank(*dtensors):
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     assert all(entry == mine for entry in gathered), gathered
+
+
+# How the mesh's result reaches the ranks outside it over the world (`comm.share_object`): an all_reduce
+# of the number of senders, and a broadcast from the one sender; sibling meshes (each rank on its own row)
+# each send, so no broadcast follows.
+ONE_MESH_SENDS = {"all_reduce": 1, "broadcast": 1}
+SIBLINGS_SEND = {"all_reduce": 1}
+
+
+def _expected_counts(mesh_counts: dict, ranks: list[int], inside: bool, exchange: dict = ONE_MESH_SENDS) -> dict:
+    """This rank's collectives: the mesh's own (`mesh_counts`) inside it, and on a sub-mesh the
+    `exchange` over the world that sends the mesh's result to the ranks outside (`sub_mesh`)."""
+    counts = collections.Counter(mesh_counts if inside else {})
+    if len(ranks) < dist.get_world_size():
+        counts.update(exchange)
+    return dict(counts)
 
 
 def _check(dtensor, expected, inside):
@@ -59,6 +80,7 @@ def test_distribute_ops_and_redistribute(mesh):
             }
         resharded = x.redistribute(placements=[Shard(1)])
         fallback = torch.linalg.matrix_norm(x)  # no rule: the replicate fallback
+        histogram = torch.histogram(x, bins=3)  # its rule says the outputs: meta tensors cannot run it
     if not inside:
         assert records == []
     expected = {
@@ -69,7 +91,9 @@ def test_distribute_ops_and_redistribute(mesh):
         _check(result, expected[name], inside)
     _check(resharded, full_x, inside)
     _check(fallback, torch.linalg.matrix_norm(full_x), inside)
-    _same_metadata_on_every_rank(x, w, resharded, fallback, *results.values())
+    for result, value in zip(histogram, torch.histogram(full_x, bins=3)):
+        _check(result, value, inside)
+    _same_metadata_on_every_rank(x, w, resharded, fallback, *histogram, *results.values())
 
 
 @spmd(meshes=[(4,)])
@@ -156,17 +180,16 @@ def _sub_meshes(world) -> list[list[int]]:
 @spmd(meshes=[(4,), (2, 2)])
 def test_data_dependent_output_shapes(mesh):
     """Inside the mesh: the single-device values. Outside: the same global shapes, no elements, and the
-    shapes' two broadcasts over the world as the only communication; on the whole world, no broadcast."""
+    shapes' all_reduce over the world as the only communication; on the whole world, none."""
     full = _full((5, 4), 3)
     for ranks in _sub_meshes(mesh):
         sub_mesh = DeviceMesh("cpu", ranks)
         inside = sub_mesh.get_coordinate() is not None
         x = distribute_tensor(full, sub_mesh, [Shard(0)])
-        broadcasts = {"broadcast": 2} if len(ranks) < dist.get_world_size() else {}
         for name, (function, gathers) in DATA_DEPENDENT.items():
             with CommDebugMode() as comm_mode:
                 results = function(x)
-            expected_counts = {"all_gather": gathers, **broadcasts} if inside else broadcasts
+            expected_counts = _expected_counts({"all_gather": gathers}, ranks, inside)
             assert comm_mode.get_comm_counts() == expected_counts, (ranks, name, comm_mode.get_comm_counts())
             results = results if isinstance(results, tuple) else (results,)
             expected = function(full)
@@ -186,4 +209,180 @@ def test_data_dependent_op_failing_on_the_mesh(mesh):
     with CommDebugMode() as comm_mode:
         with pytest.raises(IndexError, match="shape of the mask"):
             x[mask]
-    assert comm_mode.get_comm_counts().get("broadcast") == 2
+    inside = sub_mesh.get_coordinate() is not None
+    assert comm_mode.get_comm_counts() == _expected_counts({"all_gather": 1}, MEMBERS, inside)
+
+
+@spmd(meshes=[(4,), (2, 2)])
+def test_data_dependent_out_argument(mesh):
+    """`nonzero(x, out=y)` resizes `y` to the data's shape on every rank, keeping `y`'s placements where
+    they fit; the ranks outside the mesh receive that shape, as for `nonzero(x)`."""
+    full = _full((5, 4), 3)
+    expected = torch.nonzero(full)
+    for ranks in _sub_meshes(mesh):
+        sub_mesh = DeviceMesh("cpu", ranks)
+        inside = sub_mesh.get_coordinate() is not None
+        x = distribute_tensor(full, sub_mesh, [Shard(0)])
+        for placement, shape in [(R, (0, 2)), (Shard(0), (3, 2))]:
+            out = distribute_tensor(torch.zeros(shape, dtype=torch.int64), sub_mesh, [placement])
+            with CommDebugMode() as comm_mode:
+                result = torch.nonzero(x, out=out)
+            assert comm_mode.get_comm_counts() == _expected_counts({"all_gather": 1}, ranks, inside)
+            assert result is out and out.placements == (placement,)
+            _check(out, expected, inside)
+            _same_metadata_on_every_rank(out)
+
+
+@spmd(meshes=[(4,)])
+def test_out_argument_of_another_shape(mesh):
+    """`add(x, 1, out=y)` with `y` of another shape: every rank resizes `y` as the mesh's ranks do (the
+    ranks outside raised the rule's internal verdict instead), without communicating."""
+    sub_mesh = DeviceMesh("cpu", MEMBERS)
+    full = _full((5, 4), 6)
+    x = distribute_tensor(full, sub_mesh, [Shard(0)])
+    out = distribute_tensor(torch.zeros(0, 4, dtype=full.dtype), sub_mesh, [Shard(0)])
+    with CommDebugMode() as comm_mode:
+        result = torch.add(x, 1, out=out)
+    assert comm_mode.get_comm_counts() == {}
+    assert result is out and out.placements == (Shard(0),)
+    _check(out, full + 1, sub_mesh.get_coordinate() is not None)
+    _same_metadata_on_every_rank(out)
+
+
+# Ops that return Python values, and the collectives the mesh's ranks issue for them with a Shard(0) `x` and
+# a Replicate `y`; on a sub-mesh the all_reduce that sends the value to every rank of the world comes on top.
+PYTHON_VALUES = {
+    "item": (lambda x, y: x.sum().item(), {"all_reduce": 1}),  # the Partial sum reduced
+    "float": (lambda x, y: float(x.amax()), {"all_reduce": 1}),
+    "bool": (lambda x, y: bool((x > 4).any()), {"all_reduce": 1}),
+    "tolist": (lambda x, y: x.tolist(), {"all_gather": 1}),
+    "equal": (lambda x, y: torch.equal(x, y), {"all_reduce": 1}),  # y sliced where it lies; each shard's answer ANDed
+    "unequal": (lambda x, y: torch.equal(x, y + 1), {"all_reduce": 1}),
+    "allclose": (lambda x, y: torch.allclose(x, y * 1.5), {"all_reduce": 1}),
+}
+
+
+@spmd(meshes=[(4,), (2, 2)])
+def test_python_values_on_every_rank(mesh):
+    """Every rank of the world, inside the mesh or not, gets the single-device value (torch's DTensor
+    gives the ranks outside None), called twice: a sub-mesh never serves these from a plan, which
+    would not send the value. On the whole world nothing is sent."""
+    full = _full((5, 4), 4)
+    for ranks in _sub_meshes(mesh):
+        sub_mesh = DeviceMesh("cpu", ranks)
+        inside = sub_mesh.get_coordinate() is not None
+        x = distribute_tensor(full, sub_mesh, [Shard(0)])
+        y = distribute_tensor(full, sub_mesh, [R])
+        for name, (function, counts) in PYTHON_VALUES.items():
+            expected = function(full, full)
+            for _ in range(2):
+                with CommDebugMode() as comm_mode:
+                    value = function(x, y)
+                assert comm_mode.get_comm_counts() == _expected_counts(counts, ranks, inside), (
+                    ranks, name, comm_mode.get_comm_counts())
+                assert type(value) is type(expected) and value == expected, (ranks, name, value, expected)
+
+
+@spmd(meshes=[(4,), (2, 2)])
+def test_tensor_split_reads_dtensor_indices_on_every_rank(mesh):
+    """`tensor_split` reads a DTensor `indices` as Python values (`tolist()`): the ranks outside the mesh
+    receive them, so their pieces have the single-device shapes too."""
+    full = _full((5, 7), 5)
+    indices_full = torch.tensor([1, 4])
+    for ranks in _sub_meshes(mesh):
+        sub_mesh = DeviceMesh("cpu", ranks)
+        inside = sub_mesh.get_coordinate() is not None
+        x = distribute_tensor(full, sub_mesh, [Shard(0)])
+        indices = distribute_tensor(indices_full, sub_mesh, [R])
+        with CommDebugMode() as comm_mode:
+            pieces = torch.tensor_split(x, indices, 1)
+        assert comm_mode.get_comm_counts() == _expected_counts({}, ranks, inside)
+        expected = torch.tensor_split(full, indices_full, 1)
+        assert len(pieces) == len(expected)
+        for piece, value in zip(pieces, expected):
+            _check(piece, value, inside)
+        _same_metadata_on_every_rank(*pieces)
+
+
+def _own_row(mesh, built: str):
+    """This rank's row of the 2x2 mesh: sliced (`mesh["tp"]`) or built explicitly (every rank builds both
+    rows), and the exchange its first rank takes part in for the ranks outside (none for a slice)."""
+    if built == "sliced":
+        return tp_mesh(mesh), {}
+    rows = [DeviceMesh("cpu", ranks) for ranks in mesh.mesh.tolist()]
+    return next(row for row in rows if row.get_coordinate() is not None), SIBLINGS_SEND
+
+
+@pytest.mark.parametrize("built", ["sliced", "explicit"])
+@spmd(meshes=[(2, 2)])
+def test_each_rank_on_its_own_row(mesh, built):
+    """Each rank runs the ops on its own row of the 2x2 mesh, inside its mesh, each row with its own data:
+    every rank gets its row's single-device results. A row sliced from the world mesh sends nothing (every
+    rank is in a row it sliced itself); on explicit rows both rows' first ranks send in one all_reduce over
+    the world, which keeps the world in step (a broadcast from each would not match) and, with two
+    senders, ends the exchange."""
+    row, exchange = _own_row(mesh, built)
+    full = _full((5, 4), data_seed(mesh))
+    x = distribute_tensor(full, row, [Shard(0)])
+    y = distribute_tensor(full, row, [R])
+    ranks = row.mesh.tolist()
+    for name, (function, counts) in PYTHON_VALUES.items():
+        with CommDebugMode() as comm_mode:
+            value = function(x, y)
+        assert comm_mode.get_comm_counts() == _expected_counts(counts, ranks, True, exchange), name
+        assert value == function(full, full), name
+    for name, (function, gathers) in DATA_DEPENDENT.items():
+        with CommDebugMode() as comm_mode:
+            results = function(x)
+        expected_counts = _expected_counts({"all_gather": gathers}, ranks, True, exchange)
+        assert comm_mode.get_comm_counts() == expected_counts, name
+        results = results if isinstance(results, tuple) else (results,)
+        expected = function(full)
+        for result, value in zip(results, expected if isinstance(expected, tuple) else (expected,)):
+            _check(result, value, True)
+
+
+@spmd(meshes=[(2, 2)])
+def test_only_one_row_reads_values(mesh):
+    """Rows sliced from the world mesh may run different ops (pipeline stages: only the last reads its
+    loss): a value or data-dependent shape read on one row alone communicates on that row only."""
+    row = tp_mesh(mesh)
+    full = _full((5, 4), 7)
+    x = distribute_tensor(full, row, [Shard(0)])
+    if mesh.get_coordinate()[0] == 1:
+        with CommDebugMode() as comm_mode:
+            assert x.sum().item() == full.sum().item()
+            _check(x[x > 0], full[full > 0], True)
+        assert comm_mode.get_comm_counts() == {"all_reduce": 1, "all_gather": 2}
+    dist.barrier()
+
+
+@spmd(meshes=[(4,)])
+def test_python_value_failing_on_the_mesh(mesh):
+    """An op failing on the mesh's ranks raises on the ranks outside too (its error is sent instead of
+    the value); a call refused by explicit-communication mode raises on every rank without sending."""
+    sub_mesh = DeviceMesh("cpu", MEMBERS)
+    x = distribute_tensor(_full((8,)), sub_mesh, [Shard(0)])
+    y = distribute_tensor(_full((8,)).float(), sub_mesh, [Shard(0)])
+    with CommDebugMode() as comm_mode:
+        with pytest.raises(RuntimeError, match="did not match"):
+            torch.allclose(x, y)
+    assert comm_mode.get_comm_counts() == ONE_MESH_SENDS
+    with CommDebugMode() as comm_mode:
+        with shardtensor.explicit_communication(), pytest.raises(RuntimeError, match="communicate implicitly"):
+            torch.equal(x, x)
+    assert comm_mode.get_comm_counts() == {}
+
+
+@spmd(meshes=[(4,)])
+def test_outside_rank_while_several_sub_meshes_send(mesh):
+    """Not SPMD: ranks 0-1 and 2 each read a value on their own mesh while rank 3 reads it outside the
+    first: two first ranks send, so rank 3 raises instead of reading one of them (no hang anywhere)."""
+    first, second = DeviceMesh("cpu", [0, 1]), DeviceMesh("cpu", [2])
+    own = second if dist.get_rank() == 2 else first
+    x = distribute_tensor(_full((4,)), own, [Shard(0)])
+    if dist.get_rank() == 3:
+        with pytest.raises(RuntimeError, match="2 ranks sent one"):
+            x.sum().item()
+    else:
+        assert x.sum().item() == _full((4,)).sum().item()

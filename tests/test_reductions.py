@@ -20,6 +20,8 @@ PARTIAL_CASES = [
     (lambda x: x.prod(0), "product"),
     (lambda x: x.amax(0), "max"),
     (lambda x: x.amin(0, keepdim=True), "min"),
+    (lambda x: x.amax(), "max"),  # no dim: every dim (the schema's default is an empty list)
+    (lambda x: x.amin(dim=()), "min"),
     (lambda x: x.max(), "max"),
     (lambda x: x.min(), "min"),
     (lambda x: (x > 0.3).any(0), "max"),

@@ -14,28 +14,24 @@ This layer is below the DTensor class: the class passes itself (`dtensor_class`)
 
 from __future__ import annotations
 
-import builtins
 import contextlib
-import dataclasses
+import functools
 import logging
 from collections import Counter
 
 import torch
-import torch.distributed as dist
 from torch._C import _increment_version
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 from . import ops  # noqa: F401  (registers every op family)
 from . import plan_cache, propagation
-from .comm import broadcast_object
 from .input_moves import KeptMoves, moved_local, moved_locals, with_kept_moves
 from .layout import Layout
 from .list_plans import ListPlan, is_multi_tensor, list_key
-from .mesh import world_mesh
 from .modes import describe, implicit_communication_error, is_explicit, is_strict
 from .ops.common import meta_like
 from .ops.foreach import canonical_arguments
-from .ops.registry import RULES
+from .ops.registry import RULES, functional_overload
 from .ops.sparse import sparse_layout_error
 from .placement import Replicate
 from .plain_tensors import created_by_torch, value_sign
@@ -48,6 +44,7 @@ from .random import same_draws_on_every_rank, skip_random_calls
 from .redistribute import redistribute_local_tensor
 from .rules import Decision, OpCall, PlainTensor, ReplicateFallback, ResizesWritten, TensorMeta
 from .spec import DTensorSpec
+from .sub_mesh import has_ranks_outside, received_from_mesh, sent_to_world
 from .write_back import (
     inplace_view, mark_views_of_copies, mutated, refuse_writes_into_views_of_copies, returns_view, write_back,
     write_resized, writes, written,
@@ -207,6 +204,11 @@ def _dispatch_slowly(dtensor_class: type, op, args: tuple, kwargs: dict, key: tu
     mutated_dtensors = mutated(dtensor_class, op, *tree_unflatten(flat, tree))
     refuse_writes_into_views_of_copies(op, mutated_dtensors)
     if rule is None:
+        functional = functional_overload(op)
+        if functional is not None and _shapes_depend_on_data(op, flat, tree, positions, dtensors):
+            # `nonzero(x, out=y)`: torch resizes `y` to a shape of the data's, which the fallback's write
+            # into `y`'s own shard cannot do: the functional op's result is given to `y` (on every rank)
+            return write_resized(dtensor_class, op, args, kwargs, *tree_unflatten(flat, tree), functional)
         return _fallback(dtensor_class, op, flat, tree, positions, dtensors, mutated_dtensors, mesh)
     metas = tuple(TensorMeta(tuple(dtensor.shape), dtensor._spec.stride, dtensor.dtype) for dtensor in dtensors)
     stand_ins = list(flat)
@@ -226,10 +228,17 @@ def _dispatch_slowly(dtensor_class: type, op, args: tuple, kwargs: dict, key: tu
             decision = decide(call, layouts, rule, (0,) * mesh.ndim, None)
         except ReplicateFallback as verdict:
             return _fallback(dtensor_class, op, flat, tree, positions, dtensors, mutated_dtensors, mesh, verdict)
-        if is_explicit() and decision.moves_inputs(layouts):
-            raise implicit_communication_error(op, dtensors, decision.input_layouts, "its sharding rule needs other layouts")
+        except ResizesWritten as resize:  # as on the mesh: the functional op, given to the written tensors
+            return write_resized(dtensor_class, op, args, kwargs, *tree_unflatten(flat, tree), resize.functional_op)
+        if is_explicit() and (decision.moves_inputs(layouts) or decision.local_collectives):  # as on the mesh
+            raise implicit_communication_error(
+                op, dtensors, decision.input_layouts, "its sharding rule needs other layouts or communicates",
+                decision.local_collectives,
+            )
+        if rule.returns_value:  # read from the data: the mesh's first rank sends it
+            return received_from_mesh(mesh, op)
         return _outside_mesh(dtensor_class, op, flat, tree, positions, dtensors, mesh, decision.output_layouts,
-                             rule.random_calls(call))
+                             rule.random_calls(call), decision.output_metas)
     coordinate = tuple(coordinate)
     modes = key_modes(op)
     try:
@@ -238,6 +247,9 @@ def _dispatch_slowly(dtensor_class: type, op, args: tuple, kwargs: dict, key: tu
         return _fallback(dtensor_class, op, flat, tree, positions, dtensors, mutated_dtensors, mesh, verdict)
     except ResizesWritten as resize:
         return write_resized(dtensor_class, op, args, kwargs, *tree_unflatten(flat, tree), resize.functional_op)
+    sends_value = rule.returns_value and has_ranks_outside(mesh)
+    if sends_value:  # every call sends its value to the ranks outside the mesh, which a plan would not do
+        key = None
     if modes and (decision.local_arguments is not None or decision.local_op is not None):
         raise _value_keys_error(op, rule)
     if key is not None and is_multi_tensor(op):
@@ -261,8 +273,9 @@ def _dispatch_slowly(dtensor_class: type, op, args: tuple, kwargs: dict, key: tu
     if decision.local_arguments is not None:
         flat, tree = _local_flat(flat, decision.local_arguments)
         positions = [index for index, value in enumerate(flat) if isinstance(value, dtensor_class)]
-    return _run(dtensor_class, op, flat, tree, positions, dtensors, mutated_dtensors, mesh, decision.input_layouts,
-                decision.output_layouts, decision.output_metas, decision.local_op)
+    run = functools.partial(_run, dtensor_class, op, flat, tree, positions, dtensors, mutated_dtensors, mesh,
+                            decision.input_layouts, decision.output_layouts, decision.output_metas, decision.local_op)
+    return sent_to_world(mesh, run) if sends_value else run()
 
 
 def _local_flat(flat: list, local_arguments: tuple[tuple, dict]) -> tuple[list, object]:
@@ -276,8 +289,8 @@ def _local_flat(flat: list, local_arguments: tuple[tuple, dict]) -> tuple[list, 
 def _fallback(dtensor_class: type, op, flat, tree, positions, dtensors, mutated_dtensors, mesh,
               verdict: ReplicateFallback | None = None):
     """No rule (or a rule's `verdict`): gather every input to Replicate, compute the single-device result,
-    return it. On a sub-mesh, an op whose output shapes depend on data (`_output_metas` is None) sends
-    them to the ranks outside the mesh, which cannot compute them (`_exchange_output_metas`)."""
+    return it. On a mesh that may have ranks outside (`sub_mesh.has_ranks_outside`), an op whose output
+    shapes depend on data (`_output_metas` is None) sends them to those ranks, which cannot compute them."""
     why = "has no sharding rule" if verdict is None else f"has no sharded way for these arguments ({verdict})"
     if is_strict():
         raise NotImplementedError(
@@ -298,17 +311,15 @@ def _fallback(dtensor_class: type, op, flat, tree, positions, dtensors, mutated_
     if name not in fallback_counts:
         logger.info("%s %s: gathering its inputs (%s) to Replicate", name, why, describe(dtensors))
     fallback_counts[name] += 1
-    data_dependent = mesh.size() < dist.get_world_size() and _shapes_depend_on_data(op, flat, tree, positions, dtensors)
-    try:
+    data_dependent = has_ranks_outside(mesh) and _shapes_depend_on_data(op, flat, tree, positions, dtensors)
+
+    def run():
         with same_draws_on_every_rank(mesh) if draws else contextlib.nullcontext():
-            result = _run(dtensor_class, op, flat, tree, positions, dtensors, mutated_dtensors, mesh, replicated, None, None)
-    except Exception as error:
-        if data_dependent:  # the ranks outside the mesh wait for the shapes: they raise the error instead
-            _exchange_output_metas(mesh, _FailedOnMesh(type(error).__name__, str(error)))
-        raise
-    if data_dependent:
-        _exchange_output_metas(mesh, tree_map_only(dtensor_class, _global_meta, result))
-    return result
+            return _run(dtensor_class, op, flat, tree, positions, dtensors, mutated_dtensors, mesh, replicated, None, None)
+
+    if data_dependent:  # the ranks outside the mesh wait for the outputs' shapes (or the op's error)
+        return sent_to_world(mesh, run, functools.partial(tree_map_only, dtensor_class, _global_meta))
+    return run()
 
 
 def _output_metas(op, flat, tree, positions, dtensors) -> tuple[object, dict[int, object]] | None:
@@ -327,8 +338,9 @@ def _output_metas(op, flat, tree, positions, dtensors) -> tuple[object, dict[int
 
 
 def _shapes_depend_on_data(op, flat, tree, positions, dtensors) -> bool:
-    """Whether the ranks outside the mesh will wait for the op's output metadata: asked before the op
-    runs, on the shapes they ask it with. Another error on meta tensors they raise without waiting."""
+    """Whether meta tensors cannot say the op's output shapes, so that the ranks outside a sub-mesh wait
+    for them: asked before the op runs, on the global shapes every rank has. Another error on meta
+    tensors is not that (the ranks outside raise it without waiting)."""
     try:
         return _output_metas(op, flat, tree, positions, dtensors) is None
     except Exception:
@@ -339,49 +351,24 @@ def _global_meta(dtensor) -> TensorMeta:
     return TensorMeta(tuple(dtensor.shape), dtensor._spec.stride, dtensor.dtype)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class _FailedOnMesh:
-    """What the mesh's first rank sends instead of a data-dependent op's output metadata when the op failed."""
-
-    kind: str
-    message: str
-
-    def error(self, op, mesh) -> Exception:
-        """The error for the ranks outside the mesh: the same builtin type (IndexError...), or a RuntimeError."""
-        kind = getattr(builtins, self.kind, None)
-        kind = kind if isinstance(kind, type) and issubclass(kind, Exception) else RuntimeError
-        return kind(f"{op} failed on the ranks of {mesh!r} (this rank is outside it): {self.kind}: {self.message}")
-
-
-def _exchange_output_metas(mesh, metas=None):
-    """The global metadata of a data-dependent op's outputs (`TensorMeta` in the outputs' structure),
-    from the mesh's first rank to every rank of the world, the mesh's ranks included (a collective
-    over the world: every rank calls it alike; the mesh's ranks pass `metas`, or `_FailedOnMesh`).
-
-    Only a sub-mesh calls this, so an op on a mesh over the whole world costs nothing more.
-    """
-    world = world_mesh(mesh.device_type)
-    first = int(mesh.mesh.flatten()[0])
-    return broadcast_object(metas if world.get_rank() == first else None, world, 0, src=first)
-
-
-def _outside_mesh(dtensor_class: type, op, flat, tree, positions, dtensors, mesh, output_layouts, random_calls: int):
+def _outside_mesh(dtensor_class: type, op, flat, tree, positions, dtensors, mesh, output_layouts, random_calls: int,
+                  output_metas: tuple | None = None):
     """The op on a rank outside the mesh: no data, only metadata.
 
     The op runs on meta tensors of the global shapes; outputs are DTensors with the layouts the
     mesh's ranks get (`output_layouts`, or the fallback's when None) and a local tensor without
-    elements, and in-place or `out=` ops return their DTensor argument. An op whose output shapes
-    depend on data (meta tensors cannot run it) receives them from the mesh's first rank, the one
-    communication of this path. A random op takes its `random_calls` numbers of the random counter
-    as the mesh's ranks do, so the counter stays in step.
+    elements, and in-place or `out=` ops return their DTensor argument. Where meta tensors cannot
+    run the op, a rule's decision has the outputs' metadata (`output_metas`: `histogram`'s rule says
+    them); without a rule the output shapes depend on data and the mesh's first rank sends them,
+    the one communication of this path. A random op takes its `random_calls` numbers of the random
+    counter as the mesh's ranks do, so the counter stays in step.
     """
     skip_random_calls(mesh, random_calls)
     computed = _output_metas(op, flat, tree, positions, dtensors)
-    if computed is None:  # only on the fallback's path: a rule's decision has evaluated the outputs on meta
-        received = _exchange_output_metas(mesh)
-        if isinstance(received, _FailedOnMesh):
-            raise received.error(op, mesh)
-        computed = received, {}
+    if computed is None and output_metas is not None:
+        computed = (output_metas[0] if len(output_metas) == 1 else tuple(output_metas)), {}
+    elif computed is None:
+        computed = received_from_mesh(mesh, op), {}
     result, arguments = computed
     outputs, output_tree = tree_flatten(result)
     wrapped = []

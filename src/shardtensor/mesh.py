@@ -67,7 +67,7 @@ class DeviceMesh:
     """
 
     def __init__(self, device_type: str, mesh, *, mesh_dim_names: tuple[str, ...] | None = None, _groups_exist=False,
-                 _user_group_tokens: tuple[int | None, ...] | None = None):
+                 _user_group_tokens: tuple[int | None, ...] | None = None, _sliced_from_world: bool = False):
         if device_type not in DEVICE_BACKENDS:
             raise _device_type_error(device_type)
         ranks = torch.as_tensor(mesh, dtype=torch.int64, device="cpu").detach().clone()
@@ -95,6 +95,9 @@ class DeviceMesh:
         # Per mesh dim, the token of the user's group (`from_group`), or None for the library's group.
         self._group_tokens = _user_group_tokens or (None,) * ranks.ndim
         self._hash = hash((device_type, tuple(flat), tuple(ranks.shape), names, self._generation, self._group_tokens))
+        # Sliced (`mesh["tp"]`) from a mesh over the whole world, maybe through other slices: every rank of
+        # the world is in this mesh or in a sibling it sliced for itself (`sub_mesh` reads this).
+        self._sliced_from_world = _sliced_from_world
         if not _groups_exist:
             for mesh_dim in range(ranks.ndim):
                 self._create_groups(mesh_dim)
@@ -257,7 +260,9 @@ class DeviceMesh:
         remaining = [mesh_dim for mesh_dim in range(self.ndim) if mesh_dim in kept]
         sub_ranks = self.mesh[tuple(index)].permute([remaining.index(mesh_dim) for mesh_dim in kept])
         tokens = tuple(self._group_tokens[mesh_dim] for mesh_dim in kept)
-        return DeviceMesh(self.device_type, sub_ranks, mesh_dim_names=names, _groups_exist=True, _user_group_tokens=tokens)
+        sliced_from_world = self._sliced_from_world or self.size() == dist.get_world_size()
+        return DeviceMesh(self.device_type, sub_ranks, mesh_dim_names=names, _groups_exist=True, _user_group_tokens=tokens,
+                          _sliced_from_world=sliced_from_world)
 
     # --- current-mesh stack, identity ------------------------------------------------------------
     def __enter__(self) -> DeviceMesh:

@@ -208,6 +208,9 @@ class ShardingRule:
     # rule's local arguments and local op must not depend on these values. Every argument not listed
     # decides with its value (views' sizes, dims, reduce ops...).
     value_keys: Mapping[str, str] = {}
+    # True: the op returns one Python value read from the data (`item()`, `equal`), which meta tensors
+    # cannot give; on a sub-mesh its ranks send it to the ranks outside (`sub_mesh`, from `dispatch`).
+    returns_value: bool = False
 
     def rows(self, call: OpCall) -> Sequence[Row]:
         raise NotImplementedError
@@ -219,7 +222,9 @@ class ShardingRule:
 
     def global_outputs(self, call: OpCall) -> list[TensorMeta | None]:
         """Global metadata of the op's outputs (None for a non-tensor one), from the op on meta
-        tensors; a rule whose op cannot run on them (`item()`) says what it returns."""
+        tensors; a rule whose op cannot run on them (`histogram`) says what it returns."""
+        if self.returns_value:
+            return [None]
         return run_on_meta(call.op, call.args, dict(call.kwargs))
 
     def local_arguments(

@@ -22,7 +22,8 @@ It does three things before the call reaches the aten level:
   aten op and give a local result of the same shape, stride and dtype (in place: its first argument).
 - **Data arguments.** Functions that read a tensor argument's values in C++ before any aten op
   sees it (`tensor_split`'s `indices_or_sections`) get the Python values a DTensor there stands
-  for (`full_tensor().tolist()`, the same on every rank).
+  for (`_tolist`, the same on every rank of the world); `x.tolist()` itself, which torch refuses
+  for tensor subclasses, returns them too.
 - **Tensors torch creates.** While the outermost public call runs, plain tensors that torch
   creates inside it from global metadata (the causal mask of `scaled_dot_product_attention`'s
   math path, `combinations`' mask, `matrix_rank`'s tolerance) are read as Replicate
@@ -50,6 +51,7 @@ from .plan_cache import (
     Recording, counts_of, fast_key, function_key_modes, function_plans, key_modes, recording, store_function_plan,
 )
 from .spec import DTensorSpec
+from .sub_mesh import has_ranks_outside, received_from_mesh, sent_to_world
 from .write_back import returns_view, written
 
 __all__ = ["torch_function", "fast_path_enabled"]
@@ -181,6 +183,8 @@ def _multi_tensor_call(cls, function, args: tuple, kwargs: dict):
 
 def _call(cls, function, args: tuple, kwargs: dict, key: tuple | None):
     """The normal path: data arguments read, the call marked as outermost, learnt if it qualifies."""
+    if function is torch.Tensor.tolist and len(args) == 1 and not kwargs:
+        return _tolist(args[0])
     rewrite = FUNCTION_REWRITES.get(function)
     rewritten = rewrite(args, kwargs) if rewrite is not None else None
     if rewritten is not None:  # never learnt: the function itself would run the decomposition
@@ -332,11 +336,23 @@ _DATA_ARGUMENTS = {
 
 def _as_values(cls, value):
     """A DTensor argument read as data: the Python value(s) it holds, the same on every rank."""
-    if not isinstance(value, cls):
-        return value
-    full = value.full_tensor()
-    with _disabled():
-        return full.tolist()
+    return _tolist(value) if isinstance(value, cls) else value
+
+
+def _tolist(dtensor) -> list:
+    """`Tensor.tolist`, which torch refuses for tensor subclasses (torch's DTensor too): the whole
+    tensor's values, the same on every rank of the world (on a sub-mesh, its first rank sends them
+    to the ranks outside it: their data-free DTensor has no values to list)."""
+    mesh = dtensor.device_mesh
+    if mesh.get_coordinate() is None:
+        return received_from_mesh(mesh, torch.Tensor.tolist)
+
+    def values() -> list:
+        full = dtensor.full_tensor()
+        with _disabled():
+            return full.tolist()
+
+    return sent_to_world(mesh, values) if has_ranks_outside(mesh) else values()
 
 
 def _read_data_arguments(cls, reader, args: tuple, kwargs: dict):

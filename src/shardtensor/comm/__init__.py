@@ -28,12 +28,12 @@ from __future__ import annotations
 
 from .collectives import all_gather, all_gather_into, all_reduce, all_to_all, broadcast, reduce_scatter, scatter
 from .handles import CommHandle
-from .objects import all_gather_object, broadcast_object
+from .objects import all_gather_object, broadcast_object, share_object
 from .point_to_point import PointToPoint, batch_p2p, recv, send
 from .records import CommRecord, call_counts, observe
 
 __all__ = [
     "CommRecord", "CommHandle", "PointToPoint", "observe", "call_counts",
     "all_gather", "all_gather_into", "all_to_all", "all_reduce", "reduce_scatter", "broadcast", "scatter",
-    "all_gather_object", "broadcast_object", "send", "recv", "batch_p2p",
+    "all_gather_object", "broadcast_object", "share_object", "send", "recv", "batch_p2p",
 ]

@@ -83,7 +83,7 @@ class ReductionRule(ShardingRule):
     def reduced_dims(self, call: OpCall) -> tuple[int, ...]:
         ndim = call.inputs[0].ndim
         dims = call.argument("dim")
-        if dims is None or dims == ():
+        if dims is None or dims == () or dims == []:  # `[]` is the schema's default of `amax(dim=[])`
             return tuple(range(ndim))
         dims = (dims,) if isinstance(dims, int) else dims
         return tuple(sorted({normalized_dim(dim, ndim) for dim in dims}))
@@ -237,9 +237,12 @@ class AllElementsRule(ShardingRule):
     """equal / allclose -> a Python bool: the inputs shard alike (broadcasting like pointwise) or stay
     Replicate; sharded, each rank answers for its shards and one all_reduce(min) of a bool over the
     sharded mesh dims gives every rank the answer for the whole tensors. A Partial is reduced first.
-    `equal` of tensors of different shapes is False wherever they lie: nothing moves."""
+    `equal` of tensors of different shapes is False wherever they lie: nothing moves. On a sub-mesh
+    the ranks outside it get the answer too, sent by the mesh (`sub_mesh`; torch's DTensor instead
+    all_reduces equal's answer over the whole world on every call, whatever the mesh)."""
 
     __name__ = "all_elements"
+    returns_value = True
 
     def rows(self, call: OpCall) -> Sequence[Row]:
         # A sharded row ANDs every shard's answer: one all_reduce of a bool (declared per mesh dim;
@@ -252,9 +255,6 @@ class AllElementsRule(ShardingRule):
             return self.rows(call)
         first, second = ({*layout.placements} for layout in layouts)
         return [Row((), (one, other)) for one in first for other in second]
-
-    def global_outputs(self, call: OpCall) -> list:
-        return [None]  # a bool; the op does not run on meta tensors
 
     def local_op(self, call: OpCall, input_layouts: Sequence[Layout], coordinate: Sequence[int]):
         if self._unequal_shapes(call):

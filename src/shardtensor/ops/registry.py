@@ -11,6 +11,7 @@ moving Replicate to Shard is free, so on a tie the rule's order keeps a Replicat
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterable
 
 import torch
@@ -23,7 +24,8 @@ from ..rules import (
 from .common import one_input_row
 
 __all__ = [
-    "RULES", "FUNCTION_REWRITES", "register_rule", "register_function_rewrite", "register_variants", "InPlaceVariantRule", "same_layout", "like_factory", "pointwise",
+    "RULES", "FUNCTION_REWRITES", "register_rule", "register_function_rewrite", "register_variants",
+    "functional_overload", "InPlaceVariantRule", "same_layout", "like_factory", "pointwise",
 ]
 
 aten = torch.ops.aten
@@ -133,10 +135,9 @@ def register_variants() -> None:
         if not isinstance(packet, torch._ops.OpOverloadPacket):
             continue
         overloads = [getattr(packet, overload) for overload in packet.overloads()]
-        out_names_of = {overload: OutVariantRule.out_names_of(overload) for overload in overloads}
-        functional = {_argument_signature(overload): overload for overload in overloads if not out_names_of[overload]}
+        functional = _functional_by_signature(packet)
         for overload in overloads:
-            out_names = out_names_of[overload]
+            out_names = OutVariantRule.out_names_of(overload)
             match = functional.get(_argument_signature(overload, out_names)) if out_names else None
             if match not in RULES or RULES.get(overload, RULES[match]) is not RULES[match]:
                 continue  # no functional rule, or an out= rule of its own
@@ -151,6 +152,25 @@ def register_variants() -> None:
                 if overload not in RULES and match in RULES and torch.Tag.inplace_view not in overload.tags:
                     RULES[overload] = InPlaceVariantRule(match, RULES)
     clear_cache()
+
+
+@functools.cache
+def functional_overload(overload):
+    """The functional overload of an `out=` overload (`nonzero.default` of `nonzero.out`), as
+    `register_variants` matches them; None for an overload without out tensors or without a match."""
+    out_names = OutVariantRule.out_names_of(overload)
+    if not out_names:
+        return None
+    packet = getattr(aten, overload._schema.name.split("::")[1])
+    return _functional_by_signature(packet).get(_argument_signature(overload, out_names))
+
+
+def _functional_by_signature(packet) -> dict:
+    """The packet's overloads without out tensors, by their arguments' names and types."""
+    overloads = [getattr(packet, overload) for overload in packet.overloads()]
+    return {
+        _argument_signature(overload): overload for overload in overloads if not OutVariantRule.out_names_of(overload)
+    }
 
 
 def _argument_signature(overload, leave_out: tuple[str, ...] = ()) -> tuple:

@@ -16,7 +16,7 @@ import torch
 
 from ..layout import Layout
 from ..placement import REDUCE_OPS, Partial, Replicate, Shard
-from ..rules import OpCall, Row, ShardingRule, TensorMeta, run_on_meta
+from ..rules import OpCall, Row, ShardingRule, run_on_meta
 from .common import dim_argument, normalized_dim
 from .registry import register_rule
 
@@ -241,16 +241,17 @@ def fill_rows(call: OpCall) -> list[Row]:
 
 
 class LocalScalarRule(ShardingRule):
-    """_local_scalar_dense (`item()`): a one-element tensor read on every rank, so it is made
-    Replicate first (a Partial is reduced, a shard gathered) and every rank returns the same number."""
+    """_local_scalar_dense (`item()`, `float(x)`, `bool(x)`): a one-element tensor read on every rank,
+    so it is made Replicate first (a Partial is reduced, a shard gathered) and every rank returns the
+    same number. On a sub-mesh the ranks outside it get that number too, sent by the mesh (torch's
+    DTensor gives them None): SPMD code that branches on it (`if loss.item() > 0`, `if t.any()`)
+    then takes the same branch, and so issues the same collectives, on every rank of the world."""
 
     __name__ = "_local_scalar_dense"
+    returns_value = True
 
     def rows(self, call: OpCall) -> list[Row]:
         return [Row((), (Replicate(),))]
-
-    def global_outputs(self, call: OpCall) -> list[TensorMeta | None]:
-        return [None]  # a Python number, which meta tensors cannot produce
 
 
 SHAPE_RULES: list[tuple[list, object]] = [
