@@ -82,7 +82,6 @@ def share_object(obj: Any, mesh: DeviceMesh, mesh_dim: int | str) -> tuple[int, 
     senders, source, length = all_reduce(header, mesh, mesh_dim, reduce_op="sum").tolist()
     if senders != 1:
         return senders, None
-    if payload is None:
-        payload = torch.empty(length, dtype=torch.uint8)
-    data = broadcast(payload.to(mesh.device_type), mesh, mesh_dim, src=source).cpu()
+    payload = torch.empty(length, dtype=torch.uint8, device=mesh.device_type) if payload is None else payload.to(mesh.device_type)
+    data = broadcast(payload, mesh, mesh_dim, src=source).cpu()
     return 1, obj if obj is not None else pickle.loads(data.numpy().tobytes())
