@@ -62,7 +62,9 @@ _autocast = torch._C._is_any_autocast_enabled
 _any_requires_grad = torch._C._any_requires_grad  # reads `requires_grad` without coming back here
 _increment_version = torch._C._increment_version
 _NO_KEYWORDS: dict = {}
-_GETTER = types.MethodWrapperType  # `.shape`, `.requires_grad`...: `getset_descriptor.__get__`
+_GETTER = types.MethodWrapperType  # `.shape`, `.requires_grad`...: `getset_descriptor.__get__` (or `__set__`)
+# `x.data = y` (what `module.to(dtype)` does to every parameter and gradient): equal to every binding of it.
+_SET_DATA = vars(torch._C.TensorBase)["data"].__set__
 
 
 class _FunctionPlan:
@@ -102,7 +104,10 @@ def torch_function(cls, function, types, args=(), kwargs=None):
         return _multi_tensor_call(cls, function, args, kwargs or _NO_KEYWORDS)
     if type(function) is _GETTER:
         with _disabled():
-            return function(*args)
+            result = function(*args)
+        if function == _SET_DATA and type(args[1]) is cls:
+            args[0]._take_value_of(args[1])  # torch copied the wrapper's metadata; the shard and spec follow
+        return result
     metadata = METADATA_FUNCTIONS.get(function)
     if metadata is not None:
         if len(args) == 1 and not kwargs and type(args[0]) is cls:
