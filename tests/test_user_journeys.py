@@ -5,13 +5,21 @@ Activation checkpointing with fully_shard: torchtitan wraps each block in `check
 `fully_shard`; others call `torch.utils.checkpoint.checkpoint` on a sharded module, or on a region
 holding several units. The recomputation runs a forward inside backward: the gathered parameters must
 be the ones it sees, and it must neither reshard them before backward reads them nor gather again.
+
+A penalty on sharded parameters added to a data-parallel loss: the loss is this rank's plain scalar,
+the penalty a DTensor, so the sum is a DTensor and its gradient must reach the plain graph that made
+the loss as this rank's plain tensor (ops there save rank-local tensors, such as token ids).
 """
+
+import copy
 
 import pytest
 import torch
 from spmd import spmd
 from test_fsdp import Model, _assert_same_parameters, _batches, _kinds, _local_batch, _loss, _model, _train_reference
+from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+from torch.testing import assert_close
 from torch.utils.checkpoint import checkpoint
 
 from shardtensor import comm
@@ -72,4 +80,43 @@ def test_activation_checkpointing_with_fully_shard_trains_like_one_device(mesh, 
         assert _kinds(backward) == expected, _kinds(backward)
         optimizer.step()
         optimizer.zero_grad()
+    _assert_same_parameters(model, reference)
+
+
+class _Tagger(nn.Module):
+    """Token embedding (11 rows: 6 and 5 over 2 ranks) and a linear head."""
+
+    def __init__(self):
+        super().__init__()
+        self.embedding = nn.Embedding(11, 6, dtype=torch.float64)
+        self.head = nn.Linear(6, 5, dtype=torch.float64)
+
+    def forward(self, tokens):
+        return self.head(self.embedding(tokens))
+
+
+def _penalized_loss(model, tokens, targets):
+    loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
+    return loss + 0.01 * sum(parameter.pow(2).sum() for parameter in model.parameters())
+
+
+@spmd(meshes=[(2,)])
+def test_a_penalty_on_sharded_parameters_added_to_the_loss_trains_like_one_device(mesh):
+    rank, ranks = mesh.get_rank(), mesh.size()
+    torch.manual_seed(0)
+    reference = _Tagger()
+    model = fully_shard(copy.deepcopy(reference), mesh=mesh)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        tokens, targets = torch.randint(0, 11, (4, 3), generator=generator), torch.randint(0, 5, (4, 3), generator=generator)
+        _penalized_loss(model, tokens.chunk(ranks)[rank], targets.chunk(ranks)[rank]).backward()
+        _penalized_loss(reference, tokens, targets).backward()
+        for (name, parameter), expected in zip(model.named_parameters(), reference.parameters(), strict=True):
+            assert_close(parameter.grad.full_tensor(), expected.grad, msg=lambda message, name=name: f"{name}: {message}")
+        optimizer.step()
+        reference_optimizer.step()
+        optimizer.zero_grad()
+        reference_optimizer.zero_grad()
     _assert_same_parameters(model, reference)
