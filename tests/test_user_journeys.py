@@ -8,7 +8,8 @@ be the ones it sees, and it must neither reshard them before backward reads them
 
 A penalty on sharded parameters added to a data-parallel loss: the loss is this rank's plain scalar,
 the penalty a DTensor, so the sum is a DTensor and its gradient must reach the plain graph that made
-the loss as this rank's plain tensor (ops there save rank-local tensors, such as token ids).
+the loss as this rank's plain tensor (ops there save rank-local tensors, such as token ids); a plain
+0-d parameter (a learnable temperature) mixed with DTensors gets a plain gradient.
 """
 
 import copy
@@ -24,6 +25,7 @@ from torch.utils.checkpoint import checkpoint
 
 from shardtensor import comm
 from shardtensor.fsdp import fully_shard
+from shardtensor.parallel import ColwiseParallel, parallelize_module
 
 
 class _CheckpointedBlocks(Model):
@@ -120,3 +122,28 @@ def test_a_penalty_on_sharded_parameters_added_to_the_loss_trains_like_one_devic
         optimizer.zero_grad()
         reference_optimizer.zero_grad()
     _assert_same_parameters(model, reference)
+
+
+class _TemperatureHead(nn.Module):
+    """A tensor-parallel head divided by a learnable 0-d temperature that stays a plain parameter."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(4, 6, dtype=torch.float64)
+        self.temperature = nn.Parameter(torch.tensor(2.0, dtype=torch.float64))
+
+    def forward(self, x):
+        return (self.head(x) / self.temperature).pow(2).sum()
+
+
+@spmd(meshes=[(2,)])
+def test_a_plain_scalar_parameter_mixed_with_dtensors_gets_its_plain_gradient(mesh):
+    torch.manual_seed(0)
+    reference = _TemperatureHead()
+    model = parallelize_module(copy.deepcopy(reference), mesh, {"head": ColwiseParallel(use_local_output=False)})
+    inputs = torch.randn(3, 4, dtype=torch.float64)
+    model(inputs).backward()
+    reference(inputs).backward()
+    assert type(model.temperature.grad) is torch.Tensor  # not a DTensor in a plain parameter's .grad
+    assert_close(model.temperature.grad, reference.temperature.grad)
+    assert_close(model.head.weight.grad.full_tensor(), reference.head.weight.grad)
