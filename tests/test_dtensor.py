@@ -202,6 +202,26 @@ def test_repr_shows_layout(mesh):
     assert "device_mesh=" in text
 
 
+@spmd(meshes=[(2,), (2, 2)])
+def test_assigning_data_swaps_the_shard_and_layout_as_module_to_dtype_does(mesh):
+    """`module.to(dtype)` sets `param.data` (and `grad.data`) to the converted DTensor: the shard, its
+    dtype and the layout must follow the wrapper, or the parameter says float64 while holding float32."""
+    full = torch.arange(7.0 * 6).reshape(7, 6)
+    linear = torch.nn.Linear(6, 7)
+    with torch.no_grad():
+        linear.weight.copy_(full)
+    linear.weight = torch.nn.Parameter(distribute_tensor(linear.weight.detach(), mesh, [Shard(0)] * mesh.ndim))
+    linear.weight.grad = distribute_tensor(full, mesh, [Shard(0)] * mesh.ndim)
+    linear.double()
+    for tensor in (linear.weight, linear.weight.grad):
+        assert tensor.dtype == tensor.to_local().dtype == torch.float64
+        assert torch.equal(tensor.full_tensor(), full.double())
+    parameter = linear.weight
+    parameter.data = distribute_tensor(full.t().contiguous(), mesh, [Replicate()] * mesh.ndim)
+    assert linear.weight is parameter and parameter.placements == (Replicate(),) * mesh.ndim
+    assert parameter.shape == (6, 7) and torch.equal(parameter.to_local(), full.t())
+
+
 # ---- plain tensors that torch itself mixes in: one_hot's arange, backward formulas' ones/zeros -----
 
 

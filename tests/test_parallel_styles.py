@@ -127,6 +127,41 @@ def test_sequence_parallel_norm_and_dropout_on_an_uneven_sequence(mesh):
     assert output.sharding.pieces[1] == chunk_sizes(7, tp.size())
 
 
+class _LlamaRMSNorm(nn.Module):
+    """The RMSNorm written in Python by Llama (and PyTorch's tensor-parallel tutorial), not nn.RMSNorm."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+@spmd(meshes=[(2,), (4,)])
+def test_sequence_parallel_lays_out_a_norm_written_in_python(mesh):
+    """PyTorch's SequenceParallel takes any module (its docs name Llama's Python RMSNorm): so does ours."""
+
+    class Stack(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embedding = nn.Embedding(13, 8)
+            self.norm = _LlamaRMSNorm(8)
+            self.head = nn.Linear(8, 5)
+
+        def forward(self, tokens):
+            return self.head(self.norm(self.embedding(tokens)))
+
+    plan = {
+        "embedding": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False),
+        "norm": SequenceParallel(),
+        "head": ColwiseParallel(input_layouts=Shard(1)),
+    }
+    model = train_and_compare(mesh, Stack, plan, _indices(13, 2, 7), output_placements=[Shard(-1)])
+    assert model.norm.weight.placements == (Replicate(),)
+
+
 @spmd(meshes=[(2,), (4,)])
 def test_sequence_parallel_norm_gradients_are_replicate_after_one_all_reduce(mesh):
     """Under torch's SequenceParallel the LayerNorm weight and bias gradients come out Partial(sum),
@@ -246,8 +281,6 @@ def test_parallelize_module_with_wildcards_and_nested_plans(mesh):
 def test_plan_errors_name_the_module_and_the_style(mesh):
     with pytest.raises(UnsupportedModuleError, match=r"'layers.0.norm'.*ColwiseParallel.*LayerNorm"):
         parallelize_module(Stack(), mesh, {"layers.*.norm": ColwiseParallel()})
-    with pytest.raises(UnsupportedModuleError, match=r"SequenceParallel.*Linear"):
-        parallelize_module(nn.Linear(2, 2), mesh, SequenceParallel())
     with pytest.raises(KeyError, match=r"'layers.0.attention' matches no submodule.*\['norm', 'mlp'\]"):
         parallelize_module(Stack(), mesh, {"layers.0.attention": ColwiseParallel()})
     with pytest.raises(TypeError, match="ParallelStyle"):

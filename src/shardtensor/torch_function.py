@@ -46,6 +46,7 @@ from .gradients import watch_leaves
 from .list_plans import is_multi_tensor_function, learn_function, list_key
 from .ops.common import meta_like
 from .ops.registry import FUNCTION_REWRITES
+from .placement import Replicate
 from .plain_tensors import outermost_call
 from .plan_cache import (
     Recording, counts_of, fast_key, function_key_modes, function_plans, key_modes, recording, store_function_plan,
@@ -64,7 +65,9 @@ _autocast = torch._C._is_any_autocast_enabled
 _any_requires_grad = torch._C._any_requires_grad  # reads `requires_grad` without coming back here
 _increment_version = torch._C._increment_version
 _NO_KEYWORDS: dict = {}
-_GETTER = types.MethodWrapperType  # `.shape`, `.requires_grad`...: `getset_descriptor.__get__`
+_GETTER = types.MethodWrapperType  # `.shape`, `.requires_grad`...: `getset_descriptor.__get__` (or `__set__`)
+# `x.data = y` (what `module.to(dtype)` does to every parameter and gradient): equal to every binding of it.
+_SET_DATA = vars(torch._C.TensorBase)["data"].__set__
 
 
 class _FunctionPlan:
@@ -105,7 +108,10 @@ def torch_function(cls, function, types, args=(), kwargs=None):
         return _multi_tensor_call(cls, function, args, kwargs or _NO_KEYWORDS)
     if type(function) is _GETTER:
         with _disabled():
-            return function(*args)
+            result = function(*args)
+        if function == _SET_DATA and type(args[1]) is cls:
+            args[0]._take_value_of(args[1])  # torch copied the wrapper's metadata; the shard and spec follow
+        return result
     metadata = METADATA_FUNCTIONS.get(function)
     if metadata is not None:
         if len(args) == 1 and not kwargs and type(args[0]) is cls:
@@ -146,9 +152,43 @@ def torch_function(cls, function, types, args=(), kwargs=None):
         # Known to run from cached aten plans only, so no plain tensor gets mixed in: no need to
         # mark the call for `created_by_torch`.
         watch_leaves(cls, args, kwargs)
+        replicated = _plain_scalars_as_replicate(cls, args, kwargs)
+        if replicated is not None:
+            return _call(cls, function, *replicated, None)
         return _run_normally(function, types, args, kwargs)
     watch_leaves(cls, args, kwargs)
+    replicated = _plain_scalars_as_replicate(cls, args, kwargs)
+    if replicated is not None:  # never learnt: the plan would have a DTensor where later calls pass a plain tensor
+        return _call(cls, function, *replicated, None)
     return _call(cls, function, args, kwargs, key)
+
+
+def _plain_scalars_as_replicate(cls, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """The arguments with each one-element plain tensor that requires grad made a Replicate DTensor by
+    `from_local` (None if there is none). The dispatcher reads such a tensor as Replicate anyway; made
+    by `from_local`, its gradient comes back as this rank's plain tensor. So a data-parallel loss plus a
+    DTensor term (a penalty on sharded parameters) sends plain gradients into the plain graph that made
+    the loss, instead of DTensors that its ops would read its saved, rank-local tensors with as Replicate."""
+    # One loop per container and no helper call: this runs on every call that records autograd history.
+    for value in args:
+        if type(value) is not cls and isinstance(value, torch.Tensor) and value.requires_grad and value.numel() == 1:
+            break
+    else:
+        for value in kwargs.values():
+            if type(value) is not cls and isinstance(value, torch.Tensor) and value.requires_grad and value.numel() == 1:
+                break
+        else:
+            return None
+    if not _grad_enabled():
+        return None
+    mesh = next(value for value in (*args, *kwargs.values()) if type(value) is cls).device_mesh
+
+    def replicated(value):
+        if type(value) is cls or not isinstance(value, torch.Tensor) or not value.requires_grad or value.numel() != 1:
+            return value
+        return cls.from_local(value, mesh, [Replicate()] * mesh.ndim, shape=tuple(value.shape))
+
+    return tuple(replicated(value) for value in args), {name: replicated(value) for name, value in kwargs.items()}
 
 
 def _multi_tensor_call(cls, function, args: tuple, kwargs: dict):

@@ -7,6 +7,11 @@ is where the unit's one reduce-scatter starts. The post-hook puts the sharded pa
 frees the unsharded ones (`reshard_after_forward`) and hooks the outputs' gradients to re-gather
 before the unit's backward (and prefetch the one after it). The root's backward ends with a
 callback that finishes what is left (HSDP all-reduces, resharding).
+
+Activation checkpointing recomputes forwards inside backward: a unit about to run backward shows its
+gathered parameters on its modules (a `checkpoint_wrapper` inside the unit recomputes without our
+hooks), and a forward hook that runs during backward only registers gathered parameters: it neither
+prefetches nor reshards (the backward still reads them) nor hooks gradients.
 """
 
 from __future__ import annotations
@@ -68,6 +73,7 @@ class TrainingContext:
         self.next_in_backward: dict[ParameterUnit, ParameterUnit] = {}
         self.reductions: list[Reduction] = []
         self.backward_queued = False
+        self.in_backward = False  # a forward hook that runs now is activation checkpointing's recomputation
 
     # ---- forward ----------------------------------------------------------------------------------
 
@@ -102,10 +108,13 @@ class TrainingContext:
     def pre_backward(self, unit: ParameterUnit) -> None:
         """The gradient of one of the unit's outputs is ready: its backward is next, so gather it now."""
         self.queue_end_of_backward()
+        self.in_backward = True
         for gathered in [unit, *self.backward_prefetch(unit)]:
             if gathered.unshard_in_backward:
                 gathered.unshard(async_op=True)
         unit.wait_for_unshard()
+        if unit.is_gathered:
+            show_gathered(unit, self)
 
     def post_backward(self, unit: ParameterUnit, grads) -> list:
         """Every gradient of the unit is computed: start its reduction, free its parameters."""
@@ -117,6 +126,7 @@ class TrainingContext:
         if unit.reshard_after_backward:
             unit.reshard()
         unit.clear_forward_tensors()
+        unit.register_at_rest()
         return results
 
     def start_replicate_reductions(self) -> None:
@@ -132,18 +142,21 @@ class TrainingContext:
 
     def end_backward(self) -> None:
         self.backward_queued = False
+        self.in_backward = False
         self.start_replicate_reductions()
         for unit in self.units:
             unit.wait_for_unshard()
             if unit.reshard_after_backward:
                 unit.reshard()
             unit.clear_forward_tensors()
+            unit.register_at_rest()
 
     def reset(self) -> None:
         """Forget a step an exception cut short: every unit resharded, orders and pending reductions dropped
         (the next forward starts a new step; its gradients are those of the steps that finished)."""
         self.in_forward = False
         self.backward_queued = False
+        self.in_backward = False
         self.forward_order.clear()
         self.post_forward_order.clear()
         self.reductions.clear()
@@ -193,15 +206,26 @@ def _forward_tensors(unit: ParameterUnit, context: TrainingContext) -> Callable[
     return make
 
 
+def show_gathered(unit: ParameterUnit, context: TrainingContext) -> None:
+    """Register the gathered parameters on the unit's modules, requiring grad as in forward, for a
+    forward recomputed in backward (its saved tensors must be those of the original forward)."""
+    with torch.enable_grad():
+        unit.register(unit.forward_tensors(_forward_tensors(unit, context)))
+
+
 def pre_forward(unit: ParameterUnit, module: nn.Module, args, kwargs):
     """Forward pre-hook: gather (overlapping the next unit's gather), register the unsharded parameters."""
     context = _context_for(unit, module)
-    if unit is context.root and not context.in_forward:
-        context.begin_forward()
     policy = unit.mp_policy
     if policy.param_dtype is not None and policy.cast_forward_inputs:
         cast = _cast_floating(policy.param_dtype)
         args, kwargs = map_tensors(cast, args), map_tensors(cast, kwargs)
+    if context.in_backward:
+        unit.unshard()
+        show_gathered(unit, context)
+        return args, kwargs
+    if unit is context.root and not context.in_forward:
+        context.begin_forward()
     unit.unshard(async_op=True)
     for following in context.forward_prefetch(unit):
         following.unshard(async_op=True)
@@ -214,6 +238,8 @@ def pre_forward(unit: ParameterUnit, module: nn.Module, args, kwargs):
 def post_forward(unit: ParameterUnit, module: nn.Module, args, output):
     """Forward post-hook: sharded parameters back, free the unsharded ones, hook the outputs' gradients."""
     context = unit.context
+    if context.in_backward:
+        return _cast_output(unit, output)
     context.post_forward_order.append(unit)
     unit.finished_forward_modules.add(id(module))
     if unit.reshard_after_forward and len(unit.finished_forward_modules) == len(unit.modules):
@@ -224,8 +250,13 @@ def post_forward(unit: ParameterUnit, module: nn.Module, args, output):
         needing_grad = _tensors_requiring_grad(output)
         if needing_grad:
             torch.autograd.graph.register_multi_grad_hook(needing_grad, lambda grads: context.pre_backward(unit), mode="any")
-    if unit.mp_policy.output_dtype is not None:
-        output = map_tensors(_cast_floating(unit.mp_policy.output_dtype), output)
+    output = _cast_output(unit, output)
     if unit is context.root and context.in_forward:
         context.end_forward()
     return output
+
+
+def _cast_output(unit: ParameterUnit, output):
+    if unit.mp_policy.output_dtype is None:
+        return output
+    return map_tensors(_cast_floating(unit.mp_policy.output_dtype), output)

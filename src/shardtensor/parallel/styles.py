@@ -26,7 +26,6 @@ from .style import (
     distribute_parameters,
     linear_input_sizes,
     linear_or_embedding,
-    unsupported_module_error,
 )
 
 __all__ = ["ColwiseParallel", "RowwiseParallel", "SequenceParallel"]
@@ -104,12 +103,10 @@ class RowwiseParallel(ParallelStyle):
         )
 
 
-_SEQUENCE_MODULES = (nn.LayerNorm, nn.RMSNorm, nn.Dropout)
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SequenceParallel(ParallelStyle):
-    """Run a norm or dropout on activations sharded along `sequence_dim` (default 1).
+    """Run a position-wise module (a norm, dropout, or one written in Python such as Llama's RMSNorm)
+    on activations sharded along `sequence_dim` (default 1); any module is accepted, as in PyTorch.
 
     Parameters are replicated; each rank sees part of the sequence, so their gradients arrive as
     partial sums and are reduced into Replicate gradients when backward ends (one all_reduce with
@@ -122,14 +119,6 @@ class SequenceParallel(ParallelStyle):
     use_local_output: bool = False
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        if not isinstance(module, _SEQUENCE_MODULES):
-            raise unsupported_module_error(
-                self,
-                module,
-                _SEQUENCE_MODULES,
-                "For another position-wise module, fix its input/output layouts with PrepareModuleInput and "
-                "PrepareModuleOutput and distribute its parameters with distribute_module.",
-            )
         check_tp_mesh(device_mesh, type(self).__name__)
         sequence = (Shard(self.sequence_dim),)
         return distribute_parameters(
