@@ -9,7 +9,7 @@ from spmd import spmd
 from torch import nn
 from torch.testing import assert_close
 
-from shardtensor import DTensor, Replicate, Shard, comm, distribute_tensor, init_device_mesh
+from shardtensor import DTensor, Replicate, Shard, comm, distribute_tensor, explicit_communication, init_device_mesh
 from shardtensor.layout import chunk_sizes
 from shardtensor.parallel import (
     ColwiseParallel,
@@ -184,18 +184,55 @@ def test_sequence_parallel_norm_gradients_are_replicate_after_one_all_reduce(mes
 
 
 @spmd(meshes=[(2,), (4,)])
-def test_a_plain_tensor_of_unknown_global_size_raises_instead_of_communicating(mesh):
+def test_a_plain_tensor_of_unknown_global_size_learns_it_from_every_rank(mesh):
+    """A plain tensor that did not come out of a style (a residual sum) has no known global size: the
+    style learns the exact uneven shapes from every rank (two all_gathers, as `from_local` infers
+    them), or raises under explicit_communication() without communicating. A DTensor needs neither."""
     norm = parallelize_module(nn.LayerNorm(4), mesh, SequenceParallel())
-    untagged = torch.randn(2, 3, 4)  # this rank's shard of what? A residual sum loses the style's tag.
-    with comm.observe() as records, pytest.raises(ValueError, match="global size along dim 1 is unknown"):
-        norm(untagged)
+    full = torch.randn(2, 7, 4)  # 7 over 2 or 4 ranks: uneven shards
+    local = distribute_tensor(full, mesh, [Shard(1)]).to_local().clone()  # untagged: a residual sum loses the tag
+    with comm.observe() as records:
+        output = norm(local)
+    assert [record.kind for record in records] == ["all_gather", "all_gather"]
+    assert output.placements == (Shard(1),) and output.shape == full.shape
+    assert_close(output.full_tensor(), nn.functional.layer_norm(full, (4,)))
+    with comm.observe() as records, explicit_communication(), pytest.raises(ValueError, match="global size along dim 1"):
+        norm(local)
     assert list(records) == []
-    # A DTensor is fine and a replicated one is moved to the sequence shards.
-    full = torch.randn(2, 7, 4)
-    for placements in ([Shard(1)], [Replicate()]):
+    for placements in ([Shard(1)], [Replicate()]):  # a replicated DTensor is moved to the sequence shards
         output = norm(distribute_tensor(full, mesh, placements))
         assert output.placements == (Shard(1),)
         assert_close(output.full_tensor(), nn.functional.layer_norm(full, (4,)))
+
+
+@spmd(meshes=[(2,), (4,)])
+def test_the_tensor_parallel_tutorial_s_local_residual_stream_trains_like_one_device(mesh):
+    """PyTorch's tensor-parallel tutorial keeps its residual stream as local tensors (the styles'
+    default `use_local_output=True`) and adds them: `x + attention(norm(x))`. Sizes of the residual
+    sums are learnt from every rank (uneven sequence 7 over 2 and 4 ranks); values equal one device."""
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embedding = nn.Embedding(13, 8)
+            self.norm = _LlamaRMSNorm(8)
+            self.up = nn.Linear(8, 12)
+            self.down = nn.Linear(12, 8)
+            self.final_norm = nn.LayerNorm(8)
+
+        def forward(self, tokens):
+            x = self.embedding(tokens)
+            x = x + self.down(F.silu(self.up(self.norm(x))))
+            return self.final_norm(x)
+
+    plan = {
+        "embedding": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "up": ColwiseParallel(input_layouts=Shard(1)),
+        "down": RowwiseParallel(output_layouts=Shard(1)),
+        "final_norm": SequenceParallel(),
+    }
+    train_and_compare(mesh, Block, plan, _indices(13, 2, 7))
 
 
 @spmd(meshes=MESHES)

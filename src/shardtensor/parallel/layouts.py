@@ -5,24 +5,33 @@ costs no collective only when the global shape is known. It is known for a Repli
 local shape), for a dim the module defines (a Linear's input features), and for a local tensor that
 came straight out of another style (`use_local_output=True`): such a tensor carries its DTensor's
 layout (`_LAYOUT_ATTRIBUTE`), so uneven shards (a sequence of 7 over 4 ranks) stay exact. For
-anything else the size along a sharded dim cannot be known without asking every rank, and the style
-raises instead of paying a hidden collective.
+anything else (the sum of a residual connection made of local tensors, as in PyTorch's tensor
+parallel tutorial) the size along a sharded dim is learnt from every rank's local shape, as
+`from_local` infers it: a small collective per call (two all_gathers), logged once per style with
+how to avoid it (keep the activations DTensors: `use_local_output=False`); under
+`explicit_communication()` the style raises instead. PyTorch assumes equal shards there, which is
+wrong for uneven ones.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 
 import torch
 
 from ..dtensor import DTensor
 from ..mesh import DeviceMesh
+from ..modes import is_explicit
 from ..placement import Partial, Placement, Shard, normalize_placements
 
 __all__ = ["check_tp_mesh", "redistribute_to", "to_dtensor", "to_output"]
 
 # Set on the plain tensor a style returns: (mesh, layout) of the DTensor it was the local shard of.
 _LAYOUT_ATTRIBUTE = "_shardtensor_layout"
+
+logger = logging.getLogger(__name__)
+_inferring: set[str] = set()  # the styles (`where`) that have logged that they learn sizes with a collective
 
 
 def check_tp_mesh(mesh: DeviceMesh, where: str) -> None:
@@ -38,14 +47,14 @@ def check_tp_mesh(mesh: DeviceMesh, where: str) -> None:
         )
 
 
-def _unknown_size_error(where: str, local: torch.Tensor, placement: Shard, mesh: DeviceMesh) -> ValueError:
-    return ValueError(
+def _unknown_size(where: str, local: torch.Tensor, placement: Shard, mesh: DeviceMesh) -> str:
+    return (
         f"{where} got a plain torch.Tensor of local shape {tuple(local.shape)} to read as {placement!r} over "
-        f"{mesh!r}, but its global size along dim {placement.dim} is unknown: it did not come straight out "
-        f"of a parallel style (for example it is the sum of a residual connection), and learning the size "
-        f"would take a collective. Keep the activations DTensors between styles: give the style that "
-        f"produced it use_local_output=False (e.g. RowwiseParallel(output_layouts=Shard(1), "
-        f"use_local_output=False)), or pass a DTensor"
+        f"{mesh!r} whose global size along dim {placement.dim} is unknown: it did not come straight out of a "
+        f"parallel style (for example it is the sum of a residual connection), so learning the size takes a "
+        f"collective. To avoid it, keep the activations DTensors between styles: give the style that produced "
+        f"it use_local_output=False (e.g. RowwiseParallel(output_layouts=Shard(1), use_local_output=False)), "
+        f"or pass a DTensor"
     )
 
 
@@ -103,9 +112,19 @@ def to_dtensor(
     for placement in placements:
         if isinstance(placement, Shard):
             if placement.dim not in known:
-                raise _unknown_size_error(where, value, placement, mesh)
+                return _inferred(value, mesh, placements, where, placement)
             shape[placement.dim] = known[placement.dim]
     return DTensor.from_local(value, mesh, placements, shape=tuple(shape))
+
+
+def _inferred(value: torch.Tensor, mesh: DeviceMesh, placements, where: str, placement: Shard) -> DTensor:
+    """`from_local` learning the exact global shape from every rank's local shape (a collective)."""
+    if is_explicit():
+        raise ValueError(f"{_unknown_size(where, value, placement, mesh)}; explicit_communication() refuses that collective")
+    if where not in _inferring:
+        _inferring.add(where)
+        logger.info("%s", _unknown_size(where, value, placement, mesh))
+    return DTensor.from_local(value, mesh, placements)
 
 
 def redistribute_to(value, placements: Sequence[Placement]):
