@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/bench_ops.py              # 4 ranks; prints the table for bench/README.md
     .venv/bin/python bench/bench_ops.py --ranks 1    # one rank: the least noisy on a busy machine
+    .venv/bin/python bench/bench_ops.py --first-call # first call on fresh shapes, meshes 4, 2x2, 2x2x2
 
 Small tensors, so the time is dispatch overhead, not compute. Each repeat times `ITERATIONS` calls
 of ours and then of theirs back to back (so both see the same machine load), rank 0's CPU time
@@ -9,9 +10,14 @@ of ours and then of theirs back to back (so both see the same machine load), ran
 ~110-200 us of CPU on the shared machine, its waiting partly hidden). Each
 row: microseconds per op, min and median over the repeats, for both libraries, and the ratios
 ours/theirs of the mins and of the medians (noise only adds time, so the min ratio is the steadier
-one). The last column times ours again with `torch_function.fast_path_enabled = False` (every call
-through `__torch_dispatch__`). Last rows: propagation on a cache miss (no processes:
+one). Then ours again with `torch_function.fast_path_enabled = False` (every call through
+`__torch_dispatch__`), and the same program on plain full-size tensors (one device, no DTensor) with
+both libraries' ratios to it. Last rows: propagation on a cache miss (no processes:
 `propagation.decide` on layouts of 1-D and 3-D meshes).
+
+`--first-call` times each library's first call of six common ops on inputs in mixed placements,
+a shape neither library has seen in every repetition (so every decision cache misses): rank 0's CPU
+time and the slowest rank's wall time, ms per call.
 """
 
 from __future__ import annotations
