@@ -137,13 +137,12 @@ FIRST_CALL_MESHES = [(4,), (2, 2), (2, 2, 2)]
 FIRST_CALL_REPEATS = 5
 
 
-def _first_call_programs(library, mesh, rows: int):
-    """name -> a function that lays out fresh (rows, rows + 8) inputs in mixed placements and
+def _first_call_programs(library, mesh, rows: int, columns: int):
+    """name -> a function that lays out fresh (rows, columns) inputs in mixed placements and
     returns the op call: per mesh dim, x is S(0), S(1), R and y is S(1), R, S(0), so most calls
     move an input before computing (as in `_propagation_miss_us`)."""
     import torch.nn.functional as F
 
-    columns = rows + 8
     first = [library.Shard(0), library.Shard(1), library.Replicate()][: mesh.ndim]
     second = [library.Shard(1), library.Replicate(), library.Shard(0)][: mesh.ndim]
 
@@ -192,13 +191,15 @@ def _first_call_body(mesh_shape, repeats: int):
         "ours": (shardtensor, shardtensor.init_device_mesh("cpu", mesh_shape)),
         "torch": (torch_tensor, torch_init_device_mesh("cpu", mesh_shape)),
     }
-    names = list(_first_call_programs(shardtensor, meshes["ours"][1], 16))
+    names = list(_first_call_programs(shardtensor, meshes["ours"][1], 16, 16))
     samples = {(name, key): [] for name in names for key in meshes}
     for repeat in range(repeats + 1):
         for index, name in enumerate(names):
-            rows = 16 * (2 + repeat * len(names) + index)  # a shape neither library has seen
+            # A shape neither library has seen (rows per repeat, columns per op), small enough
+            # (at most 56x56) that the local op and the bytes moved cost little next to dispatch.
+            rows, columns = 8 * (2 + repeat), 8 * (2 + index)
             for key, (library, mesh) in meshes.items():
-                call = _first_call_programs(library, mesh, rows)[name]()
+                call = _first_call_programs(library, mesh, rows, columns)[name]()
                 dist.barrier()
                 cpu_start, wall_start = time.process_time(), time.perf_counter()
                 _finished(call())
