@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/bench_context_parallel.py            # sequence lengths 512, 1024, 2048
     .venv/bin/python bench/bench_context_parallel.py --quick    # 512 only
+    .venv/bin/python bench/bench_context_parallel.py --first-call   # ours vs torch, non-causal
 
 Causal attention, forward + backward, batch 1, 4 heads, head dim 32, fp32. Per method and sequence
 length: the slowest rank's median time, and peak bytes of live tensors per rank during the call
@@ -10,6 +11,9 @@ attention with point-to-point rotation ("alltoall") and with one all_gather ("al
 plain approach, all_gather k/v then the local SDPA with a causal mask on global positions (backward:
 reduce_scatter of dk/dv). Then the causal load balance: attention blocks per rank and measured time
 per rank (in blocks of (S/2W)^2 query-key pairs), max/min, with the head-tail order and with contiguous pieces.
+`--first-call` instead times the first and second non-causal SDPA forward (sequence 512) under our
+`context_parallel` and under torch's, each library on fresh ranks (torch's CPU backward and causal
+forward raise, so the comparison is the forward).
 """
 
 from __future__ import annotations
@@ -133,6 +137,50 @@ def run_rank(sequences):
     return rows
 
 
+def first_calls_rank(library: str, sequence: int):
+    """[(wall seconds, CPU seconds of this rank)] of the first and second non-causal SDPA forward
+    under `library`'s context_parallel ("ours" or "torch") on this fresh rank."""
+    if library == "ours":
+        from shardtensor.experimental import context_parallel
+        from shardtensor.mesh import init_device_mesh
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.experimental import context_parallel
+
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (WORLD,))
+    generator = torch.Generator().manual_seed(0)
+    query, key, value = [torch.randn(1, 4, sequence, 32, generator=generator) for _ in range(3)]
+    samples = []
+    with context_parallel(mesh, buffers=[query, key, value], buffer_seq_dims=[2, 2, 2]):
+        for _ in range(2):
+            torch.distributed.barrier()
+            wall_start, cpu_start = time.perf_counter(), time.process_time()
+            F.scaled_dot_product_attention(query, key, value)
+            samples.append((time.perf_counter() - wall_start, time.process_time() - cpu_start))
+    return samples
+
+
+def _first_call_table(first_calls_rank) -> list[str]:
+    """Ours and torch's first and second call, wall time of the slowest rank and rank 0's CPU time."""
+    from shardtensor import launch
+
+    lines = ["| library (sequence 512, non-causal forward, 4 ranks) | first call wall s (slowest rank) "
+             "| first call CPU s (rank 0) | second call wall ms | second call CPU ms (rank 0) |",
+             "|---|---:|---:|---:|---:|"]
+    cells = {}
+    for library in ("ours", "torch"):
+        per_rank = launch.spawn(first_calls_rank, WORLD, library, 512)
+        walls = [max(rank[call][0] for rank in per_rank) for call in range(2)]
+        cpus = [per_rank[0][call][1] for call in range(2)]
+        cells[library] = walls, cpus
+        lines.append(f"| {library} | {walls[0]:.3f} | {cpus[0]:.3f} | {walls[1] * 1e3:.1f} | {cpus[1] * 1e3:.1f} |")
+    (our_walls, our_cpus), (their_walls, their_cpus) = cells["ours"], cells["torch"]
+    lines.append(f"| ours/torch | {our_walls[0] / their_walls[0]:.4f} | {our_cpus[0] / their_cpus[0]:.4f} "
+                 f"| {our_walls[1] / their_walls[1]:.2f} | {our_cpus[1] / their_cpus[1]:.2f} |")
+    return lines
+
+
 def _table(per_rank):
     lines = ["| sequence | method | time fwd+bwd (ms, slowest rank) | peak MB per rank (max over ranks) |",
              "|---|---|---|---|"]
@@ -161,10 +209,13 @@ def main() -> None:
 
     from shardtensor import launch
 
-    sequences = [512] if "--quick" in sys.argv else SEQUENCES
     start = time.perf_counter()
-    per_rank = launch.spawn(bench_context_parallel.run_rank, WORLD, sequences)
-    print("\n".join(_table(per_rank)))
+    if "--first-call" in sys.argv:
+        print("\n".join(_first_call_table(bench_context_parallel.first_calls_rank)))
+    else:
+        sequences = [512] if "--quick" in sys.argv else SEQUENCES
+        per_rank = launch.spawn(bench_context_parallel.run_rank, WORLD, sequences)
+        print("\n".join(_table(per_rank)))
     print(f"\n(total {time.perf_counter() - start:.0f} s)")
 
 
