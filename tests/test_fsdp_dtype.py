@@ -161,3 +161,18 @@ def test_double_between_micro_batches_keeps_the_gradients_accumulated_without_sy
     for (name, parameter), expected in zip(sharded.named_parameters(), reference.parameters(), strict=True):
         assert parameter.grad.dtype == torch.float64, name
         assert_close(parameter.grad.full_tensor(), expected.grad, **FLOAT64, msg=lambda message, name=name: f"{name}: {message}")
+
+
+@spmd(meshes=[(2,), (4,)])
+def test_bfloat16_after_fully_shard_computes_like_the_single_device_model_in_bfloat16(mesh):
+    """The forward equals the single-device bf16 model bit for bit; the gradients are bf16 with the parameters'
+    layout (their values are a bf16 sum over ranks, not one device's, so they are not compared)."""
+    rank, ranks = _data_parallel_rank(mesh)
+    inputs, target = (_local_batch(tensor, rank, ranks).bfloat16() for tensor in _batches(1, torch.float32)[0])
+    reference = _model(torch.float32).bfloat16()
+    sharded = _shard(_model(torch.float32), mesh).bfloat16()
+    output = sharded(inputs)
+    assert output.dtype == torch.bfloat16 and torch.equal(output, reference(inputs))
+    _loss(output, target).backward()
+    for name, parameter in sharded.named_parameters():
+        assert parameter.grad.dtype == torch.bfloat16 and parameter.grad.sharding == parameter.sharding, name
