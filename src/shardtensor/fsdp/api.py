@@ -74,6 +74,13 @@ class FSDPModule:
         """Free this unit's unsharded parameters and register the sharded ones (which are always kept)."""
         self._fsdp_unit.reshard()
 
+    def _apply(self, fn, *args, **kwargs):
+        """`module.to(dtype)`, `.double()`, `.to(device)`: reshard first (as FSDP2 does), so the conversion
+        reaches the sharded parameters and no gathered data of the old dtype is reused; the unit rebuilds
+        its buffers for the new dtype and device before its next gather."""
+        self._fsdp_unit.reshard()
+        return super()._apply(fn, *args, **kwargs)
+
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """With False, backward accumulates unsharded gradients locally without communicating (gradient
         accumulation); the next backward with True reduces the sum once."""

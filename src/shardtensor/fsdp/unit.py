@@ -11,6 +11,7 @@ coordinate-major buffer, one reduce-scatter (sum), then a division; the unit dec
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 
 import torch
@@ -94,9 +95,7 @@ class ParameterUnit:
             raise unit_error(f"the parameters of one unit have different dtypes {names}",
                              "one unit gathers one flat buffer of one dtype: shard the modules with other dtypes in "
                              "their own fully_shard call or list them in ignored_params")
-        self.parameter_dtype = dtypes.pop() if dtypes else torch.get_default_dtype()
-        self.compute_dtype = self.mp_policy.param_dtype or self.parameter_dtype
-        self.reduce_dtype = self.mp_policy.reduce_dtype or self.compute_dtype
+        self._set_dtypes(dtypes.pop() if dtypes else torch.get_default_dtype())
         slots, pieces, self.segment_sizes = cut_parameters(by_parameter.values(), self.mesh, shard_placement_fn,
                                                            self.compute_dtype)
         for slot, (parameter, _), local in zip(slots, by_parameter.values(), pieces):
@@ -107,6 +106,11 @@ class ParameterUnit:
             self.sharded_parameters.append(sharded)
         self._build_buffers(sum(slot.numel for slot in slots))
         self._home_shards()
+
+    def _set_dtypes(self, parameter_dtype: torch.dtype) -> None:
+        self.parameter_dtype = parameter_dtype
+        self.compute_dtype = self.mp_policy.param_dtype or parameter_dtype
+        self.reduce_dtype = self.mp_policy.reduce_dtype or self.compute_dtype
 
     def _build_buffers(self, total: int) -> None:
         device = self.sharded_parameters[0].device if self.sharded_parameters else torch.device(self.mesh.device_type)
@@ -154,6 +158,7 @@ class ParameterUnit:
         """Make the sharded parameters' local tensors views of one flat buffer, this rank's segment in the
         order the all-gather sends it, so that gathering sends the buffer itself (no copy-in); the
         optimizer's in-place updates and in-place loads keep them there."""
+        self._follow_conversion()
         with torch.no_grad():
             locals_ = [parameter._local_tensor for parameter in self.sharded_parameters]
             self._shard_data = torch.empty(self.segment_sizes[self.coordinate], dtype=self.parameter_dtype, device=self.device)
@@ -164,6 +169,34 @@ class ParameterUnit:
                 local.set_(storage, offset, local.shape, contiguous_stride(local.shape))
                 offset += count
         self._shard_pointers = [local.data_ptr() for local in locals_]
+
+    def _follow_conversion(self) -> None:
+        """After `module.to(dtype)`, `.double()` or `.to(device)` converted the sharded parameters (`param.data =
+        new` swaps a DTensor's shard and spec), rebuild what their dtype and device decide: the unit's dtypes,
+        the slots' specs, the flat buffers, the gradients accumulated so far."""
+        dtypes = {parameter.dtype for parameter in self.sharded_parameters}
+        if len(dtypes) > 1:
+            names = {str(parameter.dtype): slot.locations[0][1] for slot, parameter in zip(self.slots, self.sharded_parameters)}
+            raise unit_error(f"the parameters of one unit have different dtypes {names} after a conversion",
+                             "convert every module of the unit alike (call .to(dtype) on a module holding them all)")
+        dtype = dtypes.pop() if dtypes else self.parameter_dtype
+        device = self.sharded_parameters[0].device if self.sharded_parameters else self.device
+        if dtype == self.parameter_dtype and device == self.device:
+            return
+        self._set_dtypes(dtype)
+        self.slots = [
+            dataclasses.replace(
+                slot,
+                sharded_spec=dataclasses.replace(slot.sharded_spec, dtype=dtype),
+                unsharded_spec=None if slot.unsharded_spec is None else dataclasses.replace(slot.unsharded_spec, dtype=self.compute_dtype),
+            )
+            for slot in self.slots
+        ]
+        self._build_buffers(self._unsharded.numel())
+        if self._accumulated is not None:
+            self._accumulated = self._accumulated.to(device=device, dtype=self.reduce_dtype)
+        if self.partial_reduce_output is not None:
+            self.partial_reduce_output = self.partial_reduce_output.to(device=device, dtype=self.reduce_dtype)
 
     def _send_buffer(self) -> torch.Tensor:
         """This rank's pieces of every parameter, flat and in the compute dtype (the all-gather's input).
@@ -179,9 +212,10 @@ class ParameterUnit:
     def unshard(self, async_op: bool = False) -> None:
         """Start gathering every parameter (one collective); wait for it unless `async_op`."""
         if self._gathered_state == "sharded" and self.slots:
+            send = self._send_buffer()  # first: it rebuilds the buffers after a conversion
             self._allocate(self._unsharded)
             self._allocate(self._gathered)
-            self._gather_handle = comm.all_gather_into(self._gathered, self._send_buffer(), self.mesh, self.shard_mesh_dim,
+            self._gather_handle = comm.all_gather_into(self._gathered, send, self.mesh, self.shard_mesh_dim,
                                                        sizes=self.segment_sizes, async_op=True)
             self._gathered_state = "gathering"
         elif self._gathered_state == "sharded":
@@ -243,7 +277,7 @@ class ParameterUnit:
     def adopt_replaced_parameters(self) -> None:
         """Take over parameters that a module conversion replaced, such as `to_empty(device=...)` after
         building the model on the meta device (the new DTensors must keep their layout); buffers follow
-        the new device."""
+        the new device and dtype."""
         if self._gathered_state != "sharded":
             return  # the modules show unsharded parameters
         for index, slot in enumerate(self.slots):
@@ -261,9 +295,6 @@ class ParameterUnit:
             for location_module, location_name in slot.locations:
                 setattr(location_module, location_name, current)
             self.sharded_parameters[index] = current
-        device = self.sharded_parameters[0].device if self.sharded_parameters else self.device
-        if device != self.device:
-            self._build_buffers(self._unsharded.numel())
         if [parameter._local_tensor.data_ptr() for parameter in self.sharded_parameters] != self._shard_pointers:
             self._home_shards()
 
