@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import partial_and_value
 from spmd import spmd
 
 import shardtensor
@@ -255,3 +256,37 @@ def test_mean_over_uneven_shards_is_weighted(mesh, length):
     full = torch.linspace(1, 3, length, dtype=torch.float64)
     x = distribute_tensor(full, mesh, [Shard(0)])
     torch.testing.assert_close((x * 2 + 1).mean().full_tensor(), (full * 2 + 1).mean(), rtol=1e-12, atol=1e-12)
+
+
+@spmd(meshes=[(2, 2)])
+def test_partial_sum_and_avg_mix_across_mesh_dims(mesh):
+    """P(sum) on one mesh dim and P(avg) on the other commute (both linear), as in torch DTensor: the
+    value, redistributes (one all_reduce per mesh dim: a collective has one reduce op) and ops, whose
+    results keep the mix where they are linear, match one device."""
+    for reduce_ops in (("sum", "avg"), ("avg", "sum")):
+        mixed, value = partial_and_value(mesh, (4, 6), reduce_ops)
+        other, other_value = partial_and_value(mesh, (4, 6), reduce_ops, seed=7)
+        placements = tuple(Partial(op) for op in reduce_ops)
+        _check(mixed, value, placements)
+        with comm.observe() as records:
+            replicated = mixed.redistribute(mesh, [Replicate(), Replicate()])
+        assert [(record.kind, record.mesh_dim) for record in records] == [("all_reduce", 0), ("all_reduce", 1)]
+        _check(replicated, value)
+        for targets in ([Shard(0), Replicate()], [Shard(0), Shard(1)], [Replicate(), placements[1]]):
+            _check(mixed.redistribute(mesh, targets), value, tuple(targets))
+        with shardtensor.strict_mode(), comm.observe() as records:
+            results = [mixed + other, mixed * 2.5]
+        assert list(records) == []
+        for result, reference in zip(results, [value + other_value, value * 2.5]):
+            _check(result, reference, placements)
+        _check(mixed.sum(), value.sum())
+        _check(mixed.sum(dim=0), value.sum(dim=0))
+
+
+@spmd(meshes=[(2, 2)])
+def test_partials_that_do_not_commute_are_not_reduced(mesh):
+    """avg (or sum) of maxima is not the maximum of averages: such a mix is refused with what is allowed."""
+    for reduce_ops in (("avg", "max"), ("sum", "min")):
+        mixed, _ = partial_and_value(mesh, (2, 3), reduce_ops)
+        with pytest.raises(ValueError, match=r"may mix Partial\('sum'\) with Partial\('avg'\)"):
+            mixed.full_tensor()
