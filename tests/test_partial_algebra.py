@@ -292,8 +292,11 @@ def test_partial_sum_and_avg_mix_across_mesh_dims(mesh):
 
 @spmd(meshes=[(2, 2)])
 def test_partials_that_do_not_commute_are_not_reduced(mesh):
-    """avg (or sum) of maxima is not the maximum of averages: such a mix is refused with what is allowed."""
+    """avg (or sum) of maxima is not the maximum of averages: such a mix is refused with what is allowed,
+    and the way out the message gives (reduce one mesh dim by hand, rebuild) gives the value of that order."""
     for reduce_ops in (("avg", "max"), ("sum", "min")):
-        mixed, _ = partial_and_value(mesh, (2, 3), reduce_ops)
+        mixed, value = partial_and_value(mesh, (2, 3), reduce_ops)  # value: mesh dim 1 reduced first
         with pytest.raises(ValueError, match=r"may mix Partial\('sum'\) with Partial\('avg'\)"):
             mixed.full_tensor()
+        reduced = comm.all_reduce(mixed.to_local(), mesh, 1, reduce_op=reduce_ops[1])
+        _check(DTensor.from_local(reduced, mesh, [Partial(reduce_ops[0]), Replicate()]), value)

@@ -384,8 +384,9 @@ def _check(source: Layout, target: Layout) -> None:
         raise _plan_error(
             source, target, f"the source mixes Partial reduce ops {sorted(map(str, source_ops))}",
             "Their reduction order is ambiguous: a layout may mix Partial('sum') with Partial('avg') "
-            "(both linear), otherwise it holds one reduce op; reduce the others first (redistribute "
-            "their mesh dims to Replicate() one reduce op at a time) to pick the order you mean.",
+            "(both linear), otherwise it holds one reduce op. To pick the order you mean, reduce the "
+            "local tensor over the first mesh dim yourself (shardtensor.comm.all_reduce(x.to_local(), "
+            "mesh, mesh_dim, reduce_op=...)) and rebuild it with DTensor.from_local, Replicate() there.",
         )
 
 
