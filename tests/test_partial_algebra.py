@@ -277,7 +277,8 @@ def test_partial_sum_and_avg_mix_across_mesh_dims(mesh):
         with shardtensor.strict_mode(), comm.observe() as records:
             results = [mixed + other, mixed * 2.5, mixed.sum(), mixed.sum(dim=0), mixed.mean(dim=1), mixed.cumsum(0)]
         assert list(records) == [], [(record.kind, record.mesh_dim) for record in records]
-        references = [value + other_value, value * 2.5, value.sum(), value.sum(dim=0), value.mean(dim=1), value.cumsum(0)]
+        references = [value + other_value, value * 2.5, value.sum(), value.sum(dim=0), value.mean(dim=1),
+                      value.cumsum(0)]
         for result, reference in zip(results, references):
             _check(result, reference, placements)
     full = torch.randn(4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
