@@ -81,15 +81,19 @@ def sharded_leaf(full: torch.Tensor, mesh, placements, shard_sizes=None):
     return dtensor
 
 
-def partial_and_value(mesh, shape, reduce_op: str = "sum", *, seed: int = 0, dtype=torch.float64):
-    """A DTensor Partial(reduce_op) on every mesh dim, rank r holding `randn(shape)` seeded `seed + r`,
-    and its single-device value: every rank's operand combined by plain torch, not by the library."""
+def partial_and_value(mesh, shape, reduce_op: str | tuple[str, ...] = "sum", *, seed: int = 0, dtype=torch.float64):
+    """A DTensor Partial(reduce_op) on every mesh dim (or one reduce op per mesh dim), rank r holding
+    `randn(shape)` seeded `seed + r`, and its single-device value: every rank's operand combined by
+    plain torch, not by the library, mesh dim by mesh dim from the last."""
+    reduce_ops = (reduce_op,) * mesh.ndim if isinstance(reduce_op, str) else tuple(reduce_op)
     ranks = mesh.mesh.flatten().tolist()
     operands = [torch.randn(tuple(shape), generator=torch.Generator().manual_seed(seed + rank), dtype=dtype)
                 for rank in ranks]
-    value = _COMBINE[reduce_op](torch.stack(operands))
+    value = torch.stack(operands).reshape(*mesh.mesh.shape, *shape)
+    for mesh_dim in reversed(range(mesh.ndim)):
+        value = _COMBINE[reduce_ops[mesh_dim]](value.movedim(mesh_dim, 0))
     local = operands[ranks.index(mesh.get_rank())]
-    return DTensor.from_local(local, mesh, [Partial(reduce_op)] * mesh.ndim), value
+    return DTensor.from_local(local, mesh, [Partial(op) for op in reduce_ops]), value
 
 
 def partial_of(full: torch.Tensor, mesh, *, seed: int = 0):

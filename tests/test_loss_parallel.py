@@ -1,6 +1,7 @@
 """loss_parallel: F.cross_entropy on class-sharded logits against the single-device loss, forward and
 backward, with every option; the logits are never gathered (collectives counted)."""
 
+import functools
 import itertools
 
 import pytest
@@ -123,3 +124,32 @@ def test_a_target_out_of_range_raises_on_every_rank(mesh):
     for bad in (torch.tensor([0, 5, 1]), torch.tensor([0, -2, 1])):
         with loss_parallel(), pytest.raises(IndexError, match="out of range for 5 classes"):
             F.cross_entropy(logits, bad)
+
+
+@spmd(meshes=MESHES)
+def test_nll_loss_of_log_softmax_with_a_plain_target_matches_one_device(mesh):
+    """The pair users write for cross_entropy, `F.nll_loss(F.log_softmax(x, -1), target)` (and
+    `nn.NLLLoss`), with a plain target and weight read as cross_entropy reads them: the single-device
+    loss and gradient, replicated, the logits never gathered."""
+    torch.manual_seed(5)
+    logits_full = torch.randn(ROWS, CLASSES, dtype=torch.float64)
+    weight_full = torch.rand(CLASSES, dtype=torch.float64)
+    target_full = torch.tensor([0, 10, 5, -100, 7, 3])
+    for reduction, weight, module in itertools.product(["mean", "sum", "none"], [None, weight_full], [False, True]):
+        logits = distribute_tensor(logits_full, mesh, _logits_placements(mesh)).requires_grad_()
+        reference = logits_full.clone().requires_grad_()
+        loss_function = nn.NLLLoss(weight, reduction=reduction) if module else functools.partial(
+            F.nll_loss, weight=weight, reduction=reduction)
+        with loss_parallel(), comm.observe() as forward:
+            loss = loss_function(F.log_softmax(logits, -1), _local_rows(mesh, target_full))
+        expected = loss_function(F.log_softmax(reference, -1), target_full)
+        case = dict(reduction=reduction, weight=weight is not None, module=module)
+        assert isinstance(loss, DTensor) and not any(p.is_partial() for p in loss.placements), case
+        assert_close(loss.full_tensor(), expected, msg=lambda m: f"{case}: {m}")
+        gradient = torch.linspace(0.5, 1.5, expected.numel(), dtype=torch.float64).reshape(expected.shape)
+        gradient_dtensor = distribute_tensor(gradient, mesh, loss.placements)
+        with comm.observe() as backward:
+            loss.backward(gradient_dtensor)
+        expected.backward(gradient)
+        assert_close(logits.grad.full_tensor(), reference.grad, msg=lambda m: f"{case} grad: {m}")
+        _check_collectives([*forward, *backward], mesh)

@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import local_piece, partial_and_value
 from spmd import spmd
 
 import shardtensor
@@ -255,3 +256,48 @@ def test_mean_over_uneven_shards_is_weighted(mesh, length):
     full = torch.linspace(1, 3, length, dtype=torch.float64)
     x = distribute_tensor(full, mesh, [Shard(0)])
     torch.testing.assert_close((x * 2 + 1).mean().full_tensor(), (full * 2 + 1).mean(), rtol=1e-12, atol=1e-12)
+
+
+@spmd(meshes=[(2, 2)])
+def test_partial_sum_and_avg_mix_across_mesh_dims(mesh):
+    """P(sum) on one mesh dim and P(avg) on the other commute (both linear), as in torch DTensor: the
+    value, redistributes (one all_reduce per mesh dim: a collective has one reduce op) and linear ops,
+    which keep the mix without communication, match one device; so does a sum whose result mixes them."""
+    for reduce_ops in (("sum", "avg"), ("avg", "sum")):
+        mixed, value = partial_and_value(mesh, (4, 6), reduce_ops)
+        other, other_value = partial_and_value(mesh, (4, 6), reduce_ops, seed=7)
+        placements = tuple(Partial(op) for op in reduce_ops)
+        _check(mixed, value, placements)
+        with comm.observe() as records:
+            replicated = mixed.redistribute(mesh, [Replicate(), Replicate()])
+        assert [(record.kind, record.mesh_dim) for record in records] == [("all_reduce", 0), ("all_reduce", 1)]
+        _check(replicated, value)
+        for targets in ([Shard(0), Replicate()], [Shard(0), Shard(1)], [Replicate(), placements[1]]):
+            _check(mixed.redistribute(mesh, targets), value, tuple(targets))
+        with shardtensor.strict_mode(), comm.observe() as records:
+            results = [mixed + other, mixed * 2.5, mixed.sum(), mixed.sum(dim=0), mixed.mean(dim=1), mixed.cumsum(0)]
+        assert list(records) == [], [(record.kind, record.mesh_dim) for record in records]
+        references = [value + other_value, value * 2.5, value.sum(), value.sum(dim=0), value.mean(dim=1),
+                      value.cumsum(0)]
+        for result, reference in zip(results, references):
+            _check(result, reference, placements)
+    full = torch.randn(4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    piece = local_piece(full, (2, 2), [Shard(1), Replicate()], mesh.get_coordinate())
+    scale = 1.0 + mesh.get_coordinate()[1]  # operands 1x and 2x the piece: their average is 1.5x
+    sharded_average = DTensor.from_local(piece * scale, mesh, [Shard(1), Partial("avg")])
+    with shardtensor.strict_mode(), comm.observe() as records:
+        row_sums = sharded_average.sum(dim=1)  # the result mixes them: P(sum) from the sharded dim
+    assert list(records) == []
+    _check(row_sums, full.sum(dim=1) * 1.5, (Partial("sum"), Partial("avg")))
+
+
+@spmd(meshes=[(2, 2)])
+def test_partials_that_do_not_commute_are_not_reduced(mesh):
+    """avg (or sum) of maxima is not the maximum of averages: such a mix is refused with what is allowed,
+    and the way out the message gives (reduce one mesh dim by hand, rebuild) gives the value of that order."""
+    for reduce_ops in (("avg", "max"), ("sum", "min")):
+        mixed, value = partial_and_value(mesh, (2, 3), reduce_ops)  # value: mesh dim 1 reduced first
+        with pytest.raises(ValueError, match=r"may mix Partial\('sum'\) with Partial\('avg'\)"):
+            mixed.full_tensor()
+        reduced = comm.all_reduce(mixed.to_local(), mesh, 1, reduce_op=reduce_ops[1])
+        _check(DTensor.from_local(reduced, mesh, [Partial(reduce_ops[0]), Replicate()]), value)

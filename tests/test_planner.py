@@ -252,6 +252,16 @@ def test_bad_requests_teach():
         plan(mixed, mixed.with_placements([R, R]), 4)
 
 
+def test_partial_sum_and_avg_mesh_dims_reduce_apart():
+    """P(sum) and P(avg) commute, so a layout may mix them; one collective has one reduce op, so they
+    are never flattened together (two all_reduces), while mesh dims of the same Partial still are."""
+    mixed = Layout.create((2, 2, 2), [Partial("sum"), Partial("avg"), Partial("sum")], (8, 8))
+    result = plan(mixed, mixed.with_placements([R, R, R]), 4)
+    assert [(step.collective, step.mesh_dim) for step in result.steps] == [("all_reduce", 1), ("all_reduce", (0, 2))]
+    with pytest.raises(ValueError, match=r"may mix Partial\('sum'\) with Partial\('avg'\)"):
+        plan(mixed.with_placements([Partial("avg"), Partial("max"), R]), mixed.with_placements([R, R, R]), 4)
+
+
 def test_size_one_mesh_dims_only_relabel():
     source = Layout.create((1, 2), [Shard(0), Partial()], (4, 4))
     result = plan(source, source.with_placements([Shard(1), R]), 4)

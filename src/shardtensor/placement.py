@@ -141,6 +141,13 @@ class Partial(Placement):
             return value
         return torch.full_like(value, self.identity(value.dtype))
 
+    def commutes_with(self, other: Partial) -> bool:
+        """Whether reducing this Partial over one mesh dim and `other` over another gives one value
+        in either order, so a layout may hold both: the same placement, or sum with avg (an average
+        of sums is the sum of averages, both being linear). max over sums, say, is not."""
+        both_linear = {self.reduce_op, other.reduce_op} <= set(self.LINEAR_REDUCE_OPS)
+        return self == other or (type(self) is type(other) is Partial and both_linear)
+
     @property
     def collective_op(self) -> str:
         """The reduce op of the collective (all_reduce, reduce_scatter) that combines the operands."""

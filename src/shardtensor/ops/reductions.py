@@ -64,15 +64,15 @@ class ReductionRule(ShardingRule):
 
     `sharded_gives`: the Partial reduce op of the outputs when a reduced dim is sharded (a tuple:
     one per output, as aminmax's (min, max)), or None when shards cannot be combined (that dim is
-    gathered). `partial_passes`: the Partial input reduce op the output keeps (the reduction
-    commutes with it), or None. `empty_fill`: for a reduction that refuses an empty input (amax...),
+    gathered). `partial_passes`: the Partial input reduce ops the output keeps (the reduction
+    commutes with them). `empty_fill`: for a reduction that refuses an empty input (amax...),
     the reduce op whose identity (`Partial.identity`) an empty shard is read as: "max" (the lowest
     value), "min" (the highest), "sum" (0, the identity of a max of absolute values). `mean`: the
     local op is `sum / global count`.
     """
 
     sharded_gives: str | tuple[str, ...] | None = None
-    partial_passes: str | None = None
+    partial_passes: tuple[str, ...] = ()
     empty_fill: str | None = None
     mean: bool = False
 
@@ -107,8 +107,7 @@ class ReductionRule(ShardingRule):
             elif sharded_gives is not None:
                 gives = sharded_gives if isinstance(sharded_gives, Partial) else Partial(sharded_gives)
                 rows.append(Row((gives,) * outputs, (Shard(dim),)))
-        if self.partial_passes is not None:
-            rows.append(Row((Partial(self.partial_passes),) * outputs, (Partial(self.partial_passes),)))
+        rows += [Row((Partial(reduce_op),) * outputs, (Partial(reduce_op),)) for reduce_op in self.partial_passes]
         return rows
 
     def local_op(self, call: OpCall, input_layouts: Sequence[Layout], coordinate: Sequence[int]):
@@ -344,7 +343,7 @@ def segment_reduce_rows(call: OpCall) -> list[Row]:
 class ScanRule(ShardingRule):
     """A scan along `dim` (cumsum...): other dims keep their shards; the scanned dim is gathered."""
 
-    partial_passes: str | None = None
+    partial_passes: tuple[str, ...] = ()
 
     @property
     def __name__(self) -> str:
@@ -356,21 +355,21 @@ class ScanRule(ShardingRule):
         outputs = _tensor_outputs(call)
         rows = [Row((Replicate(),) * outputs, (Replicate(),))]
         rows += [Row((Shard(dim),) * outputs, (Shard(dim),)) for dim in range(ndim) if dim != scanned]
-        if self.partial_passes is not None:
-            rows.append(Row((Partial(self.partial_passes),) * outputs, (Partial(self.partial_passes),)))
+        rows += [Row((Partial(reduce_op),) * outputs, (Partial(reduce_op),)) for reduce_op in self.partial_passes]
         return rows
 
 
-_SUM = ReductionRule("sum", "sum")
-_PRODUCT = ReductionRule("product", "product")
-_MAX = ReductionRule("max", "max", empty_fill="max")
-_MIN = ReductionRule("min", "min", empty_fill="min")
+_LINEAR = ("sum", "avg")  # a sum of averages is the average of sums: P(sum) and P(avg) pass
+_SUM = ReductionRule("sum", _LINEAR)
+_PRODUCT = ReductionRule("product", ("product",))
+_MAX = ReductionRule("max", ("max",), empty_fill="max")
+_MIN = ReductionRule("min", ("min",), empty_fill="min")
 _GATHER = ReductionRule()  # indices, variances, logsumexp: the shards' results do not combine exactly
 
 _REDUCTIONS = [
     ([aten.sum.default, aten.sum.dim_IntList], _SUM),
     ([aten.nansum.default], ReductionRule("sum")),  # a P(sum) operand's NaN may cancel in the sum: reduce first
-    ([aten.mean.default, aten.mean.dim], ReductionRule("sum", "sum", mean=True)),
+    ([aten.mean.default, aten.mean.dim], ReductionRule("sum", _LINEAR, mean=True)),
     ([aten.prod.default, aten.prod.dim_int], _PRODUCT),
     ([aten.amax.default, aten.max.default], _MAX),
     ([aten.amin.default, aten.min.default], _MIN),
@@ -395,7 +394,7 @@ _REDUCTIONS = [
     ([aten.equal.default, aten.allclose.default], AllElementsRule()),
     # segment lengths/offsets may be plain tensors (Replicate)
     ([aten.segment_reduce.default, aten._segment_reduce_backward.default], TensorOpRule(segment_reduce_rows)),
-    ([aten.cumsum.default], ScanRule("sum")),
+    ([aten.cumsum.default], ScanRule(_LINEAR)),
     ([aten.cumprod.default, aten.cummax.default, aten.cummin.default, aten.logcumsumexp.default], ScanRule()),
 ]
 

@@ -8,7 +8,9 @@ for the vocab-parallel loss: the target and class weights may be plain tensors (
 like the logits' batch dims, and replicated), and the loss comes back replicated; logits sharded
 along classes only, with class-index targets, take `vocab_loss`, whose backward communicates
 nothing. It intercepts `F.cross_entropy` (and so `nn.CrossEntropyLoss`) through a
-`TorchFunctionMode`, only while the block runs; backward needs no context.
+`TorchFunctionMode`, only while the block runs; backward needs no context. `F.nll_loss` (and
+`nn.NLLLoss`) of class-sharded log-probabilities takes plain targets and weights the same way, since
+users write `F.nll_loss(F.log_softmax(logits, -1), target)` for cross_entropy (PyTorch accepts it too).
 
     >>> with loss_parallel():  # doctest: +SKIP
     ...     loss = F.cross_entropy(logits, targets)  # logits: DTensor with Shard(1)
@@ -77,16 +79,33 @@ def _cross_entropy(input, target, weight=None, size_average=None, ignore_index=-
         reduction,
         label_smoothing,
     )
+    return _reduced(loss)
+
+
+def _nll_loss(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction="mean"):
+    """F.nll_loss on class-sharded log-probabilities (`F.log_softmax(logits, -1)`, the pair users
+    write for cross_entropy), with plain target/weight read as `_cross_entropy` reads them."""
+    if not isinstance(input, DTensor):
+        return F.nll_loss(input, target, weight, size_average, ignore_index, reduce, reduction)
+    class_dim = 1 if input.ndim >= 2 else 0
+    target = _like_logits(target, input, class_dim)
+    loss = F.nll_loss(input, target, _replicated(weight, input), size_average, ignore_index, reduce, reduction)
+    return _reduced(loss)
+
+
+def _reduced(loss: DTensor) -> DTensor:
+    """The loss with its Partial mesh dims reduced (replicated), as PyTorch's loss_parallel returns it."""
     return redistribute_to(loss, [Replicate() if p.is_partial() else p for p in loss.placements])
 
 
+_INTERCEPTED = {F.cross_entropy: _cross_entropy, F.nll_loss: _nll_loss}
+
+
 class _LossParallelMode(TorchFunctionMode):
-    """Routes `F.cross_entropy` to `_cross_entropy`; every other call runs as it would."""
+    """Routes `F.cross_entropy` and `F.nll_loss` to their loss-parallel forms; every other call runs as it would."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is F.cross_entropy:
-            return _cross_entropy(*args, **(kwargs or {}))
-        return func(*args, **(kwargs or {}))
+        return _INTERCEPTED.get(func, func)(*args, **(kwargs or {}))
 
 
 @contextlib.contextmanager
@@ -97,7 +116,8 @@ def loss_parallel():
     The target (class indices or probabilities) and `weight` may be plain tensors: the target as
     this rank's part, laid out like the logits' batch dims; the weight replicated. `ignore_index`,
     `label_smoothing`, `weight` and every reduction work, forward and backward; the loss is
-    returned replicated. Backward may run inside or outside the block.
+    returned replicated. Backward may run inside or outside the block. `F.nll_loss` /
+    `nn.NLLLoss` of `F.log_softmax(logits, -1)` is handled alike.
 
     >>> with loss_parallel():  # doctest: +SKIP
     ...     loss = F.cross_entropy(logits.view(-1, vocab), targets.view(-1))

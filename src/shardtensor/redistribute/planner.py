@@ -17,9 +17,11 @@ States are `Layout`s (placements, shard order and exact pieces). A step changes 
     all mesh dims       batch_p2p         straight to the target, no Partial on either side: every
                                           rank receives exactly the target elements it lacks
 
-Only the innermost mesh dim of a nested shard may move (`Layout.transition` checks it). A new split
-of a tensor dim whose shard order becomes a prefix of the target's takes the target's pieces, so
-explicit uneven targets are reached exactly.
+A source may mix Partial reduce ops only where they commute (`Partial.commutes_with`: P(sum) with
+P(avg)); any other mix has no one value, and reducing it is refused. Only the innermost mesh dim
+of a nested shard may move (`Layout.transition` checks it). A new split of a tensor dim whose
+shard order becomes a prefix of the target's takes the target's pieces, so explicit uneven
+targets are reached exactly.
 
 Cost model (alpha-beta, `CostModel`): a step costs `latency_us` per collective plus
 `bytes / bytes_per_us`, where bytes are the **most bytes any one rank receives in that step** (the
@@ -310,6 +312,8 @@ def _flattened_reductions(state: Layout, target: Layout):
     ]
     for count in range(2, len(moving) + 1):
         for mesh_dims in itertools.combinations(moving, count):
+            if len({state.placements[mesh_dim] for mesh_dim in mesh_dims}) > 1:
+                continue  # one collective has one reduce op: P(sum) and P(avg) mesh dims reduce apart
             yield mesh_dims, functools.reduce(lambda layout, m: layout.transition(m, Replicate()), mesh_dims, state)
             for dim in range(state.ndim):
                 after = state
@@ -375,10 +379,14 @@ def _check(source: Layout, target: Layout) -> None:
         if isinstance(placement, Partial) and target.placements[mesh_dim] != placement
     }
     source_ops = {placement for placement in source.placements if isinstance(placement, Partial)}
-    if reduced_ops and len(source_ops) > 1:
+    commuting = all(first.commutes_with(second) for first in source_ops for second in source_ops)
+    if reduced_ops and not commuting:
         raise _plan_error(
             source, target, f"the source mixes Partial reduce ops {sorted(map(str, source_ops))}",
-            "Their reduction order is ambiguous; reduce to one reduce op before redistributing.",
+            "Their reduction order is ambiguous: a layout may mix Partial('sum') with Partial('avg') "
+            "(both linear), otherwise it holds one reduce op. To pick the order you mean, reduce the "
+            "local tensor over the first mesh dim yourself (shardtensor.comm.all_reduce(x.to_local(), "
+            "mesh, mesh_dim, reduce_op=...)) and rebuild it with DTensor.from_local, Replicate() there.",
         )
 
 
