@@ -147,3 +147,17 @@ def test_a_plain_scalar_parameter_mixed_with_dtensors_gets_its_plain_gradient(me
     assert type(model.temperature.grad) is torch.Tensor  # not a DTensor in a plain parameter's .grad
     assert_close(model.temperature.grad, reference.temperature.grad)
     assert_close(model.head.weight.grad.full_tensor(), reference.head.weight.grad)
+
+
+@spmd(meshes=[(2,)])
+def test_a_plain_scalar_next_to_dtensors_nested_in_a_tuple_runs_as_before(mesh):
+    """Only DTensors nested in an argument (`index_put(s, (index,), values)`): the plain one-element
+    tensor is read as Replicate by the dispatcher (it raised a bare StopIteration)."""
+    from shardtensor import Replicate, distribute_tensor
+
+    plain = torch.tensor([3.0, 4.0], dtype=torch.float64, requires_grad=True)[:1]
+    index = distribute_tensor(torch.tensor([0]), mesh, [Replicate()])
+    values = torch.tensor([5.0], dtype=torch.float64)
+    output = torch.index_put(plain, (index,), values)
+    assert output.placements == (Replicate(),)
+    assert_close(output.full_tensor(), torch.index_put(plain.detach(), (torch.tensor([0]),), values))

@@ -181,7 +181,10 @@ def _plain_scalars_as_replicate(cls, args: tuple, kwargs: dict) -> tuple[tuple, 
             return None
     if not _grad_enabled():
         return None
-    mesh = next(value for value in (*args, *kwargs.values()) if type(value) is cls).device_mesh
+    dtensor = next((value for value in (*args, *kwargs.values()) if type(value) is cls), None)
+    if dtensor is None:  # the DTensors are nested (`index_put(s, (index,), v)`): the dispatcher reads `s` as Replicate
+        return None
+    mesh = dtensor.device_mesh
 
     def replicated(value):
         if type(value) is cls or not isinstance(value, torch.Tensor) or not value.requires_grad or value.numel() != 1:
