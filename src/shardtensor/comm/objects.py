@@ -35,11 +35,11 @@ def _gather_objects(obj: Any, mesh: DeviceMesh, mesh_dim: int | str) -> list:
     peers = _peers(mesh, mesh_dim)
     if peers.size == 1:
         return [obj]
-    payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(mesh.device_type)
+    payload = _pickled(obj, mesh.device_type)
     length = torch.tensor([payload.numel()], dtype=torch.int64, device=mesh.device_type)
     lengths = all_gather(length, mesh, mesh_dim, dim=0, sizes=[1] * peers.size).tolist()
     data = all_gather(payload, mesh, mesh_dim, dim=0, sizes=lengths).cpu()
-    return [pickle.loads(chunk.numpy().tobytes()) for chunk in data.split(lengths)]
+    return [_unpickled(chunk) for chunk in data.split(lengths)]
 
 
 def broadcast_object(obj: Any, mesh: DeviceMesh, mesh_dim: int | str, *, src: int = 0) -> Any:
@@ -54,13 +54,13 @@ def broadcast_object(obj: Any, mesh: DeviceMesh, mesh_dim: int | str, *, src: in
     payload = None
     length = torch.zeros(1, dtype=torch.int64, device=mesh.device_type)
     if peers.coordinate == src:
-        payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(mesh.device_type)
+        payload = _pickled(obj, mesh.device_type)
         length.fill_(payload.numel())
     length = broadcast(length, mesh, mesh_dim, src=src)
     if payload is None:
         payload = torch.empty(int(length.item()), dtype=torch.uint8, device=mesh.device_type)
     data = broadcast(payload, mesh, mesh_dim, src=src).cpu()
-    return obj if peers.coordinate == src else pickle.loads(data.numpy().tobytes())
+    return obj if peers.coordinate == src else _unpickled(data)
 
 
 def share_object(obj: Any, mesh: DeviceMesh, mesh_dim: int | str) -> tuple[int, Any]:
@@ -76,12 +76,23 @@ def share_object(obj: Any, mesh: DeviceMesh, mesh_dim: int | str) -> tuple[int, 
     peers = _peers(mesh, mesh_dim)
     if peers.size == 1:
         return int(obj is not None), obj
-    payload = None if obj is None else torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    payload = None if obj is None else _pickled(obj, mesh.device_type)
     header = [0, 0, 0] if payload is None else [1, peers.coordinate, payload.numel()]
     header = torch.tensor(header, dtype=torch.int64, device=mesh.device_type)
     senders, source, length = all_reduce(header, mesh, mesh_dim, reduce_op="sum").tolist()
     if senders != 1:
         return senders, None
-    payload = torch.empty(length, dtype=torch.uint8, device=mesh.device_type) if payload is None else payload.to(mesh.device_type)
+    if payload is None:
+        payload = torch.empty(length, dtype=torch.uint8, device=mesh.device_type)
     data = broadcast(payload, mesh, mesh_dim, src=source).cpu()
-    return 1, obj if obj is not None else pickle.loads(data.numpy().tobytes())
+    return 1, obj if obj is not None else _unpickled(data)
+
+
+def _pickled(obj: Any, device_type: str) -> torch.Tensor:
+    """`obj` pickled into a uint8 tensor on the mesh's device (what the collectives send)."""
+    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device_type)
+
+
+def _unpickled(data: torch.Tensor) -> Any:
+    """The object a received uint8 tensor (on the CPU) holds."""
+    return pickle.loads(data.numpy().tobytes())
