@@ -51,6 +51,7 @@ from .plain_tensors import outermost_call
 from .plan_cache import (
     Recording, counts_of, fast_key, function_key_modes, function_plans, key_modes, recording, store_function_plan,
 )
+from .rules import schema_positions
 from .spec import DTensorSpec
 from .sub_mesh import has_ranks_outside, received_from_mesh, sent_to_world
 from .write_back import returns_view, written
@@ -282,12 +283,12 @@ def _modes_passed_through(args: tuple, kwargs: dict, recorded: Recording) -> tup
     modes = key_modes(plan.op)
     if not modes or len(aten_args) != len(args) or not kwargs.keys() >= aten_kwargs.keys():
         return ()
-    defaults = {argument.name: argument.default_value for argument in plan.op._schema.arguments if argument.has_default_value()}
+    schema = schema_positions(plan.op)
     pairs = list(zip(args, aten_args))
     for name, value in kwargs.items():
         if name in aten_kwargs:
             pairs.append((value, aten_kwargs[name]))
-        elif name not in defaults or isinstance(value, torch.Tensor) or value != defaults[name]:
+        elif name not in schema or isinstance(value, torch.Tensor) or value != schema[name][2]:  # its default
             return ()
     if all(given is passed or (type(given) is type(passed) and not isinstance(given, torch.Tensor) and given == passed)
            for given, passed in pairs):
