@@ -89,13 +89,12 @@ class ParameterUnit:
         by_parameter: dict[int, list] = {}
         for module, name, parameter in found:
             by_parameter.setdefault(id(parameter), [parameter, []])[1].append((module, name))
-        dtypes = {parameter.dtype for parameter, _ in by_parameter.values()}
-        if len(dtypes) > 1:
-            names = {str(parameter.dtype): locations[0][1] for parameter, locations in by_parameter.values()}
-            raise unit_error(f"the parameters of one unit have different dtypes {names}",
-                             "one unit gathers one flat buffer of one dtype: shard the modules with other dtypes in "
-                             "their own fully_shard call or list them in ignored_params")
-        self._set_dtypes(dtypes.pop() if dtypes else torch.get_default_dtype())
+        self._set_dtypes(_single_dtype(
+            [(locations[0][1], parameter.dtype) for parameter, locations in by_parameter.values()],
+            torch.get_default_dtype(), "",
+            "one unit gathers one flat buffer of one dtype: shard the modules with other dtypes in "
+            "their own fully_shard call or list them in ignored_params",
+        ))
         slots, pieces, self.segment_sizes = cut_parameters(by_parameter.values(), self.mesh, shard_placement_fn,
                                                            self.compute_dtype)
         for slot, (parameter, _), local in zip(slots, by_parameter.values(), pieces):
@@ -174,12 +173,11 @@ class ParameterUnit:
         """After `module.to(dtype)`, `.double()` or `.to(device)` converted the sharded parameters (`param.data =
         new` swaps a DTensor's shard and spec), rebuild what their dtype and device decide: the unit's dtypes,
         the slots' specs, the flat buffers, the gradients accumulated so far."""
-        dtypes = {parameter.dtype for parameter in self.sharded_parameters}
-        if len(dtypes) > 1:
-            names = {str(parameter.dtype): slot.locations[0][1] for slot, parameter in zip(self.slots, self.sharded_parameters)}
-            raise unit_error(f"the parameters of one unit have different dtypes {names} after a conversion",
-                             "convert every module of the unit alike (call .to(dtype) on a module holding them all)")
-        dtype = dtypes.pop() if dtypes else self.parameter_dtype
+        dtype = _single_dtype(
+            [(slot.locations[0][1], parameter.dtype) for slot, parameter in zip(self.slots, self.sharded_parameters)],
+            self.parameter_dtype, " after a conversion",
+            "convert every module of the unit alike (call .to(dtype) on a module holding them all)",
+        )
         device = self.sharded_parameters[0].device if self.sharded_parameters else self.device
         if dtype == self.parameter_dtype and device == self.device:
             return
@@ -369,3 +367,13 @@ class ParameterUnit:
             return [None] * len(self.slots), None
         reduction = Reduction(self, handle)
         return gradient_dtensors(reduction, self.slots, self.sharded_parameters, self.coordinate, self._placeholder), reduction
+
+
+def _single_dtype(named_dtypes: list[tuple[str, torch.dtype]], default: torch.dtype, when: str, hint: str) -> torch.dtype:
+    """The one dtype of a unit's parameters (`default` when it has none): one unit gathers one flat
+    buffer, so parameters of several dtypes raise, naming one parameter of each."""
+    dtypes = {dtype for _, dtype in named_dtypes}
+    if len(dtypes) > 1:
+        names = {str(dtype): name for name, dtype in named_dtypes}
+        raise unit_error(f"the parameters of one unit have different dtypes {names}{when}", hint)
+    return dtypes.pop() if dtypes else default
