@@ -103,7 +103,7 @@ def next_random_call(mesh: DeviceMesh) -> tuple[int, int]:
         raise _random_in_backward_error()
     with _lock:
         if _seed is None:
-            candidate = int(torch.randint(0, 2**62, ()).item())
+            candidate = int(torch.randint(0, 2**62, (), device="cpu").item())  # torch's default CPU generator
             _seed = comm.all_gather_object(candidate, world_mesh(mesh.device_type), None)[0]
         call = (_seed, _counter)
         _counter += 1
