@@ -41,6 +41,7 @@ from torch.overrides import TorchFunctionMode
 import shardtensor
 from shardtensor import Replicate, Shard, comm, distribute_tensor
 from shardtensor.checkpoint import get_model_state_dict, set_model_state_dict
+from shardtensor.fsdp import api as fsdp_api
 from shardtensor.ops.resample_geometry import interpolation_taps
 
 MESHES = [(1,), (2,)]
@@ -548,3 +549,18 @@ def test_interpolate_of_a_spatially_sharded_tensor_reads_its_taps_on_the_host(me
         nearest = F.interpolate(x, size=10, mode="nearest")
     torch.testing.assert_close(_full(linear), F.interpolate(image, scale_factor=2, mode="linear"))
     assert torch.equal(_full(nearest), F.interpolate(image, size=10, mode="nearest"))
+
+
+@pytest.mark.parametrize(("parameters", "backend", "cuda_available", "expected"), [
+    ("cpu", None, True, "cpu"),  # where the parameters are, whatever the machine has
+    ("meta", None, False, "cpu"),
+    ("meta", None, True, "cuda"),  # a model to materialize later: the accelerator, as FSDP2
+    ("meta", "nccl", False, "cuda"),  # the world's backend decides once there is one
+    ("meta", "gloo", True, "cpu"),
+])
+def test_fully_shard_without_a_mesh_makes_one_for_the_device_of_the_parameters(
+        monkeypatch, parameters, backend, cuda_available, expected):
+    monkeypatch.setattr(fsdp_api.dist, "is_initialized", lambda: backend is not None)
+    monkeypatch.setattr(fsdp_api.dist, "get_backend", lambda: backend)
+    monkeypatch.setattr(fsdp_api.torch.cuda, "is_available", lambda: cuda_available)
+    assert fsdp_api._default_device_type([torch.nn.Linear(2, 3, device=parameters)]) == expected
