@@ -3,8 +3,9 @@ belongs to, and its collectives refuse tensors on a device the mesh's backend ca
 GPU here, so three kinds of test stand in for a CUDA run:
 
 1. A static scan of src/shardtensor (the `ast` module): every call of a torch factory (`FACTORIES`)
-   names a device, no `device` parameter defaults to the CPU, and every factory on the CPU or move to
-   the host (`.cpu()`, `.numpy()`, `.to("cpu")`) is in `ALLOWED`, each with its reason. It proves what
+   names a device, no `device` parameter defaults to the CPU, and every tensor made on the CPU (any
+   call with `device="cpu"`) or moved to the host (`.cpu()`, `.numpy()`, `.to("cpu")`) is in
+   `ALLOWED`, each with its reason. It proves what
    the source says, for every line, run or not; it cannot see a factory reached under another name
    (`getattr(torch, name)`), nor whether a `device=` expression is the right device.
 2. A recording run: a representative program (redistribute of each kind, ops, random init,
@@ -161,14 +162,13 @@ class _Scanner(ast.NodeVisitor):
             name = function.attr
         elif isinstance(function, ast.Name):
             name = self.from_torch.get(function.id)
-        if name in FACTORIES:
-            device = next((keyword.value for keyword in node.keywords if keyword.arg == "device"), None)
-            if device is None:
-                self._add(node, NO_DEVICE)
-            elif _is_cpu(device, self.constants):
-                self._add(node, ON_CPU)
-        elif isinstance(function, ast.Attribute) and self._moves_to_host(function.attr, node):
+        device = next((keyword.value for keyword in node.keywords if keyword.arg == "device"), None)
+        if isinstance(function, ast.Attribute) and self._moves_to_host(function.attr, node):
             self._add(node, TO_HOST)
+        elif name in FACTORIES and device is None:
+            self._add(node, NO_DEVICE)
+        elif device is not None and _is_cpu(device, self.constants):  # a factory, `new_*`, `*_like`...
+            self._add(node, ON_CPU)
         self.generic_visit(node)
 
     def _moves_to_host(self, method: str, node: ast.Call) -> bool:
@@ -197,15 +197,16 @@ def f(x, device="cpu"):
     c = make_zeros(2)
     d = torch.full((), 1, device=HOST)
     e = x.new_zeros(3), torch.ones_like(x), x.to(x.device), x.to(torch.float64)
-    return x.cpu(), x.to("cpu"), x.detach().numpy()
+    return x.cpu(), x.to("cpu"), x.detach().numpy(), x.to(device="cpu", dtype=torch.float64)
 class C:
-    def g(self, mesh):
-        return torch.arange(4, device=mesh.device_type), torch.tensor(1, device="cpu:0")
+    def g(self, mesh, x):
+        return torch.arange(4, device=mesh.device_type), torch.tensor(1, device="cpu:0"), x.new_ones(2, device=HOST)
 """
     found = [(finding.function, finding.kind, finding.line) for finding in scan(source)]
     assert found == [
         ("f", ON_CPU, 4), ("f", NO_DEVICE, 5), ("f", NO_DEVICE, 7), ("f", ON_CPU, 8),
-        ("f", TO_HOST, 10), ("f", TO_HOST, 10), ("f", TO_HOST, 10), ("C.g", ON_CPU, 13),
+        ("f", TO_HOST, 10), ("f", TO_HOST, 10), ("f", TO_HOST, 10), ("f", TO_HOST, 10),
+        ("C.g", ON_CPU, 13), ("C.g", ON_CPU, 13),
     ]
 
 
