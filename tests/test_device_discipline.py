@@ -62,6 +62,7 @@ FACTORIES = frozenset((
 NO_DEVICE, ON_CPU, TO_HOST = "no device", "cpu", "to host"
 
 _HOST_METADATA = "host metadata: rank tables, as torch's DeviceMesh.mesh, read with .tolist(); no data lives in them"
+_DEMO_TEXT = "the demo's text: host data, whose batches train.py moves to the mesh's device"
 # (path under src/shardtensor, enclosing function or "*" for every function of the file, kind) -> why.
 # Every finding of the scan must be here, and every entry must still match a finding.
 ALLOWED = {
@@ -85,12 +86,13 @@ ALLOWED = {
     ("comm/objects.py", "share_object", TO_HOST): "the received pickle is unpickled from host memory",
     ("comm/objects.py", "_unpickled", TO_HOST): ".numpy() of the bytes that all three just moved to the host",
     ("checkpoint.py", "_converted", TO_HOST): "StateDictOptions(cpu_offload=True) asks for CPU state dicts",
-    ("demo/data.py", "Corpus.encode", ON_CPU): "the demo's text: host data, whose batches train.py moves to the mesh's device",
-    ("demo/data.py", "load_corpus", ON_CPU): "the demo's text: host data, whose batches train.py moves to the mesh's device",
+    ("demo/data.py", "Corpus.encode", ON_CPU): _DEMO_TEXT,
+    ("demo/data.py", "load_corpus", ON_CPU): _DEMO_TEXT,
     ("demo/data.py", "batch_for_step", ON_CPU): "batch windows drawn by a CPU generator (the same on every rank)",
     ("demo/checkpoint.py", "save_checkpoint", ON_CPU): "the step count, a plain scalar saved beside the states",
     ("demo/checkpoint.py", "load_checkpoint", ON_CPU): "the step count, a plain scalar loaded beside the states",
-    ("demo/report.py", "generate", TO_HOST): "sampled by torch.multinomial with a CPU generator: the same text on every rank",
+    ("demo/report.py", "generate", TO_HOST):
+        "sampled by torch.multinomial with a CPU generator: the same text on every rank",
 }
 
 

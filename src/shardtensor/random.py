@@ -315,9 +315,9 @@ def random_shard(
     (`random_shard("uniform_", ..., parameters=(-1.0, 1.0))`). Time is linear in the tiles the box
     overlaps (its size plus the tiles cut by its edges), never in the global size: tiles are drawn
     one at a time and copied into the result, made on `device` (the shard's), or into `out` (a tensor
-    of `local_shape`, written in place) so that filling an existing shard needs no second shard. With `below`, the result is the
-    bool mask `values < below` (dropout's and bernoulli's keep masks), compared tile by tile: the
-    values are drawn in `dtype` as always, but never held for the whole box.
+    of `local_shape`, written in place) so that filling an existing shard needs no second shard. With
+    `below`, the result is the bool mask `values < below` (dropout's and bernoulli's keep masks),
+    compared tile by tile: the values are drawn in `dtype` as always, but never held for the whole box.
 
     >>> full = random_shard("rand", (3, 4), (0, 0), (3, 4), seed=0, counter=0, dtype=torch.float32, device="cpu")
     >>> torch.equal(random_shard("rand", (3, 4), (1, 2), (2, 2), seed=0, counter=0,

@@ -97,7 +97,8 @@ def _nearest(mode: str, input_size: int, output_size: int, scale) -> Taps:
 def _linear(input_size, output_size, align_corners, scale, dtype) -> Taps:
     if output_size == input_size:  # the kernels copy
         rows = torch.arange(output_size, dtype=torch.int64, device=_HOST)
-        weights = torch.stack([torch.ones(output_size, dtype=dtype, device=_HOST), torch.zeros(output_size, dtype=dtype, device=_HOST)], 1)
+        ones, zeros = (torch.full((output_size,), value, dtype=dtype, device=_HOST) for value in (1, 0))
+        weights = torch.stack([ones, zeros], 1)
         return Taps(torch.stack([rows, rows], 1), weights, rows)
     coordinates = _source_coordinates(input_size, output_size, align_corners, scale, dtype, cubic=False)
     lower = coordinates.floor().to(torch.int64).clamp_max(input_size - 1)
