@@ -196,9 +196,10 @@ class DeviceMesh:
         """
         if isinstance(group, dist.ProcessGroup):
             group_ranks = dist.get_process_group_ranks(group)
-            if mesh is not None and torch.as_tensor(mesh).tolist() != group_ranks:
+            given = None if mesh is None else torch.as_tensor(mesh, dtype=torch.int64, device="cpu").tolist()
+            if given is not None and given != group_ranks:
                 raise ValueError(
-                    f"from_group: mesh {torch.as_tensor(mesh).tolist()} does not list the group's ranks {group_ranks} "
+                    f"from_group: mesh {given} does not list the group's ranks {group_ranks} "
                     "in group-rank order; pass mesh=None (the mesh is then the group's ranks) or that list"
                 )
             groups, mesh = [group], group_ranks
