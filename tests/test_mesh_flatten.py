@@ -1,4 +1,5 @@
-"""`DeviceMesh._flatten`: torchtitan's way of naming several mesh dims as one (dp x cp -> "dp_cp").
+"""`DeviceMesh._flatten` and `_unflatten`: torchtitan's way of naming several mesh dims as one (dp x cp ->
+"dp_cp") and of splitting one (world -> dp x cp x tp).
 
 Every flattened mesh and every slice that names a flattened dim holds exactly the ranks that indexing
 the world's rank array gives (torch's `_flatten` gives the same, and refuses the slices in another
@@ -100,3 +101,27 @@ def test_hsdp_over_a_flattened_shard_dim(mesh):
     assert {parameter.placements for parameter in sharded.parameters()} == {(Replicate(), Shard(0))}
     _train_sharded(sharded, batches, dist.get_rank(), dist.get_world_size())
     _assert_same_parameters(sharded, reference)
+
+
+@spmd(meshes=[(2, 2, 2)], timeout=300.0)
+def test_unflatten(mesh):
+    """torchtitan's world mesh: one "world" dim unflattened into (dp, cp, tp); and a slice's dim split in
+    two, which every rank does for its own slice (groups made for all of them, in one order)."""
+    ranks = torch.arange(8).view(2, 2, 2)
+    dp, cp, tp = ranks.eq(dist.get_rank()).nonzero()[0].tolist()
+    world = init_device_mesh("cpu", (8,), mesh_dim_names=("world",))
+    unflattened = world._unflatten(0, (2, 2, 2), ("dp", "cp", "tp"))
+    _check(unflattened, ranks, ("dp", "cp", "tp"))
+    _check(unflattened["cp", "tp"], ranks[dp], ("cp", "tp"))
+    assert dist.get_process_group_ranks(unflattened.get_group("cp")) == ranks[dp, :, tp].tolist()
+    _check(unflattened["dp", "cp"]._flatten(), ranks[:, :, tp].flatten(), ("dp_cp",))
+    two_d = init_device_mesh("cpu", (4, 2), mesh_dim_names=("dp", "tp"))
+    split = two_d["dp"]._unflatten("dp", (2, 2), ("replicate", "shard"))
+    _check(split, ranks[:, :, tp], ("replicate", "shard"))
+    assert dist.get_process_group_ranks(split.get_group("shard")) == ranks[dp, :, tp].tolist()
+    x = distribute_tensor(torch.arange(12.0), split, [Replicate(), Shard(0)])
+    assert torch.equal(x.to_local(), torch.arange(12.0).chunk(2)[cp]) and torch.equal(x.full_tensor(), torch.arange(12.0))
+    with pytest.raises(ValueError, match="give positive mesh_sizes whose product is that"):
+        world._unflatten("world", (3, 3), ("a", "b"))
+    with pytest.raises(ValueError, match="repeat a name"):
+        two_d._unflatten("dp", (2, 2), ("tp", "x"))

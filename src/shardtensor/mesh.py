@@ -319,6 +319,37 @@ class DeviceMesh:
                              "give these dims another name")
         return root[name] if self._coordinate is not None else self._outside_flattened(name)
 
+    def _unflatten(self, dim: int | str, mesh_sizes: Sequence[int], mesh_dim_names: Sequence[str]) -> DeviceMesh:
+        """This mesh with mesh dim `dim` split into mesh dims of `mesh_sizes` named `mesh_dim_names`, as
+        torch's `DeviceMesh._unflatten`: `init_device_mesh("cpu", (8,), mesh_dim_names=("world",))._unflatten(
+        0, (2, 2, 2), ("dp", "cp", "tp"))` is the 2x2x2 mesh. Collective (it creates the new mesh dims' groups
+        for this mesh and for every mesh sliced like it on the other ranks, in the same order on every rank).
+        The result is a mesh of its own: slice and flatten it, not this one, for the new names."""
+        mesh_dim = self._mesh_dim_index(dim, needed_for="_unflatten")
+        sizes, names = tuple(int(size) for size in mesh_sizes), tuple(mesh_dim_names)
+        if len(sizes) != len(names) or math.prod(sizes) != self.mesh.shape[mesh_dim] or min(sizes, default=0) < 1:
+            raise ValueError(f"_unflatten: mesh dim {dim!r} of {self!r} has {self.mesh.shape[mesh_dim]} ranks; give "
+                             f"positive mesh_sizes whose product is that and one name per size, got {sizes} and {names}")
+        if self.mesh_dim_names is None and self.ndim > 1:
+            raise RuntimeError(f"_unflatten: {self!r} has no mesh_dim_names to name its other mesh dims by; build it "
+                               "with mesh_dim_names=(...)")
+        old_names = self.mesh_dim_names or ("",)
+        new_names = old_names[:mesh_dim] + names + old_names[mesh_dim + 1:]
+        _check_names(new_names, len(new_names))
+        shape = self.shape[:mesh_dim] + sizes + self.shape[mesh_dim + 1:]
+        root = self._root or self
+        spans = self._root_dims
+        others = [root_dim for root_dim in range(root.ndim) if root_dim not in self._spanned_root_dims()]
+        siblings = root.mesh.permute(others + [root_dim for span in spans for root_dim in span]).reshape(-1, *shape)
+        for sibling in siblings:  # every rank's mesh like this one, in the same order everywhere
+            for new_dim in range(mesh_dim, mesh_dim + len(sizes)):
+                for line in _rank_lines_over(sibling, (new_dim,)):
+                    group_for(line)
+        tokens = self._group_tokens[:mesh_dim] + (None,) * len(sizes) + self._group_tokens[mesh_dim + 1:]
+        sliced_from_world = self._sliced_from_world or self.size() == dist.get_world_size()
+        return DeviceMesh(self.device_type, self.mesh.reshape(shape), mesh_dim_names=new_names, _groups_exist=True,
+                          _user_group_tokens=tokens, _sliced_from_world=sliced_from_world)
+
     def _outside_flattened(self, name: str) -> DeviceMesh:
         """What `_flatten` returns on a rank outside the mesh: the flattened ranks of the mesh itself (a
         rank outside has no line of its own to flatten)."""
