@@ -120,13 +120,14 @@ class Llama(nn.Module):
 
 
 def _llama(model_class=Llama, dtype=torch.float64) -> Llama:
-    """The model in `dtype`, its rotary frequencies kept complex (`.to` would drop their imaginary part)."""
+    """The model made in `dtype`, its rotary frequencies complex (`.to` would drop their imaginary part)."""
     torch.manual_seed(0)
-    model = model_class()
-    frequencies = model.frequencies
-    model.to(dtype)
-    model.frequencies = frequencies
-    return model
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        return model_class()
+    finally:
+        torch.set_default_dtype(default)
 
 
 def _token_batches(steps: int):
@@ -346,3 +347,62 @@ def test_llama_in_bfloat16_with_float32_reduction_equals_the_same_by_hand(mesh):
     for (name, parameter), expected in zip(model.named_parameters(), reference.parameters(), strict=True):
         assert parameter.dtype == torch.float32
         assert_close(parameter.full_tensor(), expected.detach(), msg=lambda message, name=name: f"{name}: {message}")
+
+
+@spmd(meshes=[(2,)])
+def test_llama_with_dtensor_activations_through_attention(mesh):
+    """Tensor parallel keeping DTensors inside attention (`use_local_output=False`): the model's views
+    with -1 count global heads, the rotary frequencies are a plain buffer next to DTensors."""
+    from shardtensor.experimental import implicit_replication
+
+    reference = _llama()
+    model = copy.deepcopy(reference)
+    for layer in model.layers:
+        parallelize_module(layer, mesh, {
+            "attention.wq": ColwiseParallel(use_local_output=False),
+            "attention.wk": ColwiseParallel(use_local_output=False),
+            "attention.wv": ColwiseParallel(use_local_output=False),
+            "attention.wo": RowwiseParallel(),
+            "feed_forward.w1": ColwiseParallel(use_local_output=False),
+            "feed_forward.w2": RowwiseParallel(),
+            "feed_forward.w3": ColwiseParallel(use_local_output=False),
+        })
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.01)
+    for tokens in _token_batches(2):
+        with implicit_replication():  # the plain frequencies meet DTensor queries and keys
+            loss, _ = _train_step(model, optimizer, tokens, foreach=True, parallel=False)
+        expected, _ = _train_step(reference, reference_optimizer, tokens, foreach=True, parallel=False)
+        assert_close(loss, expected)
+    for (name, parameter), expected in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert_close(_full(parameter), expected.detach(), msg=lambda message, name=name: f"{name}: {message}")
+
+
+@spmd(meshes=[(2,), (3,)])
+def test_writes_into_columns_of_class_sharded_logits_reach_them(mesh):
+    """Decoding code bans a token with `logits[:, token] = -inf` on logits sharded along the vocabulary:
+    the column is a view of a moved copy, and the write (also through a view of that view, several
+    times, or through two columns taken before either is written) is stored back into the logits; a
+    copy made stale by a write into the logits themselves raises."""
+    from shardtensor import distribute_tensor
+
+    full = torch.randn(4, VOCAB, dtype=torch.float64)
+    logits = distribute_tensor(full, mesh, [Shard(1)])
+    expected = full.clone()
+    for tensor in (logits, expected):
+        tensor[:, 3] = float("-inf")
+        column = tensor[:, 7]
+        column[1:3].fill_(-1.0)
+        column.mul_(2.0)
+        tensor.t()[11].add_(5.0)
+        first, second = tensor[:, 12], tensor[:, 13]
+        first.fill_(2.0)
+        second.copy_(first * 3.0)
+    assert torch.equal(logits.full_tensor(), expected)
+    assert torch.equal(logits.argmax(-1).full_tensor(), expected.argmax(-1))
+
+    column = logits[:, 0]
+    logits.add_(1.0)
+    with pytest.raises(RuntimeError, match="the base was written since the view was taken"):
+        column.fill_(0.0)
+    assert torch.equal(logits.full_tensor(), expected + 1.0)
