@@ -42,7 +42,7 @@ def test_flatten_and_slice(mesh):
     _check(world["tp", "dp_cp"], ranks.reshape(4, 2).t(), ("tp", "dp_cp"))
     _check(world["dp_cp", "tp"]["dp_cp"], ranks[:, :, tp].flatten(), ("dp_cp",))
     assert dist.get_process_group_ranks(world["dp_cp"].get_group()) == sorted(flat.mesh.tolist())
-    assert world["dp_cp"].get_group() is flat.get_group()
+    assert world["dp_cp"].get_group() is flat.get_group() is world.get_group("dp_cp") is world["dp", "cp"].get_group("dp_cp")
     _check(world["dp", "tp"]._flatten("dp_tp"), ranks[:, cp, :].flatten(), ("dp_tp",))  # not adjacent in the root
     _check(world["cp", "dp"]._flatten(), ranks[:, :, tp].t().flatten(), ("cp_dp",))
     _check(world._flatten("everyone"), ranks.flatten(), ("everyone",))
