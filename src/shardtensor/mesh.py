@@ -167,7 +167,10 @@ class DeviceMesh:
 
     # --- process groups ------------------------------------------------------------------------
     def get_group(self, mesh_dim: int | str | None = None) -> dist.ProcessGroup:
-        """The process group along `mesh_dim` through this rank (may be None only for a 1-D mesh)."""
+        """The process group along `mesh_dim` through this rank (may be None only for a 1-D mesh); a name
+        `_flatten` gave to dims of the root mesh gives the flattened group, as in torch."""
+        if isinstance(mesh_dim, str) and mesh_dim not in (self.mesh_dim_names or ()) and mesh_dim in (self._root or self)._flattened:
+            return self[mesh_dim].get_group()
         mesh_dim = self._mesh_dim_index(mesh_dim, needed_for="get_group")
         if self._coordinate is None:
             raise _not_in_mesh_error(self, "get_group")
