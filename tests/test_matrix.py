@@ -286,6 +286,7 @@ AVERAGED_PRODUCTS = {
     "linear": lambda x, w, b: F.linear(x, w),
     "linear_bias": lambda x, w, b: F.linear(x, w, b),  # matmul, then a Replicate bias added to P(avg): exact
     "addmm": lambda x, w, b: torch.addmm(b, x[0], w.t(), beta=0.5, alpha=2.0),
+    "addmm_plain_addend": lambda x, w, b: torch.addmm(torch.tensor(1.5, dtype=torch.float64), x[0], w.t()),
 }
 
 
