@@ -299,7 +299,7 @@ MIXES = {2: [("sum", "avg"), ("avg", "sum")], 3: [("sum", "avg", "sum"), ("avg",
 def test_a_sum_and_avg_mix_reduces_in_one_collective(mesh):
     """A P(sum)/P(avg) mix reduces over all its mesh dims in one collective, a sum divided by the
     ranks along the avg mesh dims: one all_reduce to Replicate, one reduce_scatter to Shard(0) on
-    every mesh dim, with ring bytes over the whole mesh. torch DTensor (the oracle, same operands)
+    every mesh dim, with ring bytes over the whole mesh (asynchronously too). torch DTensor (the oracle, same operands)
     gives the same values with one all_reduce per mesh dim: 2 on 2x2, 3 on 2x2x2, where ours is 1."""
     from torch.distributed.tensor import DTensor as TorchDTensor
     from torch.distributed.tensor import Partial as TorchPartial
@@ -317,6 +317,7 @@ def test_a_sum_and_avg_mix_reduces_in_one_collective(mesh):
             assert mode.get_comm_counts() == {kind: 1}, (reduce_ops, targets, mode.get_comm_counts())
             assert mode.get_total_bytes().received == received
             _check(result, value, tuple(targets))
+            _check(mixed.redistribute(mesh, targets, async_op=True), value, tuple(targets))  # divided once waited
         oracle = TorchDTensor.from_local(mixed.to_local(), torch_mesh(mesh), [TorchPartial(op) for op in reduce_ops])
         reduced, torch_count = torch_collectives(lambda: oracle.redistribute(placements=[TorchReplicate()] * mesh.ndim))
         assert torch_count == mesh.ndim

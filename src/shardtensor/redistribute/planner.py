@@ -19,11 +19,10 @@ States are `Layout`s (placements, shard order and exact pieces). A step changes 
                                           rank receives exactly the target elements it lacks
 
 A source may mix Partial reduce ops only where they commute (`Partial.commutes_with`: P(sum) with
-P(avg)); any other mix has no one value, and reducing it is refused. A mix that commutes reduces in
-one collective too (`flattened_partial`). Only the innermost mesh dim
-of a nested shard may move (`Layout.transition` checks it). A new split of a tensor dim whose
-shard order becomes a prefix of the target's takes the target's pieces, so explicit uneven
-targets are reached exactly.
+P(avg)), and such a mix reduces in one collective too (`flattened_partial`); any other mix has no
+one value, and reducing it is refused. Only the innermost mesh dim of a nested shard may move
+(`Layout.transition` checks it). A new split of a tensor dim whose shard order becomes a prefix of
+the target's takes the target's pieces, so explicit uneven targets are reached exactly.
 
 Cost model (alpha-beta, `CostModel`): a step costs `latency_us` per collective plus
 `bytes / bytes_per_us`, where bytes are the **most bytes any one rank receives in that step** (the
