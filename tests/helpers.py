@@ -107,6 +107,29 @@ def partial_of(full: torch.Tensor, mesh, *, seed: int = 0):
     local = noise[rank] if rank in noise else full - sum(noise.values(), torch.zeros_like(full))
     return DTensor.from_local(local, mesh, [Partial()] * mesh.ndim)
 
+_torch_meshes: dict = {}
+
+
+def torch_mesh(mesh):
+    """torch's own DeviceMesh over the ranks of `mesh` (made once per worker and mesh), for tests that
+    run the same program on torch DTensor as an oracle of values and collective counts."""
+    from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
+
+    key = tuple(mesh.mesh.shape), tuple(mesh.mesh.flatten().tolist())
+    if key not in _torch_meshes:
+        _torch_meshes[key] = TorchDeviceMesh("cpu", mesh.mesh)
+    return _torch_meshes[key]
+
+
+def torch_collectives(function):
+    """(function(), how many collectives torch DTensor issued in it, by its own CommDebugMode)."""
+    from torch.distributed.tensor.debug import CommDebugMode as TorchCommDebugMode
+
+    with TorchCommDebugMode() as mode:
+        result = function()
+    return result, mode.get_total_counts()
+
+
 def _agreement(mesh, mesh_dims, int64s: int) -> list:
     """The record of one all_reduce(max) of `int64s` int64 values over `mesh_dims` (default: every mesh
     dim), or nothing on a one-rank group."""

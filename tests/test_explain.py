@@ -25,6 +25,17 @@ def test_explain_a_layout_prints_steps_totals_and_the_lower_bound():
     assert "lower bound 6291456 bytes/rank (1.00x)" in text
 
 
+def test_explain_a_sum_and_avg_mix_prints_one_reduction_and_its_divisor():
+    """(P(sum), P(avg)) -> (R, R): one all_reduce over both mesh dims (sum, then / 2 for the avg mesh
+    dim) at the lower bound, where one all_reduce per mesh dim moved 8388608 bytes/rank (1.33x)."""
+    layout = Layout.create((2, 2), [Partial("sum"), Partial("avg")], (1024, 1024))
+    output = io.StringIO()
+    explain_redistribute(layout, [R, R], itemsize=4, file=output)
+    text = output.getvalue()
+    assert "mesh dims (0, 1): [P(sum), P(avg)] -> [R, R]  all_reduce (group 4, sum / 2), 6291456 bytes/rank" in text
+    assert "lower bound 6291456 bytes/rank (1.00x)" in text and len(text.splitlines()) == 3
+
+
 def test_explain_a_layout_needs_an_itemsize():
     layout = Layout.create((2,), [Shard(0)], (4,))
     with pytest.raises(ValueError, match="pass e.g. itemsize=4 for float32"):

@@ -5,11 +5,12 @@ backward against one device."""
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import partial_of
+from helpers import partial_and_value, partial_of, torch_collectives, torch_mesh
 from spmd import spmd
 
 import shardtensor
 from shardtensor import DTensor, Partial, Replicate, Shard, comm, distribute_tensor
+from shardtensor.debug import CommDebugMode
 from shardtensor.dispatch import fallback_counts
 from shardtensor.ops.matrix import einsum_rows
 
@@ -33,7 +34,7 @@ def _leaf(full: torch.Tensor, mesh, placement) -> DTensor:
 def test_einsum_rows_follow_the_spec():
     assert [str(row) for row in einsum_rows("mk,kn->mn")] == [
         "[R <- R, R]", "[S(0) <- S(0), R]", "[P(sum) <- S(1), S(0)]", "[S(1) <- R, S(1)]",
-        "[P(sum) <- P(sum), R]", "[P(sum) <- R, P(sum)]",
+        "[P(sum) <- P(sum), R]", "[P(sum) <- R, P(sum)]", "[P(avg) <- P(avg), R]", "[P(avg) <- R, P(avg)]",
     ]
     assert "[S(0) <- S(0), S(0)]" in [str(row) for row in einsum_rows("bmk,bkn->bmn")]
 
@@ -275,3 +276,57 @@ def test_vdot_and_vecdot_shard_the_contraction_into_partial(mesh):
     sum(expected).backward()
     for leaf, reference in zip((first, second), references):
         torch.testing.assert_close(leaf.grad.full_tensor(), reference.grad)
+
+
+# name -> the product of an input x (4, 3, 6) and a weight w (5, 6), bias b (5,), on any torch
+AVERAGED_PRODUCTS = {
+    "mm": lambda x, w, b: torch.mm(x[0], w.t()),
+    "matmul": lambda x, w, b: torch.matmul(x, w.t()),
+    "einsum": lambda x, w, b: torch.einsum("bmk,nk->bmn", x, w),
+    "linear": lambda x, w, b: F.linear(x, w),
+    "linear_bias": lambda x, w, b: F.linear(x, w, b),  # matmul, then a Replicate bias added to P(avg): exact
+    "addmm": lambda x, w, b: torch.addmm(b, x[0], w.t(), beta=0.5, alpha=2.0),
+    "addmm_plain_addend": lambda x, w, b: torch.addmm(torch.tensor(1.5, dtype=torch.float64), x[0], w.t()),
+}
+
+
+@spmd(meshes=[(2,), (2, 2), (2, 2, 2)])
+def test_products_keep_a_partial_avg_input(mesh):
+    """mm / matmul / einsum / linear (with a bias too) / addmm of a Partial(avg) input and Replicate
+    weights are Partial(avg), as for Partial(sum) (linear in the input; a Replicate addend added to
+    every operand of an average is added once): no collective in the op, and one all_reduce over the
+    whole mesh when the value is read. torch DTensor (the oracle, same operands) also issues none
+    in the op and one all_reduce per mesh dim when reading it; ours is lower on 2x2 and 2x2x2. A
+    non-linear op after the product (relu) reduces first. The weight's gradient matches one device."""
+    from torch.distributed.tensor import DTensor as TorchDTensor
+    from torch.distributed.tensor import Partial as TorchPartial
+    from torch.distributed.tensor import Replicate as TorchReplicate
+
+    inputs, inputs_value = partial_and_value(mesh, (4, 3, 6), "avg")
+    weight_full, bias_full = torch.randn(5, 6, dtype=torch.float64), torch.randn(5, dtype=torch.float64)
+    oracle_inputs = TorchDTensor.from_local(inputs.to_local(), torch_mesh(mesh), [TorchPartial("avg")] * mesh.ndim)
+    oracle_weight, oracle_bias = (TorchDTensor.from_local(full, torch_mesh(mesh), [TorchReplicate()] * mesh.ndim)
+                                  for full in (weight_full, bias_full))
+    for name, product in AVERAGED_PRODUCTS.items():
+        weight, bias = _leaf(weight_full, mesh, R), _leaf(bias_full, mesh, R)
+        with shardtensor.strict_mode(), CommDebugMode() as in_op:
+            result = product(inputs, weight, bias)
+        assert in_op.get_total_counts() == 0 and result.placements == (Partial("avg"),) * mesh.ndim, name
+        with CommDebugMode() as reading:
+            value = result.full_tensor()
+        assert reading.get_comm_counts() == {"all_reduce": 1}, name
+        reference_weight = weight_full.clone().requires_grad_()
+        reference = product(inputs_value, reference_weight, bias_full)
+        torch.testing.assert_close(value, reference)
+        grad = torch.randn_like(reference)
+        result.backward(distribute_tensor(grad, mesh, [R] * mesh.ndim))
+        reference.backward(grad)
+        torch.testing.assert_close(weight.grad.full_tensor(), reference_weight.grad)
+        oracle, torch_in_op = torch_collectives(lambda: product(oracle_inputs, oracle_weight, oracle_bias))
+        oracle_value, torch_reading = torch_collectives(oracle.full_tensor)
+        assert (torch_in_op, torch_reading) == (0, mesh.ndim), name
+        torch.testing.assert_close(oracle_value, reference)
+        with CommDebugMode() as nonlinear:
+            rectified = torch.relu(product(inputs, weight, bias))
+        assert nonlinear.get_comm_counts() == {"all_reduce": 1} and rectified.placements == (R,) * mesh.ndim
+        torch.testing.assert_close(rectified.full_tensor(), torch.relu(reference))

@@ -5,11 +5,12 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import local_piece, partial_and_value
+from helpers import local_piece, partial_and_value, torch_collectives, torch_mesh
 from spmd import spmd
 
 import shardtensor
 from shardtensor import DTensor, Partial, Replicate, Shard, comm, distribute_tensor
+from shardtensor.debug import CommDebugMode
 
 
 def _operand(rank: int, seed: int = 0, dtype=torch.float64) -> torch.Tensor:
@@ -261,7 +262,7 @@ def test_mean_over_uneven_shards_is_weighted(mesh, length):
 @spmd(meshes=[(2, 2)])
 def test_partial_sum_and_avg_mix_across_mesh_dims(mesh):
     """P(sum) on one mesh dim and P(avg) on the other commute (both linear), as in torch DTensor: the
-    value, redistributes (one all_reduce per mesh dim: a collective has one reduce op) and linear ops,
+    value, redistributes (one all_reduce over both mesh dims, see the next test) and linear ops,
     which keep the mix without communication, match one device; so does a sum whose result mixes them."""
     for reduce_ops in (("sum", "avg"), ("avg", "sum")):
         mixed, value = partial_and_value(mesh, (4, 6), reduce_ops)
@@ -270,7 +271,7 @@ def test_partial_sum_and_avg_mix_across_mesh_dims(mesh):
         _check(mixed, value, placements)
         with comm.observe() as records:
             replicated = mixed.redistribute(mesh, [Replicate(), Replicate()])
-        assert [(record.kind, record.mesh_dim) for record in records] == [("all_reduce", 0), ("all_reduce", 1)]
+        assert [(record.kind, record.mesh_dim) for record in records] == [("all_reduce", (0, 1))]
         _check(replicated, value)
         for targets in ([Shard(0), Replicate()], [Shard(0), Shard(1)], [Replicate(), placements[1]]):
             _check(mixed.redistribute(mesh, targets), value, tuple(targets))
@@ -289,6 +290,38 @@ def test_partial_sum_and_avg_mix_across_mesh_dims(mesh):
         row_sums = sharded_average.sum(dim=1)  # the result mixes them: P(sum) from the sharded dim
     assert list(records) == []
     _check(row_sums, full.sum(dim=1) * 1.5, (Partial("sum"), Partial("avg")))
+
+
+MIXES = {2: [("sum", "avg"), ("avg", "sum")], 3: [("sum", "avg", "sum"), ("avg", "avg", "sum"), ("avg", "sum", "avg")]}
+
+
+@spmd(meshes=[(2, 2), (2, 2, 2)])
+def test_a_sum_and_avg_mix_reduces_in_one_collective(mesh):
+    """A P(sum)/P(avg) mix reduces over all its mesh dims in one collective, a sum divided by the
+    ranks along the avg mesh dims: one all_reduce to Replicate, one reduce_scatter to Shard(0) on
+    every mesh dim, with ring bytes over the whole mesh (asynchronously too). torch DTensor (the oracle, same operands)
+    gives the same values with one all_reduce per mesh dim: 2 on 2x2, 3 on 2x2x2, where ours is 1."""
+    from torch.distributed.tensor import DTensor as TorchDTensor
+    from torch.distributed.tensor import Partial as TorchPartial
+    from torch.distributed.tensor import Replicate as TorchReplicate
+
+    ranks, shape, itemsize = mesh.size(), (8, 6), 8
+    for reduce_ops in MIXES[mesh.ndim]:
+        mixed, value = partial_and_value(mesh, shape, reduce_ops)
+        for targets, kind, received in [
+            ([Replicate()] * mesh.ndim, "all_reduce", 2 * (ranks - 1) * 48 * itemsize // ranks),
+            ([Shard(0)] * mesh.ndim, "reduce_scatter", (ranks - 1) * 48 * itemsize // ranks),
+        ]:
+            with CommDebugMode() as mode:
+                result = mixed.redistribute(mesh, targets)
+            assert mode.get_comm_counts() == {kind: 1}, (reduce_ops, targets, mode.get_comm_counts())
+            assert mode.get_total_bytes().received == received
+            _check(result, value, tuple(targets))
+            _check(mixed.redistribute(mesh, targets, async_op=True), value, tuple(targets))  # divided once waited
+        oracle = TorchDTensor.from_local(mixed.to_local(), torch_mesh(mesh), [TorchPartial(op) for op in reduce_ops])
+        reduced, torch_count = torch_collectives(lambda: oracle.redistribute(placements=[TorchReplicate()] * mesh.ndim))
+        assert torch_count == mesh.ndim
+        torch.testing.assert_close(reduced.to_local(), value, rtol=1e-12, atol=1e-12)
 
 
 @spmd(meshes=[(2, 2)])

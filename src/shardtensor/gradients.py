@@ -12,7 +12,7 @@ gradient whose layout differs from its leaf's is set aside, and when the backwar
 autograd engine callback) all of them are re-laid at once:
 
 - gradients that differ from their leaf only by Partial mesh dims (Replicate leaf, Partial
-  gradient) are reduced in one all_reduce per (mesh, mesh dims, reduce op, dtype), flattened into
+  gradient) are reduced in one all_reduce per (mesh, mesh dims, reduce ops, dtype), flattened into
   one buffer: a data-parallel step issues one collective for all its parameters, as DDP's bucket does;
 - any other difference (Shard leaf, Partial or Replicate gradient) is redistributed per gradient by
   the planner (a reduce_scatter, or a local slice for a Replicate gradient).

@@ -19,7 +19,10 @@ from typing import ClassVar
 
 import torch
 
-__all__ = ["Placement", "Shard", "Replicate", "Partial", "NormPartial", "REDUCE_OPS", "normalize_placements", "chunk_sizes"]
+__all__ = [
+    "Placement", "Shard", "Replicate", "Partial", "NormPartial", "REDUCE_OPS", "normalize_placements", "chunk_sizes",
+    "flattened_partial",
+]
 
 REDUCE_OPS = ("sum", "avg", "max", "min", "product")
 
@@ -221,6 +224,22 @@ class NormPartial(Partial):
 
     def __repr__(self) -> str:
         return f"NormPartial(order={self.order!r})"
+
+
+def flattened_partial(placements: Sequence[Partial], sizes: Sequence[int]) -> tuple[Partial, int]:
+    """How one collective over several Partial mesh dims flattened (of `sizes` ranks) reduces them all:
+    (the Partial it reduces as, the count to divide its result by). Equal placements reduce as
+    themselves (divide by 1); a mix of sum and avg (they commute) sums over every mesh dim and divides
+    by the ranks along the avg ones: an average over some mesh dims of sums over the others.
+
+    >>> flattened_partial([Partial("sum"), Partial("avg")], [2, 4])
+    (Partial(reduce_op='sum'), 4)
+    """
+    if len(set(placements)) == 1:
+        return placements[0], 1
+    if not all(first.commutes_with(second) for first in placements for second in placements):
+        raise ValueError(f"Partials {[str(p) for p in placements]} do not commute: no one collective reduces them")
+    return Partial("sum"), math.prod(size for placement, size in zip(placements, sizes) if placement.reduce_op == "avg")
 
 
 def _placements_error(placements: object, ndim: int, mesh_ndim: int, problem: str) -> ValueError:

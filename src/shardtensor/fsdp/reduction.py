@@ -26,7 +26,7 @@ __all__ = ["Reduction", "gradient_dtensors", "local_gradients", "pack_gradients"
 def local_gradients(slots: Sequence[ParameterSlot], grads: Sequence) -> list[torch.Tensor | None]:
     """Each gradient as a plain tensor of its unsharded shape. Tensor-parallel gradients that are Partial
     where their parameter is Replicate (norms and biases fed by a sequence-sharded stream) are summed in
-    one all_reduce per (mesh, mesh dims, reduce op); any other layout is redistributed on its own."""
+    one all_reduce per (mesh, mesh dims, reduce ops); any other layout is redistributed on its own."""
     locals_: list = list(grads)
     groups: dict[tuple, list[int]] = {}
     for index, (slot, grad) in enumerate(zip(slots, grads)):
@@ -41,9 +41,9 @@ def local_gradients(slots: Sequence[ParameterSlot], grads: Sequence) -> list[tor
             if grad.sharding != target:
                 grad = grad.redistribute(slot.unsharded_spec.mesh, target.placements)
             locals_[index] = _checked_local(slot, grad)
-    for (mesh, (mesh_dims, reduce_op), _), indices in groups.items():
+    for (mesh, (mesh_dims, partials), _), indices in groups.items():
         pieces = [grads[index].to_local() for index in indices]
-        for index, summed in zip(indices, all_reduce_together(pieces, mesh, mesh_dims, reduce_op)):
+        for index, summed in zip(indices, all_reduce_together(pieces, mesh, mesh_dims, partials)):
             locals_[index] = summed.view(slots[index].unsharded_shape)
     return locals_
 

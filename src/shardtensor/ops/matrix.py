@@ -7,12 +7,13 @@ rules cover them too. One spec gives the rows for one mesh dim:
 
     every letter kept in the output   S(its output dim) <- S in each operand that has it, R elsewhere
     every contracted letter           P(sum) <- S in each operand that has it, R elsewhere
-    linearity in each operand         P(sum) <- P(sum) in that operand, R elsewhere
+    linearity in each operand         P(s) <- P(s) in that operand, R elsewhere, s in sum, avg
     and all Replicate first, so that replicated operands stay where they are on a tie.
 
 `addmm`/`addmv`/`addr`/`addbmm`/`baddbmm` add a broadcast addend: it lies like the output, except
-that it is Replicate along a dim it broadcasts and Partial(sum) when the product is (adding a Replicate addend to a
-Partial product would add it once per rank; the planner makes a Replicate addend Partial locally).
+that it is Replicate along a dim it broadcasts and Partial when the product is (adding a Replicate addend to a
+Partial(sum) product would add it once per rank; the planner makes a Replicate addend Partial locally: for
+Partial(avg), whose operands may each hold the addend, without changing it).
 """
 
 from __future__ import annotations
@@ -44,9 +45,10 @@ def einsum_rows(spec: str) -> list[Row]:
         inputs = tuple(Shard(operand.index(letter)) if letter in operand else replicate for operand in operands)
         produced = Shard(output.index(letter)) if letter in output else Partial("sum")
         rows.append(Row((produced,), inputs))
-    for linear_operand in range(len(operands)):
-        inputs = tuple(Partial("sum") if index == linear_operand else replicate for index in range(len(operands)))
-        rows.append(Row((Partial("sum"),), inputs))
+    for partial in (Partial("sum"), Partial("avg")):  # a product of sums (averages) with R is the sum (average) of products
+        for linear_operand in range(len(operands)):
+            inputs = tuple(partial if index == linear_operand else replicate for index in range(len(operands)))
+            rows.append(Row((partial,), inputs))
     return rows
 
 
@@ -66,8 +68,8 @@ class AddendEinsumRule(EinsumRule):
     """`addend * beta + einsum(spec, ...) * alpha`, the addend broadcast to the output (addmm, baddbmm)."""
 
     def rows(self, call: OpCall) -> Sequence[Row]:
-        if isinstance(call.argument("self"), PlainTensor):  # a plain 0-d addend is on every rank: no Partial product
-            return [row for row in self._rows if not isinstance(row.outputs[0], Partial)]
+        if isinstance(call.argument("self"), PlainTensor):  # a plain 0-d addend is on every rank: no P(sum) product
+            return [row for row in self._rows if row.outputs[0] != Partial("sum")]
         addend, *operands = call.inputs
         output_shape = self._output_shape(operands)
         return [Row(row.outputs, (self._addend_placement(row.outputs[0], addend.shape, output_shape),) + row.inputs)
@@ -83,7 +85,7 @@ class AddendEinsumRule(EinsumRule):
     @staticmethod
     def _addend_placement(output: Placement, addend_shape, output_shape) -> Placement:
         if not isinstance(output, Shard):
-            return output  # Replicate, or Partial(sum): the addend becomes an operand of the sum too
+            return output  # Replicate, or Partial: the addend becomes an operand of the sum (average) too
         addend_dim = output.dim - (len(output_shape) - len(addend_shape))
         spans = addend_dim >= 0 and addend_shape[addend_dim] == output_shape[output.dim]
         return Shard(addend_dim) if spans else Replicate()

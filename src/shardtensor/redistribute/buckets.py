@@ -2,8 +2,9 @@
 
 A tensor whose layout differs from its target only where it is Partial and the target Replicate
 (a data-parallel gradient, an optimizer reading it) needs an all_reduce and nothing else. Such
-tensors on one mesh, with the same Partial mesh dims, reduce op, dtype and device, are flattened
-into one buffer and reduced by one all_reduce, instead of one collective each.
+tensors on one mesh, with the same Partial mesh dims and reduce ops, dtype and device, are flattened
+into one buffer and reduced by one all_reduce, instead of one collective each (a P(sum)/P(avg) mix
+too: a sum divided by the ranks along the avg mesh dims, `flattened_partial`).
 """
 
 from __future__ import annotations
@@ -15,34 +16,41 @@ import torch
 
 from .. import comm
 from ..layout import Layout
-from ..placement import Partial, Replicate
+from ..placement import Partial, Replicate, flattened_partial
 
 __all__ = ["reduction_only", "all_reduce_together", "reduce_in_buckets"]
 
 
-def reduction_only(source: Layout, target: Layout) -> tuple[tuple[int, ...], str] | None:
-    """(mesh dims, reduce op) when `target` is `source` with some Partial mesh dims (one plain
-    reduce op, not product) made Replicate and the same pieces, else None."""
-    mesh_dims, reduce_ops = [], set()
+def reduction_only(source: Layout, target: Layout) -> tuple[tuple[int, ...], tuple[Partial, ...]] | None:
+    """(mesh dims, their Partials) when `target` is `source` with some Partial mesh dims (one plain
+    reduce op, not product, or sum mixed with avg) made Replicate and the same pieces, else None."""
+    mesh_dims, partials = [], []
     for mesh_dim, (have, want) in enumerate(zip(source.placements, target.placements)):
         if have == want:
             continue
         if not (type(have) is Partial and isinstance(want, Replicate)):
             return None
         mesh_dims.append(mesh_dim)
-        reduce_ops.add(have.reduce_op)
-    if len(reduce_ops) != 1 or reduce_ops & {"product"} or source.pieces != target.pieces:
+        partials.append(have)
+    reduce_ops = {partial.reduce_op for partial in partials}
+    one_op = len(reduce_ops) == 1 and "product" not in reduce_ops
+    if not (one_op or reduce_ops == {"sum", "avg"}) or source.pieces != target.pieces:
         return None
-    return tuple(mesh_dims), reduce_ops.pop()
+    return tuple(mesh_dims), tuple(partials)
 
 
-def all_reduce_together(locals_: Sequence[torch.Tensor], mesh, mesh_dims: tuple[int, ...], reduce_op: str) -> list:
-    """One all_reduce of every local tensor, flattened into one buffer; the reduced tensors, shaped
-    like the inputs (views into the reduced buffer)."""
+def all_reduce_together(locals_: Sequence[torch.Tensor], mesh, mesh_dims: tuple[int, ...],
+                        partials: Sequence[Partial]) -> list:
+    """One all_reduce over `mesh_dims` (whose Partials are `partials`) of every local tensor, flattened
+    into one buffer; the reduced tensors, shaped like the inputs (views into the reduced buffer)."""
+    reduced_as, divisor = flattened_partial(partials, [mesh.shape[mesh_dim] for mesh_dim in mesh_dims])
+    group = mesh_dims if len(mesh_dims) > 1 else mesh_dims[0]
+    flat = locals_[0] if len(locals_) == 1 else torch.cat([local.reshape(-1) for local in locals_])
+    reduced = comm.all_reduce(flat, mesh, group, reduce_op=reduced_as.reduce_op)
+    if divisor != 1:
+        reduced.div_(divisor)
     if len(locals_) == 1:
-        return [comm.all_reduce(locals_[0], mesh, mesh_dims if len(mesh_dims) > 1 else mesh_dims[0], reduce_op=reduce_op)]
-    flat = torch.cat([local.reshape(-1) for local in locals_])
-    reduced = comm.all_reduce(flat, mesh, mesh_dims if len(mesh_dims) > 1 else mesh_dims[0], reduce_op=reduce_op)
+        return [reduced]
     results, offset = [], 0
     for local in locals_:
         count = local.numel()
@@ -62,8 +70,8 @@ def reduce_in_buckets(locals_: Sequence[torch.Tensor], sources: Sequence[Layout]
         if reduction is not None:
             buckets[(reduction, local.dtype, local.device)].append(index)
     results: list[torch.Tensor | None] = [None] * len(locals_)
-    for ((mesh_dims, reduce_op), _, _), members in buckets.items():
-        reduced = all_reduce_together([locals_[index] for index in members], mesh, mesh_dims, reduce_op)
+    for ((mesh_dims, partials), _, _), members in buckets.items():
+        reduced = all_reduce_together([locals_[index] for index in members], mesh, mesh_dims, partials)
         for index, tensor in zip(members, reduced):
             results[index] = tensor
     return results

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from .. import comm
-from ..placement import Partial, Replicate
+from ..placement import Partial, Replicate, flattened_partial
 from .planner import (
     ALL_GATHER,
     ALL_REDUCE,
@@ -238,8 +238,17 @@ class _Assembled:
 
 
 def _flattened_reduction(local: torch.Tensor, step: Step, mesh, coordinate: tuple[int, ...], *, async_op: bool):
-    """One all_reduce or reduce_scatter over the sub-mesh of `step.mesh_dim` flattened row-major."""
-    source = step.source_placement[0]
+    """One all_reduce or reduce_scatter over the sub-mesh of `step.mesh_dim` flattened row-major
+    (a P(sum)/P(avg) mix: a sum, divided by the ranks along the avg mesh dims)."""
+    source, divisor = flattened_partial(step.source_placement, [step.before.mesh_shape[m] for m in step.mesh_dim])
+    result = _flattened_collective(source, local, step, mesh, coordinate, async_op=async_op)
+    if divisor == 1:
+        return result
+    return _Assembled(result, lambda total: total.div_(divisor)) if async_op else result.div_(divisor)
+
+
+def _flattened_collective(source: Partial, local: torch.Tensor, step: Step, mesh, coordinate: tuple[int, ...], *,
+                          async_op: bool):
     if step.collective == ALL_REDUCE:
         return _reduced(source, local, async_op, lambda operands, reduce_op: comm.all_reduce(
             operands, mesh, step.mesh_dim, reduce_op=reduce_op, async_op=async_op))

@@ -11,17 +11,18 @@ States are `Layout`s (placements, shard order and exact pieces). A step changes 
     R    -> P           make_partial      local, internal: only towards a Partial target
     P(x) -> P(y)        -                 not direct: reduce first
     any  -> any         relabel           on a mesh dim of size 1 the local tensor does not change
-    P..P -> R..R        all_reduce        several Partial mesh dims (same reduce op) at once, over
-    P..P -> S..S(b)     reduce_scatter    their flattened sub-mesh: reaches the lower bound where a
-                                          reduction per mesh dim moves more (e.g. 1.5x for (P,P)->(R,R))
+    P..P -> R..R        all_reduce        several Partial mesh dims at once, over their flattened
+    P..P -> S..S(b)     reduce_scatter    sub-mesh: reaches the lower bound where a reduction per mesh
+                                          dim moves more (e.g. 1.5x for (P,P)->(R,R)); a P(sum)/P(avg)
+                                          mix sums and divides by the avg mesh dims' ranks
     all mesh dims       batch_p2p         straight to the target, no Partial on either side: every
                                           rank receives exactly the target elements it lacks
 
 A source may mix Partial reduce ops only where they commute (`Partial.commutes_with`: P(sum) with
-P(avg)); any other mix has no one value, and reducing it is refused. Only the innermost mesh dim
-of a nested shard may move (`Layout.transition` checks it). A new split of a tensor dim whose
-shard order becomes a prefix of the target's takes the target's pieces, so explicit uneven
-targets are reached exactly.
+P(avg)), and such a mix reduces in one collective too (`flattened_partial`); any other mix has no
+one value, and reducing it is refused. Only the innermost mesh dim of a nested shard may move
+(`Layout.transition` checks it). A new split of a tensor dim whose shard order becomes a prefix of
+the target's takes the target's pieces, so explicit uneven targets are reached exactly.
 
 Cost model (alpha-beta, `CostModel`): a step costs `latency_us` per collective plus
 `bytes / bytes_per_us`, where bytes are the **most bytes any one rank receives in that step** (the
@@ -40,7 +41,7 @@ import math
 from dataclasses import dataclass
 
 from ..layout import Layout
-from ..placement import Partial, Placement, Replicate, Shard
+from ..placement import Partial, Placement, Replicate, Shard, flattened_partial
 from .bounds import lower_bound_bytes, most_missing, overlap, shard_shapes
 
 __all__ = ["CostModel", "DEFAULT_COST_MODEL", "Plan", "Step", "plan", "received_bytes", "LOCAL_STEPS"]
@@ -93,7 +94,8 @@ class Step:
 
     A `batch_p2p` step changes every mesh dim at once: its `mesh_dim` is None and its placements
     are the whole placement tuples. A flattened all_reduce / reduce_scatter over several Partial
-    mesh dims has a tuple `mesh_dim` and placement tuples for those mesh dims.
+    mesh dims has a tuple `mesh_dim` and placement tuples for those mesh dims; over a P(sum)/P(avg)
+    mix it prints how it reduces (`sum / 2`).
     """
 
     mesh_dim: int | tuple[int, ...] | None
@@ -113,9 +115,14 @@ class Step:
             where += f"[{', '.join(map(str, self.target_placement))}]"
         else:
             where = f"mesh dim {self.mesh_dim}: {self.source_placement} -> {self.target_placement}"
+        group = f"group {self.group_size}"
+        if isinstance(self.mesh_dim, tuple) and len(set(self.source_placement)) > 1:
+            sizes = [self.before.mesh_shape[mesh_dim] for mesh_dim in self.mesh_dim]
+            reduced_as, divisor = flattened_partial(self.source_placement, sizes)
+            group += f", {reduced_as.reduce_op} / {divisor}"
         return (
             f"{where}  "
-            f"{self.collective} (group {self.group_size}), {self.bytes_per_rank} bytes/rank, "
+            f"{self.collective} ({group}), {self.bytes_per_rank} bytes/rank, "
             f"{self.cost_us:.2f} us"
         )
 
@@ -301,7 +308,8 @@ def _neighbors(state: Layout, target: Layout):
 
 
 def _flattened_reductions(state: Layout, target: Layout):
-    """(mesh dims, layout after) for one reduction over two or more Partial mesh dims at once.
+    """(mesh dims, layout after) for one reduction over two or more Partial mesh dims at once (their
+    Partials commute, or `_check` has refused the plan; a mix reduces as `flattened_partial` says).
 
     The new shards are appended in ascending mesh-dim order, which is the row-major order of the
     flattened sub-mesh that `comm` uses, so peer i of the reduce_scatter receives piece i.
@@ -312,8 +320,6 @@ def _flattened_reductions(state: Layout, target: Layout):
     ]
     for count in range(2, len(moving) + 1):
         for mesh_dims in itertools.combinations(moving, count):
-            if len({state.placements[mesh_dim] for mesh_dim in mesh_dims}) > 1:
-                continue  # one collective has one reduce op: P(sum) and P(avg) mesh dims reduce apart
             yield mesh_dims, functools.reduce(lambda layout, m: layout.transition(m, Replicate()), mesh_dims, state)
             for dim in range(state.ndim):
                 after = state
