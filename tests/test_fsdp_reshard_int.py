@@ -64,15 +64,16 @@ def test_training_with_reshard_to_two_ranks_equals_one_device(mesh):
         _step_in_lockstep(sharded, _model(), _batches(3), optimizer_class, mesh.get_rank(), mesh.size())
 
 
-def _expected_block_numel(model_block, member: int, ranks: int, group_size: int) -> int:
-    """Elements of the torch.chunk pieces of every parameter for the coordinates member `member` keeps."""
+def _expected_block(full_parameters, member: int, ranks: int, group_size: int) -> torch.Tensor:
+    """What sub-group member `member` keeps: the torch.chunk pieces of its coordinates, coordinate-major."""
     per_member = ranks // group_size
-    coordinates = range(member * per_member, (member + 1) * per_member)
-    total = 0
-    for parameter in model_block.parameters():
-        pieces = parameter.detach().chunk(ranks)
-        total += sum(pieces[c].numel() for c in coordinates if c < len(pieces))
-    return total
+    pieces = []
+    for coordinate in range(member * per_member, (member + 1) * per_member):
+        for full in full_parameters:
+            chunks = full.chunk(ranks)
+            if coordinate < len(chunks):
+                pieces.append(chunks[coordinate].reshape(-1))
+    return torch.cat(pieces)
 
 
 @spmd(meshes=[(4,)])
@@ -88,7 +89,8 @@ def test_backward_gathers_over_two_ranks_and_the_kept_block_is_exact(mesh):
             kept = unit.post_forward._kept
             assert unit._unsharded.untyped_storage().nbytes() == 0 and kept.untyped_storage().nbytes() == kept.numel() * 8
         block = model.blocks[0]._fsdp_unit
-        assert block.post_forward._kept.numel() == _expected_block_numel(_model().blocks[0], rank % 2, ranks, 2)
+        full_parameters = [parameter.full_tensor() for parameter in model.blocks[0].parameters()]
+        assert torch.equal(block.post_forward._kept, _expected_block(full_parameters, rank % 2, ranks, 2))
         assert block.post_forward.mesh.mesh.tolist() == [[0, 1], [2, 3]][rank // 2]
         assert all(isinstance(parameter, DTensor) and parameter.placements == model.head.weight.placements
                    for parameter in model.parameters())  # the modules show the usual sharded parameters
