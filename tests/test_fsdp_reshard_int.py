@@ -6,9 +6,11 @@ over the whole shard mesh dim. Training equals one device; collectives are count
 Where ours differs from PyTorch's (torch 2.13): between forward and backward the modules show the usual
 sharded parameters (PyTorch registers post-forward DTensors on a (n/k, k) mesh); the kept block is exact
 `torch.chunk` pieces (PyTorch's is a slice of the padded parameter); `set_reshard_after_forward` takes an
-int as `fully_shard` does (PyTorch's takes a bool only); a kept block whose sharded parameters changed
+int as `fully_shard` does (PyTorch's takes a bool only); tensor-parallel parameters are supported (PyTorch's
+raise NotImplementedError); a kept block whose sharded parameters changed
 since (an optimizer step between a forward without backward and the next forward) is not used: the unit
-gathers over the whole shard mesh dim instead.
+gathers over the whole shard mesh dim instead (PyTorch's gathers the old values: checked by hand with an
+optimizer's references to the sharded parameters, torch 2.13).
 """
 
 import warnings
@@ -220,3 +222,25 @@ def test_hsdp_reshards_to_two_ranks_within_each_shard_group(mesh):
         loss.backward()
     assert _records_by_kind(forward.records) == {"all_gather": [4, 4, 4]}
     assert _records_by_kind(backward.records) == {"all_gather": [2, 2, 2], "reduce_scatter": [4, 4, 4], "all_reduce": [2, 2, 2]}
+
+
+@spmd(meshes=[(4, 2)], timeout=EIGHT_RANKS_TIMEOUT)
+def test_tensor_parallel_parameters_reshard_to_two_data_parallel_ranks(mesh):
+    """PyTorch's fully_shard raises NotImplementedError here; ours keeps blocks of the tensor-parallel pieces."""
+    from test_fsdp_2d import _named_mesh, _tensor_parallel_model
+
+    mesh = _named_mesh(mesh)
+    model = _tensor_parallel_model(mesh["tp"])
+    for module in (*model.blocks, model):
+        fully_shard(module, mesh=mesh["dp"], reshard_after_forward=2)
+    data_parallel_rank = mesh.get_coordinate()[0]
+    inputs, target = (_local_batch(tensor, data_parallel_rank, 4) for tensor in _batches(1)[0])
+    loss = _loss(model(inputs), target)
+    with comm.observe() as backward:
+        loss.backward()
+    data_parallel_gathers = [record.group_size for record in backward if record.kind == "all_gather" and record.mesh_dim_names != ("tp",)]
+    assert data_parallel_gathers == [2, 2, 2]
+    model = _tensor_parallel_model(mesh["tp"])
+    for module in (*model.blocks, model):
+        fully_shard(module, mesh=mesh["dp"], reshard_after_forward=2)
+    _step_in_lockstep(model, _model(), _batches(2), torch.optim.AdamW, data_parallel_rank, 4)
