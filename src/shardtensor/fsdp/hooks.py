@@ -4,8 +4,9 @@ Forward: a unit's pre-hook waits for its gather (issuing it first if no prefetch
 next unit's gather asynchronously, and registers the unsharded parameters on its modules through
 `_Unshard`, whose backward is called by autograd once every gradient of the unit is computed: that
 is where the unit's one reduce-scatter starts. The post-hook puts the sharded parameters back,
-frees the unsharded ones (`reshard_after_forward`; an int keeps a sub-group's block, `post_forward`) and hooks the outputs' gradients to re-gather
-before the unit's backward (and prefetch the one after it). The root's backward ends with a
+frees the unsharded ones (`reshard_after_forward`; an int keeps a sub-group's block, `post_forward`)
+and hooks the outputs' gradients to re-gather before the unit's backward (and prefetch the one after
+it). The root's backward ends with a
 callback that finishes what is left (HSDP all-reduces, resharding).
 
 Activation checkpointing recomputes forwards inside backward: a unit about to run backward shows its

@@ -76,7 +76,8 @@ class PostForwardShard:
         self._kept: torch.Tensor | None = None
         self._targets: list[torch.Tensor] = []
         self._sources: list[torch.Tensor] = []
-        self._stamp: list[tuple[int, int]] | None = None
+        self._source: list[tuple[int, int]] | None = None  # the sharded parameters the gathered data came from
+        self._holding = False
 
     def bind(self, slots: Sequence[ParameterSlot], unsharded: torch.Tensor) -> None:
         """Views from the unit's (new) flat unsharded buffer to the kept block: each piece of this block's coordinates."""
@@ -97,19 +98,22 @@ class PostForwardShard:
     def _stamp_of(parameters: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
         return [(parameter._local_tensor.data_ptr(), parameter._local_tensor._version) for parameter in parameters]
 
-    def keep(self, parameters: Sequence[torch.Tensor]) -> None:
-        """Copy this block out of the gathered parameters (before they are freed), remembering which
-        sharded parameters (storage, version) it was gathered from."""
+    def gathering_from(self, parameters: Sequence[torch.Tensor]) -> None:
+        """Note which sharded parameters (storage, version) a gather over the whole shard mesh dim sends."""
+        self._source = self._stamp_of(parameters)
+
+    def keep(self) -> None:
+        """Copy this block out of the gathered parameters, before they are freed."""
         storage = self._kept.untyped_storage()
         storage.resize_(self._kept.numel() * self._kept.element_size())
         if self._targets:
             torch._foreach_copy_(self._targets, self._sources)
-        self._stamp = self._stamp_of(parameters)
+        self._holding = True
 
     def is_current(self, parameters: Sequence[torch.Tensor]) -> bool:
-        """Whether the sharded parameters are those the block was gathered from: an optimizer step, a load or
-        a replaced parameter since then makes the unit gather over the whole shard mesh dim instead."""
-        return self._stamp is not None and self._stamp == self._stamp_of(parameters)
+        """Whether the block holds the sharded parameters as they are now: an optimizer step, a load or a
+        replaced parameter since their gather makes the unit gather over the whole shard mesh dim instead."""
+        return self._holding and self._source == self._stamp_of(parameters)
 
     def gather_into(self, gathered: torch.Tensor):
         """Start the sub-group's all-gather of the kept blocks into the unit's whole gathered buffer."""
@@ -117,6 +121,6 @@ class PostForwardShard:
 
     def drop(self) -> None:
         """Free the kept block (after its gather finished, or when the unit reshards fully)."""
-        self._stamp = None
+        self._holding = False
         if self._kept is not None:
             self._kept.untyped_storage().resize_(0)

@@ -249,6 +249,8 @@ class ParameterUnit:
             self._gathered_state = "gathering"
         elif self._gathered_state == "sharded" and self.slots:
             send = self._send_buffer()  # first: it rebuilds the buffers after a conversion
+            if self.post_forward is not None:
+                self.post_forward.gathering_from(self.sharded_parameters)
             self._allocate(self._unsharded)
             self._allocate(self._gathered)
             self._gather_handle = comm.all_gather_into(self._gathered, send, self.mesh, self.shard_mesh_dim,
@@ -278,7 +280,7 @@ class ParameterUnit:
         self.wait_for_unshard()
         keep = after_forward and self.post_forward is not None and self._gathered_state == "gathered"
         if keep:
-            self.post_forward.keep(self.sharded_parameters)
+            self.post_forward.keep()
         elif self.post_forward is not None:
             self.post_forward.drop()
         if self._gathered_state == "gathered" and self.slots:
