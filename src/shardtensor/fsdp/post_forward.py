@@ -66,27 +66,25 @@ class PostForwardShard:
     over the sub-group (`mesh`, whose member p keeps block p)."""
 
     def __init__(self, group_size: int, mesh: DeviceMesh, shard_mesh_dim: int, segment_sizes: Sequence[int]):
-        self.group_size = group_size
         self.mesh = sub_group_mesh(mesh, shard_mesh_dim, group_size)
         per_member = len(segment_sizes) // group_size
         self.block_sizes = tuple(sum(segment_sizes[p * per_member : (p + 1) * per_member]) for p in range(group_size))
-        member = self.mesh.get_local_rank()
-        self.coordinates = range(member * per_member, (member + 1) * per_member)
-        self._block_start = sum(self.block_sizes[:member])
+        self._member = self.mesh.get_local_rank()
+        self._coordinates = range(self._member * per_member, (self._member + 1) * per_member)
+        self._block_start = sum(self.block_sizes[: self._member])
         self._kept: torch.Tensor | None = None
         self._targets: list[torch.Tensor] = []
         self._sources: list[torch.Tensor] = []
-        self._source: list[tuple[int, int]] | None = None  # the sharded parameters the gathered data came from
+        self._gathered_from: list[tuple[int, int]] | None = None  # the sharded parameters' (storage, version)
         self._holding = False
 
     def bind(self, slots: Sequence[ParameterSlot], unsharded: torch.Tensor) -> None:
         """Views from the unit's (new) flat unsharded buffer to the kept block: each piece of this block's coordinates."""
-        member = self.mesh.get_local_rank()
-        self._kept = unsharded.new_empty(self.block_sizes[member])
+        self._kept = unsharded.new_empty(self.block_sizes[self._member])
         self._targets, self._sources = [], []
         for slot in slots:
             whole = unsharded[slot.unsharded_offset : slot.unsharded_offset + slot.numel].view(slot.unsharded_shape)
-            for c in self.coordinates:
+            for c in self._coordinates:
                 numel = slot.piece_numel(c)
                 if numel:
                     start = slot.gathered_offsets[c] - self._block_start
@@ -100,7 +98,7 @@ class PostForwardShard:
 
     def gathering_from(self, parameters: Sequence[torch.Tensor]) -> None:
         """Note which sharded parameters (storage, version) a gather over the whole shard mesh dim sends."""
-        self._source = self._stamp_of(parameters)
+        self._gathered_from = self._stamp_of(parameters)
 
     def keep(self) -> None:
         """Copy this block out of the gathered parameters, before they are freed."""
@@ -113,7 +111,7 @@ class PostForwardShard:
     def is_current(self, parameters: Sequence[torch.Tensor]) -> bool:
         """Whether the block holds the sharded parameters as they are now: an optimizer step, a load or a
         replaced parameter since their gather makes the unit gather over the whole shard mesh dim instead."""
-        return self._holding and self._source == self._stamp_of(parameters)
+        return self._holding and self._gathered_from == self._stamp_of(parameters)
 
     def gather_into(self, gathered: torch.Tensor):
         """Start the sub-group's all-gather of the kept blocks into the unit's whole gathered buffer."""
