@@ -244,3 +244,22 @@ def test_tensor_parallel_parameters_reshard_to_two_data_parallel_ranks(mesh):
     for module in (*model.blocks, model):
         fully_shard(module, mesh=mesh["dp"], reshard_after_forward=2)
     _step_in_lockstep(model, _model(), _batches(2), torch.optim.AdamW, data_parallel_rank, 4)
+
+
+@pytest.mark.parametrize("where", ["checkpoint_wrapper", "around_a_unit", "around_two_units"])
+@spmd(meshes=[(4,)])
+def test_activation_checkpointing_recomputes_from_the_sub_group_gather(mesh, where):
+    from test_user_journeys import _checkpointed_and_sharded
+
+    rank, ranks = mesh.get_rank(), mesh.size()
+    model, (forward_gathers, backward_gathers) = _checkpointed_and_sharded(where, mesh, 2)
+    for inputs, target in _batches(2):  # the second step prefetches in the recorded order
+        model.zero_grad()
+        loss = _loss(model(_local_batch(inputs, rank, ranks)), _local_batch(target, rank, ranks))
+        with comm.observe() as backward:
+            loss.backward()
+        assert _records_by_kind(backward) == {"all_gather": [2] * backward_gathers, "reduce_scatter": [4] * forward_gathers}
+    reference = _model()  # no optimizer step: the gradients of the last batch
+    _loss(reference(_batches(2)[1][0]), _batches(2)[1][1]).backward()
+    for parameter, expected in zip(model.parameters(), reference.parameters(), strict=True):
+        assert_close(parameter.grad.full_tensor(), expected.grad)
