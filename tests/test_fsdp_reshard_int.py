@@ -3,14 +3,14 @@ keeps the block its sub-group of k ranks needs, backward all-gathers within the 
 over the whole shard mesh dim. Training equals one device; collectives are counted exactly; PyTorch's
 `fully_shard` is the oracle for the counts, the sub-groups and the slice each rank keeps.
 
-Where ours differs from PyTorch's (torch 2.13): between forward and backward the modules show the usual
-sharded parameters (PyTorch registers post-forward DTensors on a (n/k, k) mesh); the kept block is exact
-`torch.chunk` pieces (PyTorch's is a slice of the padded parameter); `set_reshard_after_forward` takes an
-int as `fully_shard` does (PyTorch's takes a bool only); tensor-parallel parameters are supported (PyTorch's
-raise NotImplementedError); a kept block whose sharded parameters changed
-since (an optimizer step between a forward without backward and the next forward) is not used: the unit
-gathers over the whole shard mesh dim instead (PyTorch's gathers the old values: checked by hand with an
-optimizer's references to the sharded parameters, torch 2.13).
+Where ours differs from PyTorch's (torch 2.13): between forward and backward the modules show the
+usual sharded parameters (PyTorch registers post-forward DTensors on a (n/k, k) mesh); the kept block
+is exact `torch.chunk` pieces (PyTorch's is a slice of the padded parameter); `set_reshard_after_forward`
+takes an int as `fully_shard` does (PyTorch's takes a bool only); tensor-parallel parameters work
+(PyTorch's raise NotImplementedError); a kept block serves only the backward of the step that kept it:
+the root's next forward and an explicit `unshard()` gather over the whole shard mesh dim, so a forward
+without backward followed by an optimizer step never gathers old values (PyTorch's next forward gathers
+the old post-forward shard: checked by hand, with an optimizer's references to the sharded parameters).
 """
 
 import warnings
@@ -184,7 +184,7 @@ def test_one_means_false_and_the_mesh_size_means_true_and_the_setter_takes_ints(
 
 
 @spmd(meshes=[(4,)])
-def test_a_kept_block_serves_only_while_the_sharded_parameters_are_unchanged(mesh):
+def test_a_kept_block_serves_only_the_backward_of_its_step(mesh):
     rank, ranks = mesh.get_rank(), mesh.size()
     inputs, target = _batches(1)[0]
     local_inputs = _local_batch(inputs, rank, ranks)
@@ -194,18 +194,22 @@ def test_a_kept_block_serves_only_while_the_sharded_parameters_are_unchanged(mes
     _loss(model(local_inputs), _local_batch(target, rank, ranks)).backward()
     with torch.no_grad():
         model(local_inputs)  # a forward without backward: every unit keeps its block
-    with comm.observe() as unchanged:
+    with comm.observe() as explicit:
         model.blocks[0].unshard()
-    assert _records_by_kind(unchanged) == {"all_gather": [2]}  # the parameters did not change: the block serves
     model.blocks[0].reshard()
+    assert _records_by_kind(explicit) == {"all_gather": [4]}  # an explicit unshard reads the sharded parameters
     with torch.no_grad():
         model(local_inputs)
     for optimizer in optimizers:
         optimizer.step()
     with comm.observe() as after_step:
         output = model(local_inputs)
-    assert _records_by_kind(after_step) == {"all_gather": [4, 4, 4]}  # blocks of the old parameters are not used
+    assert _records_by_kind(after_step) == {"all_gather": [4, 4, 4]}  # the next forward drops the old blocks
     assert_close(output, _local_batch(reference(inputs), rank, ranks))
+    with comm.observe() as backward:
+        _loss(output, _local_batch(target, rank, ranks)).backward()
+    assert _records_by_kind(backward) == {"all_gather": [2, 2, 2], "reduce_scatter": [4, 4, 4]}
+    assert all(unit._gathered_state == "sharded" for unit in _units(model))
 
 
 @spmd(meshes=[(2, 4)], timeout=EIGHT_RANKS_TIMEOUT)

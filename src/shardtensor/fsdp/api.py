@@ -64,6 +64,7 @@ class FSDPModule:
         (explicit prefetching).
         """
         unit = self._fsdp_unit
+        unit.drop_kept()  # gather the sharded parameters as they are now
         unit.adopt_replaced_parameters()
         unit.unshard(async_op=async_op)
         if async_op:

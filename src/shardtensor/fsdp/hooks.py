@@ -83,6 +83,7 @@ class TrainingContext:
         self.forward_order.clear()
         self.post_forward_order.clear()
         for unit in self.units:
+            unit.drop_kept()  # a block kept by a forward without backward may be older than the parameters
             unit.clear_forward_tensors()
             unit.finished_forward_modules.clear()
 
@@ -149,6 +150,7 @@ class TrainingContext:
             unit.wait_for_unshard()
             if unit.reshard_after_backward:
                 unit.reshard()
+            unit.drop_kept()  # of a unit whose backward did not run
             unit.clear_forward_tensors()
             unit.register_at_rest()
 

@@ -8,6 +8,12 @@ The n ranks along the shard mesh dim split into n/k sub-groups of k consecutive 
 [p*n/k, (p+1)*n/k) are one contiguous block of it: the sub-group's member p keeps block p, and one
 all_gather_into over the sub-group writes the gathered buffer exactly as the full gather does (uneven
 and empty pieces included, no padding), which the unit then copies out as usual.
+
+A kept block serves the backward (and activation checkpointing's recomputation) of the step that kept
+it, nothing else: the root's next forward, an explicit `unshard()` and the end of backward drop it. So
+no gather ever sends values older than the sharded parameters, whatever changed them in between (an
+optimizer step after a forward without backward); version counters cannot tell, as optimizers may
+update a unit's parameters through its flat buffer.
 """
 
 from __future__ import annotations
@@ -75,8 +81,6 @@ class PostForwardShard:
         self._kept: torch.Tensor | None = None
         self._targets: list[torch.Tensor] = []
         self._sources: list[torch.Tensor] = []
-        self._gathered_from: list[tuple[int, int]] | None = None  # the sharded parameters' (storage, version)
-        self._holding = False
 
     def bind(self, slots: Sequence[ParameterSlot], unsharded: torch.Tensor) -> None:
         """Views from the unit's (new) flat unsharded buffer to the kept block: each piece of this block's coordinates."""
@@ -92,26 +96,12 @@ class PostForwardShard:
                     self._sources.append(whole.narrow(slot.dim, slot.piece_start(c), slot.piece_sizes[c]))
         self.drop()
 
-    @staticmethod
-    def _stamp_of(parameters: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
-        return [(parameter._local_tensor.data_ptr(), parameter._local_tensor._version) for parameter in parameters]
-
-    def gathering_from(self, parameters: Sequence[torch.Tensor]) -> None:
-        """Note which sharded parameters (storage, version) a gather over the whole shard mesh dim sends."""
-        self._gathered_from = self._stamp_of(parameters)
-
     def keep(self) -> None:
         """Copy this block out of the gathered parameters, before they are freed."""
         storage = self._kept.untyped_storage()
         storage.resize_(self._kept.numel() * self._kept.element_size())
         if self._targets:
             torch._foreach_copy_(self._targets, self._sources)
-        self._holding = True
-
-    def is_current(self, parameters: Sequence[torch.Tensor]) -> bool:
-        """Whether the block holds the sharded parameters as they are now: an optimizer step, a load or a
-        replaced parameter since their gather makes the unit gather over the whole shard mesh dim instead."""
-        return self._holding and self._gathered_from == self._stamp_of(parameters)
 
     def gather_into(self, gathered: torch.Tensor):
         """Start the sub-group's all-gather of the kept blocks into the unit's whole gathered buffer."""
@@ -119,6 +109,5 @@ class PostForwardShard:
 
     def drop(self) -> None:
         """Free the kept block (after its gather finished, or when the unit reshards fully)."""
-        self._holding = False
         if self._kept is not None:
             self._kept.untyped_storage().resize_(0)

@@ -91,8 +91,7 @@ class ParameterUnit:
         """True, False, None (decided at the first forward: True except for the root) or an int k: reshard
         after forward to sub-groups of k ranks (`post_forward`); a kept block of the old choice is dropped."""
         choice = reshard_after_forward_choice(reshard_after_forward, self.size, caller)
-        if self._gathered_state == "kept":
-            self.reshard()
+        self.drop_kept()
         self.post_forward = None
         if choice is None or isinstance(choice, bool):
             self.reshard_after_forward = choice
@@ -238,10 +237,7 @@ class ParameterUnit:
 
     def unshard(self, async_op: bool = False) -> None:
         """Start gathering every parameter (one collective: over the sub-group from the block kept after
-        forward while the sharded parameters have not changed, else over the shard mesh dim); wait for it
-        unless `async_op`."""
-        if self._gathered_state == "kept" and not self.post_forward.is_current(self.sharded_parameters):
-            self.reshard()
+        forward, else over the shard mesh dim); wait for it unless `async_op`."""
         if self._gathered_state == "kept":
             self._allocate(self._unsharded)
             self._allocate(self._gathered)
@@ -249,8 +245,6 @@ class ParameterUnit:
             self._gathered_state = "gathering"
         elif self._gathered_state == "sharded" and self.slots:
             send = self._send_buffer()  # first: it rebuilds the buffers after a conversion
-            if self.post_forward is not None:
-                self.post_forward.gathering_from(self.sharded_parameters)
             self._allocate(self._unsharded)
             self._allocate(self._gathered)
             self._gather_handle = comm.all_gather_into(self._gathered, send, self.mesh, self.shard_mesh_dim,
@@ -290,6 +284,11 @@ class ParameterUnit:
         if self._shown_unsharded is not None:
             self._shown_unsharded = None
             self.register_sharded()
+
+    def drop_kept(self) -> None:
+        """Free the block kept after forward, if any: the next gather reads the sharded parameters."""
+        if self._gathered_state == "kept":
+            self.reshard()
 
     def show_unsharded(self) -> None:
         """Register the unsharded parameters on the modules until `reshard` (FSDP2's explicit `unshard()`):
