@@ -174,7 +174,7 @@ def draw_only(shard_rows: int) -> None:
                 offset[dim] += index * local_shape[dim]
             ours, plain = [], []
             for _ in range(7):
-                for call, times in ((lambda: random_shard("randn", shape, offset, local_shape, seed=0, counter=0, dtype=torch.float32), ours),
+                for call, times in ((lambda: random_shard("randn", shape, offset, local_shape, seed=0, counter=0, dtype=torch.float32, device="cpu"), ours),
                                     (lambda: torch.randn(local_shape), plain)):
                     start = time.perf_counter()
                     call()

@@ -272,7 +272,7 @@ def test_point_to_point(mesh):
     if rank == 0:
         comm.send(torch.arange(3), 1)
     else:
-        assert comm.recv((3,), torch.int64, 0).tolist() == [0, 1, 2]
+        assert comm.recv((3,), torch.int64, 0, device=mesh.device_type).tolist() == [0, 1, 2]
     buffer = torch.empty(2, dtype=torch.bool)
     with comm.observe() as records:
         received = comm.batch_p2p([comm.PointToPoint("send", torch.tensor([rank == 0, True]), peer),

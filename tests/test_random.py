@@ -12,10 +12,10 @@ from shardtensor.random import BLOCK_SIZE, random_shard
 def test_a_box_of_the_random_tensor_equals_the_same_box_of_the_full_one():
     shape = (3, BLOCK_SIZE // 2 + 5)  # tiles of 2 x 32768: the box below crosses tile edges
     full = documented_random("randn", shape, seed=5, counter=2, dtype=torch.float32)
-    assert torch.equal(random_shard("randn", shape, (0, 0), shape, seed=5, counter=2, dtype=torch.float32), full)
-    box = random_shard("randn", shape, (1, 7), (2, 1000), seed=5, counter=2, dtype=torch.float32)
+    assert torch.equal(random_shard("randn", shape, (0, 0), shape, seed=5, counter=2, dtype=torch.float32, device="cpu"), full)
+    box = random_shard("randn", shape, (1, 7), (2, 1000), seed=5, counter=2, dtype=torch.float32, device="cpu")
     assert torch.equal(box, full[1:3, 7:1007])
-    other = random_shard("randn", shape, (0, 0), shape, seed=5, counter=3, dtype=torch.float32)
+    other = random_shard("randn", shape, (0, 0), shape, seed=5, counter=3, dtype=torch.float32, device="cpu")
     assert not torch.equal(full, other)
 
 
@@ -23,13 +23,13 @@ def test_a_mask_below_a_threshold_is_the_comparison_of_the_same_draws():
     """Dropout's and bernoulli's keep masks: the float64 uniform draws compared tile by tile give
     exactly the mask of the whole draw, for any box, without holding a float64 box."""
     shape = (3, BLOCK_SIZE // 2 + 5)
-    full = random_shard("rand", shape, (0, 0), shape, seed=5, counter=2, dtype=torch.float64)
+    full = random_shard("rand", shape, (0, 0), shape, seed=5, counter=2, dtype=torch.float64, device="cpu")
     for offset, local_shape in (((0, 0), shape), ((1, 7), (2, 1000)), ((0, 3), (3, BLOCK_SIZE // 2))):
-        mask = random_shard("rand", shape, offset, local_shape, seed=5, counter=2, dtype=torch.float64, below=0.3)
+        mask = random_shard("rand", shape, offset, local_shape, seed=5, counter=2, dtype=torch.float64, device="cpu", below=0.3)
         rows, columns = (slice(start, start + length) for start, length in zip(offset, local_shape))
         assert mask.dtype == torch.bool and torch.equal(mask, full[rows, columns] < 0.3)
-    scalar = random_shard("rand", (), (), (), seed=1, counter=0, dtype=torch.float64, below=0.5)
-    assert torch.equal(scalar, random_shard("rand", (), (), (), seed=1, counter=0, dtype=torch.float64) < 0.5)
+    scalar = random_shard("rand", (), (), (), seed=1, counter=0, dtype=torch.float64, device="cpu", below=0.5)
+    assert torch.equal(scalar, random_shard("rand", (), (), (), seed=1, counter=0, dtype=torch.float64, device="cpu") < 0.5)
 
 
 def _placement_lists(mesh):

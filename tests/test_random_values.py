@@ -49,7 +49,7 @@ def _digest(tensor: torch.Tensor) -> str:
     ],
 )
 def test_values_are_pinned(kind, shape, offset, local_shape, dtype, parameters, digest):
-    values = random_shard(kind, shape, offset, local_shape, seed=1234, counter=7, dtype=dtype, parameters=parameters)
+    values = random_shard(kind, shape, offset, local_shape, seed=1234, counter=7, dtype=dtype, device="cpu", parameters=parameters)
     assert _digest(values) == digest, (kind, shape, offset, local_shape)
 
 
@@ -84,7 +84,7 @@ def test_every_box_equals_the_documented_tensor(shape):
         for kind, dtype, parameters in [("randn", torch.float32, ()), ("rand", torch.float64, ()),
                                         ("random_", torch.int64, (0, 100)), ("normal_", torch.bfloat16, (1.0, 2.0))]:
             expected = _reference_shard(kind, shape, offset, local_shape, seed=3, counter=1, dtype=dtype, parameters=parameters)
-            values = random_shard(kind, shape, offset, local_shape, seed=3, counter=1, dtype=dtype, parameters=parameters)
+            values = random_shard(kind, shape, offset, local_shape, seed=3, counter=1, dtype=dtype, device="cpu", parameters=parameters)
             assert torch.equal(values, expected), f"{kind} {dtype}: shape {shape}, box offset {offset} size {local_shape}"
 
 
@@ -96,6 +96,8 @@ def test_out_is_written_in_place_even_when_not_contiguous():
     assert torch.equal(out, expected)
     with pytest.raises(ValueError, match="out= has shape"):
         random_shard("randn", shape, (0, 0), shape, seed=9, counter=0, dtype=torch.float32, out=torch.empty(3))
+    with pytest.raises(TypeError, match="needs device="):  # a shard is made on the device its caller names
+        random_shard("randn", shape, (0, 0), shape, seed=9, counter=0, dtype=torch.float32)
 
 
 def _layouts(mesh):
@@ -137,5 +139,5 @@ def test_a_box_draws_each_tile_it_overlaps_once_and_no_other(monkeypatch, offset
     drawn = []
     original = random_module._tile_seed
     monkeypatch.setattr(random_module, "_tile_seed", lambda seed, counter, tile: drawn.append(tile) or original(seed, counter, tile))
-    random_shard("randn", (1024, 1024), offset, local_shape, seed=0, counter=0, dtype=torch.float32)
+    random_shard("randn", (1024, 1024), offset, local_shape, seed=0, counter=0, dtype=torch.float32, device="cpu")
     assert drawn == tiles

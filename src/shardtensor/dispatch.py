@@ -46,8 +46,8 @@ from .rules import Decision, OpCall, PlainTensor, ReplicateFallback, ResizesWrit
 from .spec import DTensorSpec
 from .sub_mesh import has_ranks_outside, received_from_mesh, sent_to_world
 from .write_back import (
-    inplace_view, mark_views_of_copies, mutated, refuse_writes_into_views_of_copies, returns_view, write_back,
-    write_resized, writes, written,
+    copy_source, inplace_view, mark_views_of_copies, mutated, returns_view, write_back, write_resized, write_through,
+    writes, written, written_copy_sources,
 )
 
 __all__ = ["dispatch", "fallback_counts"]
@@ -185,9 +185,18 @@ def _moves_no_mutated_input(decision: Decision, mutated_dtensors: list, dtensors
 
 
 def _dispatch_slowly(dtensor_class: type, op, args: tuple, kwargs: dict, key: tuple | None):
-    """The miss path: flatten the arguments, decide (or fall back), run, and store a plan."""
+    """The miss path: flatten the arguments, decide (or fall back), run, and store a plan; what the op
+    wrote into views of moved copies is then stored into the tensors they view."""
     if torch.Tag.inplace_view in op.tags:
         return inplace_view(op, args, kwargs)
+    sources = written_copy_sources(dtensor_class, op, args, kwargs) if writes(op) else ()
+    result = _decide_and_run(dtensor_class, op, args, kwargs, key)
+    if sources:
+        write_through(op, sources)
+    return result
+
+
+def _decide_and_run(dtensor_class: type, op, args: tuple, kwargs: dict, key: tuple | None):
     flat, tree = tree_flatten((args, kwargs))
     positions = [index for index, value in enumerate(flat) if isinstance(value, dtensor_class)]
     mesh = _common_mesh(op, [flat[index] for index in positions])
@@ -202,7 +211,6 @@ def _dispatch_slowly(dtensor_class: type, op, args: tuple, kwargs: dict, key: tu
     # After the wrapping: a plain tensor the op writes to (`out=` of a buffer in a backward formula)
     # is written through its Replicate wrapper, which `_run` must write back when it moves.
     mutated_dtensors = mutated(dtensor_class, op, *tree_unflatten(flat, tree))
-    refuse_writes_into_views_of_copies(op, mutated_dtensors)
     if rule is None:
         functional = functional_overload(op)
         if functional is not None and _shapes_depend_on_data(op, flat, tree, positions, dtensors):
@@ -441,7 +449,9 @@ def _run(dtensor_class: type, op, flat, tree, positions, dtensors, mutated_dtens
             meta = output_metas[position]
             wrapped.append(dtensor_class(output, DTensorSpec(mesh, output_layouts[position], meta.stride, meta.dtype)))
     result = tree_unflatten(wrapped, output_tree)
-    return mark_views_of_copies(dtensor_class, result) if moved and returns_view(op) else result
+    if not returns_view(op):
+        return result
+    return mark_views_of_copies(dtensor_class, result, copy_source(dtensors[0], local_flat[positions[0]], input_layouts[0]))
 
 
 def _wrap_fallback_output(dtensor_class: type, output: torch.Tensor, first, mesh):

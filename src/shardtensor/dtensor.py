@@ -63,7 +63,7 @@ class DTensor(FastTensorMethods, CheckpointableMixin, torch.Tensor):
     _pending: object | None = None  # an async redistribute's result to wait for (`_wrap` leaves it unset)
     _waiting = _waiting  # read through the class by the engine below it (`list_plans`)
     _spec: DTensorSpec
-    _view_of_copy: bool = False  # a view of a moved copy: writes into it raise (`write_back.py`)
+    _view_of_copy = None  # a view of a moved copy: the copy's `CopySource`, which writes go through (`write_back.py`)
 
     # Public torch functions, methods and operators reach `torch_function` (bound to the class as
     # `__torch_function__` by `FastTensorMethods.__init_subclass__`), then aten ops `dispatch`.

@@ -37,7 +37,7 @@ from .process_groups import on_new_world
 from .redistribute import is_relabel
 from .rules import SIGN, Decision, PlainTensor, TensorMeta, sign_of
 from .spec import DTensorSpec, interned_spec
-from .write_back import mark_views_of_copies, mutated, refuse_writes_into_views_of_copies, returns_view
+from .write_back import copy_source, mark_views_of_copies, returns_view, write_through, written_copy_sources
 
 __all__ = [
     "fast_key", "key_modes", "strip_values", "template", "Plan", "plans", "function_plans", "recording", "store",
@@ -360,7 +360,7 @@ class Plan(CachedPlan):
     __slots__ = (
         "dtensor_class", "wrap", "op", "mesh", "specs", "slots", "moves", "local_collectives", "output_specs", "call",
         "runs_op", "mutates", "local_args", "local_kwargs", "writes_kwargs", "simple_positions", "single_spec",
-        "view_of_copy",
+        "is_view",
     )
 
     def __init__(self, dtensor_class: type, op, mesh, args: tuple, kwargs: dict, decision: Decision, mutates: bool,
@@ -394,7 +394,7 @@ class Plan(CachedPlan):
         self.slots = tuple(slots)
         self.moves = any(target is not None for *_, target, _, _ in self.slots)
         self.local_collectives = decision.local_collectives
-        self.view_of_copy = self.moves and returns_view(op)
+        self.is_view = returns_view(op)
         self.writes_kwargs = any(to_kwargs for *_, to_kwargs, _ in self.slots)
         self.output_specs = tuple(
             None if layout is None else interned_spec(DTensorSpec(mesh, layout, meta.stride, meta.dtype))
@@ -415,10 +415,12 @@ class Plan(CachedPlan):
                 local_args[index] = args[index]._local_tensor
             result = self.call(*local_args, **kwargs)
             if type(result) is torch.Tensor:
-                return self.wrap(result, self.single_spec)
+                result = self.wrap(result, self.single_spec)
+                if self.is_view and args[0]._view_of_copy is not None:  # a view of a view of a copy
+                    result._view_of_copy = args[0]._view_of_copy
+                return result
             return self._wrap_result(result, [])
-        if self.mutates:
-            refuse_writes_into_views_of_copies(self.op, mutated(self.dtensor_class, self.op, args, kwargs))
+        sources = written_copy_sources(self.dtensor_class, self.op, args, kwargs) if self.mutates else ()
         if (self.moves or self.local_collectives) and is_explicit():
             dtensors = [(kwargs if in_kwargs else args)[where] for in_kwargs, where, is_dtensor, *_ in self.slots
                         if is_dtensor]
@@ -434,6 +436,7 @@ class Plan(CachedPlan):
         if self.writes_kwargs:
             local_kwargs = dict(local_kwargs)
         inputs = []
+        viewed = None  # a view op's input: (DTensor, local tensor it ran as, its layout if moved)
         for in_kwargs, source, is_dtensor, target, to_kwargs, destination in self.slots:
             value = kwargs[source] if in_kwargs else args[source]
             local = value
@@ -443,12 +446,16 @@ class Plan(CachedPlan):
                     local = moved_local(value, target, self.mesh)  # plans move no written input
                 if self.mutates:
                     inputs.append((local, value))
+                if self.is_view and viewed is None:
+                    viewed = (value, local, target)
             if to_kwargs:
                 local_kwargs[destination] = local
             else:
                 local_args[destination] = local
         result = self._wrap_result(self.call(*local_args, **local_kwargs), inputs)
-        return mark_views_of_copies(self.dtensor_class, result) if self.view_of_copy else result
+        if sources:
+            write_through(self.op, sources)
+        return mark_views_of_copies(self.dtensor_class, result, copy_source(*viewed)) if self.is_view else result
 
     def _wrap_result(self, result, inputs: list):
         if self.single_spec is not None and type(result) is torch.Tensor:

@@ -103,7 +103,7 @@ def next_random_call(mesh: DeviceMesh) -> tuple[int, int]:
         raise _random_in_backward_error()
     with _lock:
         if _seed is None:
-            candidate = int(torch.randint(0, 2**62, ()).item())
+            candidate = int(torch.randint(0, 2**62, (), device="cpu").item())  # torch's default CPU generator
             _seed = comm.all_gather_object(candidate, world_mesh(mesh.device_type), None)[0]
         call = (_seed, _counter)
         _counter += 1
@@ -304,7 +304,7 @@ def random_shard(
     seed: int,
     counter: int,
     dtype: torch.dtype,
-    device: torch.device | str = "cpu",
+    device: torch.device | str | None = None,
     parameters: tuple = (),
     out: torch.Tensor | None = None,
     below: float | None = None,
@@ -314,19 +314,21 @@ def random_shard(
     `kind` is "rand", "randn" or a name in `FILLS`, called with `parameters` on each tile
     (`random_shard("uniform_", ..., parameters=(-1.0, 1.0))`). Time is linear in the tiles the box
     overlaps (its size plus the tiles cut by its edges), never in the global size: tiles are drawn
-    one at a time and copied into the result, or into `out` (a tensor of `local_shape`, written in
-    place) so that filling an existing shard needs no second shard. With `below`, the result is the
-    bool mask `values < below` (dropout's and bernoulli's keep masks), compared tile by tile: the
-    values are drawn in `dtype` as always, but never held for the whole box.
+    one at a time and copied into the result, made on `device` (the shard's), or into `out` (a tensor
+    of `local_shape`, written in place) so that filling an existing shard needs no second shard. With
+    `below`, the result is the bool mask `values < below` (dropout's and bernoulli's keep masks),
+    compared tile by tile: the values are drawn in `dtype` as always, but never held for the whole box.
 
-    >>> full = random_shard("rand", (3, 4), (0, 0), (3, 4), seed=0, counter=0, dtype=torch.float32)
+    >>> full = random_shard("rand", (3, 4), (0, 0), (3, 4), seed=0, counter=0, dtype=torch.float32, device="cpu")
     >>> torch.equal(random_shard("rand", (3, 4), (1, 2), (2, 2), seed=0, counter=0,
-    ...                          dtype=torch.float32), full[1:, 2:])
+    ...                          dtype=torch.float32, device="cpu"), full[1:, 2:])
     True
     """
     method = _ALIASES.get(kind, kind)
     if method not in FILLS:
         raise ValueError(f"random_shard kind must be 'rand', 'randn' or one of {FILLS}, got {kind!r}")
+    if out is None and device is None:
+        raise TypeError("random_shard needs device= (the device of the shard it makes) or out= (a shard to fill)")
     if out is None:
         out = torch.empty(tuple(local_shape), dtype=dtype if below is None else torch.bool, device=device)
     elif tuple(out.shape) != tuple(local_shape):

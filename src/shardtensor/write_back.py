@@ -3,14 +3,17 @@
 An in-place or `out=` op whose input had to move ran on a redistributed copy: `write_back` stores
 the copy's new value into the DTensor's own shard. An op that resizes what it writes (`addbmm_` of
 a broadcast `self`, an empty `out=`) gets its functional result (`write_resized`). In-place views
-(`squeeze_`, `t_`) give a DTensor a new spec (`inplace_view`). A view of a moved copy is marked, and
-writing into it raises instead of being silently lost.
+(`squeeze_`, `t_`) give a DTensor a new spec (`inplace_view`). A view of a moved copy (`y[:, 0]` of a
+tensor sharded along dim 1) knows its source, and a write into it is stored into the tensor it views
+(`write_through`).
 
 The functions take the DTensor class as an argument where they must tell DTensors from plain
 tensors: this layer is below the class (`dtensor.py`), which passes itself through its hooks.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 from torch.utils._python_dispatch import return_and_correct_aliasing
@@ -21,8 +24,8 @@ from .placement import Shard
 from .redistribute import redistribute_local_tensor
 
 __all__ = [
-    "written", "mutated", "writes", "returns_view", "mark_views_of_copies", "refuse_writes_into_views_of_copies",
-    "write_back", "write_resized", "inplace_view",
+    "written", "mutated", "writes", "returns_view", "CopySource", "copy_source", "mark_views_of_copies",
+    "written_copy_sources", "write_through", "write_back", "write_resized", "inplace_view",
 ]
 
 _written_positions: dict[object, tuple[tuple[int, str], ...]] = {}
@@ -76,28 +79,90 @@ def returns_view(op) -> bool:
     return known
 
 
-def mark_views_of_copies(dtensor_class: type, result):
-    """A view op whose input had to move returns a view of the moved copy, not of the input: mark it.
+class CopySource:
+    """What a view of a moved copy views: the DTensor `base` and the copy of its value that the view
+    aliases (`copy`, in `layout`). A write into the view writes the copy, which `write_through` stores
+    into the base. Once the base was written otherwise, the copy is stale, and writing it back would
+    undo that write: the base's version counter (which autograd shares among a tensor and its views)
+    tells, read below autograd, where the op writing the view has not counted its own write yet.
+    The base keeps its live copies (weakly), so that a write through one refreshes the others."""
 
-    Reading it is exact; writing into it in place would never reach the input, so such writes raise
-    (`refuse_writes_into_views_of_copies`) instead of being silently lost.
-    """
+    __slots__ = ("base", "copy", "layout", "base_local", "version", "__weakref__")
+
+    def __init__(self, base, copy: torch.Tensor, layout: Layout):
+        self.base, self.copy, self.layout = base, copy, layout
+        self.base_local, self.version = base._local_tensor, base._version
+        copies = base.__dict__.get("_live_copies")
+        if copies is None:
+            copies = base._live_copies = weakref.WeakSet()
+        copies.add(self)
+
+    def written_through(self) -> None:
+        """The copy was stored into the base by an op that counts one write when it returns."""
+        self.base_local, self.version = self.base._local_tensor, self.base._version + 1
+
+    def is_current(self) -> bool:
+        return self.base._local_tensor is self.base_local and self.base._version == self.version
+
+    def is_current_but_for(self, written: CopySource) -> bool:
+        """Whether this copy equalled the base before the write through `written` (sharing its version)."""
+        return self.base_local is written.base_local and self.version == written.version
+
+
+def copy_source(base, local: torch.Tensor, layout: Layout | None) -> CopySource | None:
+    """The source of a view op's outputs whose input `base` ran as `local` (moved to `layout`, or None
+    where it stayed): a new copy, the copy `base` itself views, or None (a view of the base's own shard)."""
+    if layout is not None and local is not base._local_tensor:
+        return CopySource(base, local, layout)
+    return base._view_of_copy
+
+
+def mark_views_of_copies(dtensor_class: type, result, source: CopySource | None):
+    """A view op whose input had to move (or was itself a view of a copy) returns a view of the
+    moved copy, not of the input: give it the copy's source, so that writes into it reach the input
+    (`write_through`). Reading it is exact."""
+    if source is None:
+        return result
     for output in tree_flatten(result)[0]:
         if isinstance(output, dtensor_class):
-            output._view_of_copy = True
+            output._view_of_copy = source
     return result
 
 
-def refuse_writes_into_views_of_copies(op, mutated_dtensors: list) -> None:
-    for dtensor in mutated_dtensors:
-        if dtensor._view_of_copy:
+def written_copy_sources(dtensor_class: type, op, args: tuple, kwargs: dict) -> list[CopySource]:
+    """The sources of the views of copies that the op writes: after it, `write_through` them.
+    A stale one (its base written since the view was taken) raises instead of losing that write."""
+    sources = []
+    for dtensor in mutated(dtensor_class, op, args, kwargs):
+        source = dtensor._view_of_copy
+        if source is None:
+            continue
+        if not source.is_current():
             raise RuntimeError(
-                f"{op} writes in place into a DTensor that is a view of a redistributed copy (a view op "
-                f"whose input had to move, e.g. through the replicate fallback): the write would not reach "
-                f"the tensor it views. Placements of the view: {list(dtensor.placements)}. Redistribute the "
-                f"base tensor to a layout the view op keeps (often Replicate) before taking the view, or "
-                f"write with an out-of-place op and copy_ into the base"
+                f"{op} writes in place into a DTensor that is a view of a redistributed copy of its base (a view "
+                f"op whose input had to move, e.g. select or indexing along a sharded dim), and the base was "
+                f"written since the view was taken: writing the copy back would undo that write. Placements of "
+                f"the view: {list(dtensor.placements)}, of the base: {list(source.base.placements)}. Take the view "
+                f"again after writing the base, or redistribute the base to a layout the view op keeps (often "
+                f"Replicate) first"
             )
+        sources.append(source)
+    return sources
+
+
+def write_through(op, sources: list[CopySource]) -> None:
+    """Store each written copy into its base (its own shard, from the copy's layout: no communication
+    from Replicate), then into the base's own base if the base is itself a view of a copy."""
+    while sources:
+        for source in sources:
+            base, mesh = source.base, source.base.device_mesh
+            write_back(op, base, source.copy, source.layout, mesh)
+            for other in list(base._live_copies):  # the views of the base's other copies read the new value
+                if other is not source and other.is_current_but_for(source):
+                    other.copy.copy_(redistribute_local_tensor(base._local_tensor, base.sharding, other.layout, mesh))
+                    other.written_through()
+            source.written_through()
+        sources = [source.base._view_of_copy for source in sources if source.base._view_of_copy is not None]
 
 
 def write_back(op, dtensor, local: torch.Tensor, layout: Layout, mesh) -> None:

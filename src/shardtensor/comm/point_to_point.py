@@ -24,8 +24,9 @@ def send(tensor: torch.Tensor, dst_global_rank: int) -> None:
     dist.send(buffer, dst=dst_global_rank)
 
 
-def recv(shape: Sequence[int], dtype: torch.dtype, src_global_rank: int, *, device: str | torch.device = "cpu") -> torch.Tensor:
-    """Receive a tensor of `shape` and `dtype` from global rank `src_global_rank` (blocking)."""
+def recv(shape: Sequence[int], dtype: torch.dtype, src_global_rank: int, *, device: str | torch.device) -> torch.Tensor:
+    """Receive a tensor of `shape` and `dtype` from global rank `src_global_rank` (blocking) into a buffer on
+    `device`: the receiver's device for that data, which the backend must reach (gloo: cpu, nccl: cuda)."""
     buffer = torch.empty(tuple(shape), dtype=dtype, device=device)
     _record("recv", None, 2, 0, _nbytes(buffer))
     dist.recv(_wire(buffer), src=src_global_rank)

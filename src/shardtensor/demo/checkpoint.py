@@ -25,7 +25,7 @@ def _resume_error(directory: Path) -> RuntimeError:
 def save_checkpoint(directory: str, model, optimizer, step: int, reference=None, reference_optimizer=None) -> None:
     """Every rank calls; the step count is saved with the states."""
     model_state, optimizer_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optimizer": optimizer_state, "step": torch.tensor(step)}, checkpoint_id=directory)
+    dcp.save({"model": model_state, "optimizer": optimizer_state, "step": torch.tensor(step, device="cpu")}, checkpoint_id=directory)
     if reference is not None:
         one_device = {"model": reference.state_dict(), "optimizer": reference_optimizer.state_dict()}
         torch.save(one_device, Path(directory) / _ONE_DEVICE_FILE)
@@ -37,7 +37,7 @@ def load_checkpoint(directory: str, model, optimizer, reference=None, reference_
     if not (path / ".metadata").is_file():
         return 0
     model_state, optimizer_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optimizer": optimizer_state, "step": torch.tensor(0)}
+    state = {"model": model_state, "optimizer": optimizer_state, "step": torch.tensor(0, device="cpu")}
     dcp.load(state, checkpoint_id=directory)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     if reference is not None:

@@ -42,7 +42,7 @@ class Corpus:
 
     def encode(self, text: str) -> torch.Tensor:
         index = {character: position for position, character in enumerate(self.characters)}
-        return torch.tensor([index[character] for character in text if character in index], dtype=torch.long)
+        return torch.tensor([index[character] for character in text if character in index], dtype=torch.long, device="cpu")
 
     def decode(self, tokens) -> str:
         return "".join(self.characters[int(token)] for token in tokens)
@@ -65,7 +65,7 @@ def load_corpus(path: str | None, block_size: int) -> Corpus:
             raise _data_error(file, f"it holds {len(text)} characters, fewer than one block of {block_size + 1}")
     characters = tuple(sorted(set(text)))
     index = {character: position for position, character in enumerate(characters)}
-    tokens = torch.tensor([index[character] for character in text], dtype=torch.long)
+    tokens = torch.tensor([index[character] for character in text], dtype=torch.long, device="cpu")
     return Corpus(name, characters, tokens)
 
 
@@ -73,6 +73,6 @@ def batch_for_step(corpus: Corpus, step: int, batch_size: int, block_size: int, 
     """The global batch of a step, the same on every rank and after a resume: random windows of the
     text as inputs, the same windows shifted by one character as targets."""
     generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    starts = torch.randint(0, corpus.tokens.numel() - block_size - 1, (batch_size,), generator=generator)
+    starts = torch.randint(0, corpus.tokens.numel() - block_size - 1, (batch_size,), generator=generator, device="cpu")
     windows = torch.stack([corpus.tokens[start : start + block_size + 1] for start in starts.tolist()])
     return windows[:, :-1], windows[:, 1:]

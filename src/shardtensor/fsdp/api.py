@@ -207,11 +207,21 @@ def _argument_error(problem: str, allowed: str) -> TypeError:
     return TypeError(f"fully_shard: {problem}; {allowed}")
 
 
+def _default_device_type(modules: Sequence[nn.Module]) -> str:
+    """The device type of the mesh `fully_shard` makes when given none: where the parameters are; for a
+    model without data yet (parameters on meta, to be materialized with `to_empty(device=...)`), the
+    device the world's backend serves (nccl: cuda), else cuda when there is one, as FSDP2 does."""
+    devices = {parameter.device.type for module in modules for parameter in module.parameters()} - {"meta"}
+    if devices:
+        return "cuda" if "cuda" in devices else "cpu"
+    if dist.is_initialized():
+        return "cuda" if dist.get_backend() == "nccl" else "cpu"
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def _default_mesh(modules: Sequence[nn.Module]) -> DeviceMesh:
-    devices = {parameter.device.type for module in modules for parameter in module.parameters()}
-    device_type = "cuda" if "cuda" in devices else "cpu"
     world = dist.get_world_size() if dist.is_initialized() else 1
-    return init_device_mesh(device_type, (world,))
+    return init_device_mesh(_default_device_type(modules), (world,))
 
 
 def fully_shard(

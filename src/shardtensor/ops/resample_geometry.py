@@ -27,6 +27,10 @@ import torch
 __all__ = ["Taps", "interpolation_taps", "owned_outputs", "input_windows", "owners_from_outputs"]
 
 _CUBIC_A = -0.75  # torch's bicubic convolution constant
+# The tables are host metadata: cached across devices, read on the host to plan the exchanges, and moved
+# slice by slice to the data's device where they are applied (`spatial_resample.gather_taps`). Saying so
+# keeps them there under `torch.set_default_device`.
+_HOST = torch.device("cpu")
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,23 +55,23 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 def _kernel_scale(input_size: int, output_size: int, scale: float | None, dtype: torch.dtype) -> torch.Tensor:
     """`compute_scales_value`: 1/scale when a positive scale was given, else input/output, in `dtype`."""
     if scale is not None and scale > 0:
-        return torch.tensor(1.0 / scale, dtype=torch.float64).to(dtype)
-    return torch.tensor(input_size, dtype=dtype) / output_size
+        return torch.tensor(1.0 / scale, dtype=torch.float64, device=_HOST).to(dtype)
+    return torch.tensor(input_size, dtype=dtype, device=_HOST) / output_size
 
 
 def _area_scale(input_size: int, output_size: int, align_corners: bool, scale, dtype) -> torch.Tensor:
     """`area_pixel_compute_scale`: the step between output rows in input coordinates."""
     if align_corners:
         if output_size > 1:
-            return torch.tensor(input_size - 1, dtype=dtype) / (output_size - 1)
-        return torch.zeros((), dtype=dtype)
+            return torch.tensor(input_size - 1, dtype=dtype, device=_HOST) / (output_size - 1)
+        return torch.zeros((), dtype=dtype, device=_HOST)
     return _kernel_scale(input_size, output_size, scale, dtype)
 
 
 def _source_coordinates(input_size, output_size, align_corners, scale, dtype, cubic: bool) -> torch.Tensor:
     """`area_pixel_compute_source_index` for every output row (clamped at 0 except for cubic)."""
     ratio = _area_scale(input_size, output_size, align_corners, scale, dtype)
-    rows = torch.arange(output_size, dtype=dtype)
+    rows = torch.arange(output_size, dtype=dtype, device=_HOST)
     if align_corners:
         return ratio * rows
     coordinates = ratio * (rows + 0.5) - 0.5
@@ -75,7 +79,7 @@ def _source_coordinates(input_size, output_size, align_corners, scale, dtype, cu
 
 
 def _nearest(mode: str, input_size: int, output_size: int, scale) -> Taps:
-    rows = torch.arange(output_size, dtype=torch.int64)
+    rows = torch.arange(output_size, dtype=torch.int64, device=_HOST)
     if mode == "nearest" and output_size == input_size:
         indices = rows
     elif mode == "nearest" and output_size == 2 * input_size:
@@ -92,8 +96,9 @@ def _nearest(mode: str, input_size: int, output_size: int, scale) -> Taps:
 
 def _linear(input_size, output_size, align_corners, scale, dtype) -> Taps:
     if output_size == input_size:  # the kernels copy
-        rows = torch.arange(output_size, dtype=torch.int64)
-        weights = torch.stack([torch.ones(output_size, dtype=dtype), torch.zeros(output_size, dtype=dtype)], 1)
+        rows = torch.arange(output_size, dtype=torch.int64, device=_HOST)
+        ones, zeros = (torch.full((output_size,), value, dtype=dtype, device=_HOST) for value in (1, 0))
+        weights = torch.stack([ones, zeros], 1)
         return Taps(torch.stack([rows, rows], 1), weights, rows)
     coordinates = _source_coordinates(input_size, output_size, align_corners, scale, dtype, cubic=False)
     lower = coordinates.floor().to(torch.int64).clamp_max(input_size - 1)
@@ -116,7 +121,7 @@ def _cubic(input_size, output_size, align_corners, scale, dtype) -> Taps:
     floor = coordinates.floor().to(torch.int64).clamp_max(input_size - 1)
     t = (coordinates - floor).clamp(0, 1)
     weights = torch.stack([_cubic_far(t + 1), _cubic_near(t), _cubic_near(1 - t), _cubic_far(2 - t)], 1)
-    indices = (floor[:, None] + torch.arange(-1, 3)).clamp(0, input_size - 1)
+    indices = (floor[:, None] + torch.arange(-1, 3, device=_HOST)).clamp(0, input_size - 1)
     nearest = (floor + (t >= 0.5).to(torch.int64)).clamp(0, input_size - 1)
     return Taps(indices, weights, nearest)
 
