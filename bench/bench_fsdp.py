@@ -3,6 +3,7 @@
     .venv/bin/python bench/bench_fsdp.py            # 4 local gloo ranks, CPU
     .venv/bin/python bench/bench_fsdp.py --quick    # fewer steps
     .venv/bin/python bench/bench_fsdp.py --foreach  # AdamW(foreach=True) for both (default: the for-loop AdamW)
+    .venv/bin/python bench/bench_fsdp.py --reshard-after-forward 2  # the blocks reshard to 2 ranks after forward
 
 Model: an input projection, BLOCKS MLP blocks (width -> hidden -> width, residual) and a head, each
 block one `fully_shard` unit and the root one more; AdamW (the same implementation for both); each rank trains on its slice of the
@@ -37,6 +38,8 @@ from torch import nn
 
 WIDTH, HIDDEN, BLOCKS, BATCH_PER_RANK = 256, 1030, 4, 16
 FOREACH = "--foreach" in sys.argv
+# The blocks' reshard_after_forward (the root keeps the default): True, or an int k (backward gathers over k ranks).
+RESHARD_AFTER_FORWARD = int(sys.argv[sys.argv.index("--reshard-after-forward") + 1]) if "--reshard-after-forward" in sys.argv else True
 
 
 class Block(nn.Module):
@@ -70,7 +73,7 @@ def _model() -> Model:
 
 def _shard(model: Model, fully_shard, mesh) -> Model:
     for block in model.blocks:
-        fully_shard(block, mesh=mesh)
+        fully_shard(block, mesh=mesh, reshard_after_forward=RESHARD_AFTER_FORWARD)
     fully_shard(model, mesh=mesh)
     return model
 
@@ -128,15 +131,18 @@ def _step_peak(run_step) -> int:
 
 
 def _torch_bytes_per_step(model, ranks: int) -> int:
-    """What one rank receives per step in torch FSDP2: every unit's padded shards, all-gathered in forward,
-    again in backward for the non-root units, and reduce-scattered once."""
+    """What one rank receives per step in torch FSDP2: every unit's padded shards, all-gathered in forward
+    and reduce-scattered once; the non-root units' gathered again in backward, over groups of k ranks (k =
+    RESHARD_AFTER_FORWARD, all ranks for True), each rank sending its 1/k of the padded unit."""
+    group = ranks if RESHARD_AFTER_FORWARD is True else RESHARD_AFTER_FORWARD
     total = 0
     units = [model, *model.blocks]
     for unit in units:
         owned = [parameter for name, parameter in unit.named_parameters() if unit is not model or not name.startswith("blocks.")]
         padded = sum(math.ceil(parameter.shape[0] / ranks) * parameter[0].numel() * parameter.element_size() for parameter in owned)
-        gathers = 1 if unit is model else 2
-        total += (gathers + 1) * (ranks - 1) * padded
+        total += 2 * (ranks - 1) * padded
+        if unit is not model:
+            total += (group - 1) * padded * ranks // group
     return total
 
 
@@ -177,7 +183,7 @@ def _measure_interleaved(models: dict, rank: int, steps: int, observe) -> dict:
     return results
 
 
-def run_rank(steps: int, foreach: bool):
+def run_rank(steps: int, foreach: bool, reshard_after_forward: bool | int):
     from torch.distributed.device_mesh import init_device_mesh as torch_mesh
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
@@ -185,8 +191,8 @@ def run_rank(steps: int, foreach: bool):
     from shardtensor.fsdp import fully_shard
     from shardtensor.mesh import init_device_mesh
 
-    global FOREACH
-    FOREACH = foreach
+    global FOREACH, RESHARD_AFTER_FORWARD
+    FOREACH, RESHARD_AFTER_FORWARD = foreach, reshard_after_forward
     torch.set_num_threads(1)
     rank, ranks = dist.get_rank(), dist.get_world_size()
     models = {
@@ -208,7 +214,8 @@ def _table(per_rank: list[dict], ranks: int, steps: int) -> list[str]:
     lines = [
         f"{ranks} gloo ranks, CPU, fp32; model: 64 -> {WIDTH}, {BLOCKS} blocks {WIDTH} -> {HIDDEN} -> {WIDTH}, head {WIDTH} -> 10 "
         f"({HIDDEN} rows over {ranks} ranks: torch pads to {math.ceil(HIDDEN / ranks)} per rank); {BATCH_PER_RANK} rows per rank; "
-        f"median of {steps} steps (the two implementations alternate step by step); AdamW foreach={FOREACH}; parameters of the two runs agree after training: "
+        f"median of {steps} steps (the two implementations alternate step by step); AdamW foreach={FOREACH}; blocks' "
+        f"reshard_after_forward={RESHARD_AFTER_FORWARD}; parameters of the two runs agree after training: "
         f"{all(r['agree'] for r in per_rank)}",
         "",
         "| implementation | forward+backward (ms) | ratio to torch | optimizer step (ms) | whole step ratio | "
@@ -235,7 +242,7 @@ def main() -> None:
     ranks = 4
     steps = 5 if "--quick" in sys.argv else 15
     start = time.perf_counter()
-    per_rank = launch.spawn(bench_fsdp.run_rank, ranks, steps, FOREACH)
+    per_rank = launch.spawn(bench_fsdp.run_rank, ranks, steps, FOREACH, RESHARD_AFTER_FORWARD)
     print("\n".join(_table(per_rank, ranks, steps)))
     print(f"\n(total {time.perf_counter() - start:.0f} s)")
 

@@ -22,6 +22,7 @@ from ..mesh import DeviceMesh, init_device_mesh
 from ..placement import Placement
 from .hooks import post_forward, pre_forward
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from .post_forward import reshard_after_forward_choice
 from .unit import ParameterUnit
 
 __all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method"]
@@ -63,6 +64,7 @@ class FSDPModule:
         (explicit prefetching).
         """
         unit = self._fsdp_unit
+        unit.drop_kept()  # gather the sharded parameters as they are now
         unit.adopt_replaced_parameters()
         unit.unshard(async_op=async_op)
         if async_op:
@@ -87,10 +89,12 @@ class FSDPModule:
         for module in self._fsdp_modules(recurse):
             module._fsdp_unit.requires_gradient_sync = requires_gradient_sync
 
-    def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
-        """Whether forward frees the unsharded parameters (backward then gathers them again)."""
+    def set_reshard_after_forward(self, reshard_after_forward: bool | int, *, recurse: bool = True) -> None:
+        """Whether forward frees the unsharded parameters (backward then gathers them again); an int k, as
+        `fully_shard` takes (PyTorch's method takes a bool only), reshards to sub-groups of k ranks. Call it
+        on every rank: the first use of a sub-group creates its process group among its members."""
         for module in self._fsdp_modules(recurse):
-            module._fsdp_unit.reshard_after_forward = reshard_after_forward
+            module._fsdp_unit.set_reshard_after_forward(reshard_after_forward, "set_reshard_after_forward")
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """Whether backward frees the unsharded parameters; False keeps them for the next forward (useful
@@ -224,7 +228,7 @@ def fully_shard(
     module: nn.Module | list[nn.Module],
     *,
     mesh: DeviceMesh | None = None,
-    reshard_after_forward: bool | None = None,
+    reshard_after_forward: bool | int | None = None,
     shard_placement_fn: Callable[[nn.Parameter], Placement | None] | None = None,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     offload_policy: OffloadPolicy = OffloadPolicy(),
@@ -241,8 +245,10 @@ def fully_shard(
     parameters with one collective (the next unit's gather overlaps this unit's compute); backward
     reduce-scatters its gradients with one collective (sum, then division by the number of
     data-parallel ranks). `reshard_after_forward=None` frees after forward everywhere but in the
-    root module. `module` may be a list of modules that are gathered as one unit. Returns `module`,
-    whose class now starts with `FSDPModule`.
+    root module; an int k (dividing the shard mesh dim's size) keeps, after forward, what a sub-group
+    of k ranks needs, so that backward all-gathers within it (see `post_forward`). `module` may be a
+    list of modules that are gathered as one unit. Returns `module`, whose class now starts with
+    `FSDPModule`.
 
     >>> fully_shard(model, mesh=init_device_mesh("cpu", (2,)))  # doctest: +SKIP
     """
@@ -256,10 +262,8 @@ def fully_shard(
         raise _argument_error(f"mp_policy={mp_policy!r}", "pass a shardtensor.fsdp.MixedPrecisionPolicy")
     if not isinstance(offload_policy, OffloadPolicy):
         raise _argument_error(f"offload_policy={offload_policy!r}", "pass OffloadPolicy() or CPUOffloadPolicy()")
-    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
-        raise _argument_error(f"reshard_after_forward={reshard_after_forward!r}",
-                              "pass True, False or None (True except for the root module); int values are not supported")
     mesh = mesh if mesh is not None else _default_mesh(modules)
+    reshard_after_forward = reshard_after_forward_choice(reshard_after_forward, mesh.size(mesh.ndim - 1), "fully_shard")
     if isinstance(offload_policy, CPUOffloadPolicy) and mesh.device_type != "cpu":
         raise NotImplementedError(
             f"fully_shard: CPUOffloadPolicy on a {mesh.device_type!r} mesh is not implemented; on CPU meshes it is a "

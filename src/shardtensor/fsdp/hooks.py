@@ -4,8 +4,9 @@ Forward: a unit's pre-hook waits for its gather (issuing it first if no prefetch
 next unit's gather asynchronously, and registers the unsharded parameters on its modules through
 `_Unshard`, whose backward is called by autograd once every gradient of the unit is computed: that
 is where the unit's one reduce-scatter starts. The post-hook puts the sharded parameters back,
-frees the unsharded ones (`reshard_after_forward`) and hooks the outputs' gradients to re-gather
-before the unit's backward (and prefetch the one after it). The root's backward ends with a
+frees the unsharded ones (`reshard_after_forward`; an int keeps a sub-group's block, `post_forward`)
+and hooks the outputs' gradients to re-gather before the unit's backward (and prefetch the one after
+it). The root's backward ends with a
 callback that finishes what is left (HSDP all-reduces, resharding).
 
 Activation checkpointing recomputes forwards inside backward: a unit about to run backward shows its
@@ -82,6 +83,7 @@ class TrainingContext:
         self.forward_order.clear()
         self.post_forward_order.clear()
         for unit in self.units:
+            unit.drop_kept()  # a block kept by a forward without backward may be older than the parameters
             unit.clear_forward_tensors()
             unit.finished_forward_modules.clear()
 
@@ -148,6 +150,7 @@ class TrainingContext:
             unit.wait_for_unshard()
             if unit.reshard_after_backward:
                 unit.reshard()
+            unit.drop_kept()  # of a unit whose backward did not run
             unit.clear_forward_tensors()
             unit.register_at_rest()
 
@@ -243,7 +246,7 @@ def post_forward(unit: ParameterUnit, module: nn.Module, args, output):
     context.post_forward_order.append(unit)
     unit.finished_forward_modules.add(id(module))
     if unit.reshard_after_forward and len(unit.finished_forward_modules) == len(unit.modules):
-        unit.reshard()
+        unit.reshard(after_forward=True)
         unit.finished_forward_modules.clear()
     unit.register_at_rest()
     if torch.is_grad_enabled():

@@ -23,6 +23,7 @@ from ..mesh import DeviceMesh
 from ..placement import Placement
 from ..spec import contiguous_stride
 from .policies import MixedPrecisionPolicy
+from .post_forward import PostForwardShard, reshard_after_forward_choice
 from .reduction import Reduction, gradient_dtensors, local_gradients, pack_gradients
 from .slots import ParameterSlot, cut_parameters, managed_parameters, unit_error
 
@@ -47,7 +48,7 @@ class ParameterUnit:
         shard_placement_fn: Callable[[nn.Parameter], Placement | None] | None,
         mp_policy: MixedPrecisionPolicy,
         ignored_params: set[int],
-        reshard_after_forward: bool | None,
+        reshard_after_forward: bool | int | None,
         is_managed: Callable[[nn.Module], bool],
     ):
         if mesh.ndim not in (1, 2):
@@ -58,7 +59,8 @@ class ParameterUnit:
         self.shard_mesh_dim = mesh.ndim - 1
         self.replicate_mesh_dim = 0 if mesh.ndim == 2 and mesh.size(0) > 1 else None
         self.mp_policy = mp_policy
-        self.reshard_after_forward = reshard_after_forward
+        self.reshard_after_forward: bool | None = None
+        self.post_forward: PostForwardShard | None = None  # reshard_after_forward=int: the block kept after forward
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
         self.requires_all_reduce = True  # HSDP: False keeps the reduce-scatter's output for the next backward
@@ -72,7 +74,8 @@ class ParameterUnit:
         self.slots: list[ParameterSlot] = []
         self._build(managed_parameters(self.modules, ignored_params, is_managed), shard_placement_fn)
         self._gather_handle = None
-        self._gathered_state = "sharded"  # "sharded" | "gathering" | "gathered"
+        # "kept": sharded, with the post-forward block kept for a gather over the sub-group (`post_forward`)
+        self._gathered_state = "sharded"  # "sharded" | "kept" | "gathering" | "gathered"
         self._shown_unsharded: tuple | None = None  # after an explicit unshard(): registered until reshard()
         self._accumulated: torch.Tensor | None = None
         self._forward_tensors: tuple | None = None
@@ -82,6 +85,29 @@ class ParameterUnit:
         self.forward_prefetch: list[ParameterUnit] | None = None
         self.backward_prefetch: list[ParameterUnit] | None = None
         self.finished_forward_modules: set[int] = set()
+        self.set_reshard_after_forward(reshard_after_forward, "fully_shard")
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool | int | None, caller: str) -> None:
+        """True, False, None (decided at the first forward: True except for the root) or an int k: reshard
+        after forward to sub-groups of k ranks (`post_forward`); a kept block of the old choice is dropped."""
+        choice = reshard_after_forward_choice(reshard_after_forward, self.size, caller)
+        self.drop_kept()
+        self.post_forward = None
+        if choice is None or isinstance(choice, bool):
+            self.reshard_after_forward = choice
+            return
+        self.reshard_after_forward = True
+        if self.slots:
+            self.post_forward = PostForwardShard(choice, self.mesh, self.shard_mesh_dim, self.segment_sizes)
+            self._bind_post_forward()
+
+    def _bind_post_forward(self) -> None:
+        """Point the post-forward block's views at the unsharded buffer (views need its storage allocated)."""
+        freed = self._unsharded.untyped_storage().nbytes() == 0
+        self._allocate(self._unsharded)
+        self.post_forward.bind(self.slots, self._unsharded_writer)
+        if freed:
+            self._free(self._unsharded)
 
     # ---- construction -----------------------------------------------------------------------------
 
@@ -130,6 +156,8 @@ class ParameterUnit:
                         self._copy_sources.append(self._gathered[slot.gathered_offsets[c] : slot.gathered_offsets[c] + numel].view(slot.piece_shape(c)))
                         self._copy_targets.append(whole.narrow(slot.dim, slot.piece_start(c), slot.piece_sizes[c]))
         self._placeholder = torch.empty(0, dtype=self.parameter_dtype, device=device)
+        if self.post_forward is not None:
+            self._bind_post_forward()
         self._free(self._unsharded)
         self._free(self._gathered)
 
@@ -208,8 +236,14 @@ class ParameterUnit:
         return self._shard_data.to(self.compute_dtype)
 
     def unshard(self, async_op: bool = False) -> None:
-        """Start gathering every parameter (one collective); wait for it unless `async_op`."""
-        if self._gathered_state == "sharded" and self.slots:
+        """Start gathering every parameter (one collective: over the sub-group from the block kept after
+        forward, else over the shard mesh dim); wait for it unless `async_op`."""
+        if self._gathered_state == "kept":
+            self._allocate(self._unsharded)
+            self._allocate(self._gathered)
+            self._gather_handle = self.post_forward.gather_into(self._gathered)
+            self._gathered_state = "gathering"
+        elif self._gathered_state == "sharded" and self.slots:
             send = self._send_buffer()  # first: it rebuilds the buffers after a conversion
             self._allocate(self._unsharded)
             self._allocate(self._gathered)
@@ -227,22 +261,34 @@ class ParameterUnit:
             return
         self._gather_handle.wait()
         self._gather_handle = None
+        if self.post_forward is not None:
+            self.post_forward.drop()
         if self._copy_sources:
             torch._foreach_copy_(self._copy_targets, self._copy_sources)
             self._free(self._gathered)
         self._gathered_state = "gathered"
 
-    def reshard(self) -> None:
+    def reshard(self, after_forward: bool = False) -> None:
         """Free the unsharded parameters (an in-flight gather is finished first); the modules show the
-        sharded ones again."""
+        sharded ones again. `after_forward` with `reshard_after_forward=int` keeps this rank's block first."""
         self.wait_for_unshard()
+        keep = after_forward and self.post_forward is not None and self._gathered_state == "gathered"
+        if keep:
+            self.post_forward.keep()
+        elif self.post_forward is not None:
+            self.post_forward.drop()
         if self._gathered_state == "gathered" and self.slots:
             self._free(self._unsharded)
-        self._gathered_state = "sharded"
+        self._gathered_state = "kept" if keep else "sharded"
         self._forward_tensors = None
         if self._shown_unsharded is not None:
             self._shown_unsharded = None
             self.register_sharded()
+
+    def drop_kept(self) -> None:
+        """Free the block kept after forward, if any: the next gather reads the sharded parameters."""
+        if self._gathered_state == "kept":
+            self.reshard()
 
     def show_unsharded(self) -> None:
         """Register the unsharded parameters on the modules until `reshard` (FSDP2's explicit `unshard()`):
@@ -276,7 +322,7 @@ class ParameterUnit:
         """Take over parameters that a module conversion replaced, such as `to_empty(device=...)` after
         building the model on the meta device (the new DTensors must keep their layout); buffers follow
         the new device and dtype."""
-        if self._gathered_state != "sharded":
+        if self._gathered_state not in ("sharded", "kept"):
             return  # the modules show unsharded parameters
         for index, slot in enumerate(self.slots):
             module, name = slot.locations[0]
