@@ -50,6 +50,7 @@ def _workloads(distribute):
     weight = distribute(torch.randn(8, 8), False)
     hidden = distribute(torch.randn(8, 16, requires_grad=True), False)
     output = distribute(torch.randn(16, 4, requires_grad=True), False)
+    scale = torch.tensor(2.0)  # a plain 0-d tensor, read like a Python scalar by both libraries
 
     def chain():
         z = x + y
@@ -79,6 +80,8 @@ def _workloads(distribute):
     return {
         "add": (lambda: x + y, 1),
         "mul": (lambda: x * y, 1),
+        "x * t (t = torch.tensor(2.0), 0-d plain)": (lambda: x * scale, 1),
+        "x * torch.tensor(2.0)": (lambda: x * torch.tensor(2.0), 1),
         "relu": (lambda: x.relu(), 1),
         "sum": (lambda: x.sum(), 1),
         "mm": (lambda: x @ weight, 1),

@@ -1,6 +1,8 @@
 """Batch, group, instance and layer norm on spatially sharded fields (and batch-sharded ones), forward
 and backward, against one device; each issues exactly one all_reduce per forward and per backward."""
 
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -221,3 +223,38 @@ def test_layer_norm_over_channels_and_space_reduces_over_spatial_shards_once(mes
     _check_norm(mesh, lambda x, weight, bias: F.layer_norm(x, normalized, weight, bias), parameters,
                 collectives=_spatial, backward_collectives=_spatial_and_batch, parameters_like_field=True)
     _check_norm(mesh, lambda x: F.layer_norm(x, normalized[1:]), [], collectives=_spatial)  # (H, W) per (n, c)
+
+
+def test_layer_norm_metadata_is_torchs_meta_kernels():
+    """`native_layer_norm`'s output metadata, said without running torch's meta kernel, equals that
+    kernel's on every shape (sizes 0, 1 and 3), dtype and affine case it serves: contiguous floating
+    inputs with parameters of their dtype and shape; anything else is left to the kernel (None)."""
+    from shardtensor.layout import contiguous_stride
+    from shardtensor.ops.spatial_norm import _layer_norm_outputs
+    from shardtensor.rules import TensorMeta, run_on_meta
+
+    op = torch.ops.aten.native_layer_norm.default
+    served = 0
+    for shape in [shape for ndim in (1, 2, 3) for shape in itertools.product((0, 1, 3), repeat=ndim)]:
+        for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.int64, torch.complex64):
+            strides = [contiguous_stride(shape)] + ([torch.empty(shape[::-1]).mT.stride()] if len(shape) == 2 else [])
+            for stride, count in itertools.product(strides, range(1, len(shape) + 1)):
+                normalized = list(shape[len(shape) - count:])
+                for weight_dtype, weight_shape in [(dtype, normalized), (torch.float64, normalized), (dtype, [*normalized, 1])]:
+                    weight = TensorMeta(tuple(weight_shape), contiguous_stride(weight_shape), weight_dtype)
+                    for parameters in [(None, None), (weight, None), (weight, weight)]:
+                        arguments = ((TensorMeta(shape, stride, dtype), normalized, *parameters, 1e-5), {})
+                        found = _layer_norm_outputs(arguments)
+                        usual = (stride == contiguous_stride(shape) and dtype.is_floating_point
+                                 and (parameters[0] is None or (weight_dtype, weight_shape) == (dtype, normalized)))
+                        assert (found is not None) == usual, (shape, stride, dtype, normalized, parameters)
+                        if found is not None:
+                            served += 1
+                            assert found == run_on_meta(op, *arguments), (shape, dtype, normalized, parameters)
+    assert served > 300
+    # Local inputs replace the placeholders in order, as in `run_on_meta`.
+    weight = TensorMeta((6,), (1,), torch.float32)
+    arguments = ((TensorMeta((4, 6), (6, 1), torch.float32), [6], weight, weight, 1e-5), {})
+    local = [TensorMeta((2, 3), (3, 1), torch.float32), TensorMeta((3,), (1,), torch.float32), TensorMeta((3,), (1,), torch.float32)]
+    local_arguments = ((arguments[0][0], [3], weight, weight, 1e-5), {})
+    assert _layer_norm_outputs(local_arguments, local) == run_on_meta(op, *local_arguments, local)

@@ -122,11 +122,26 @@ def scale_signs(dtensor_class: type, values) -> tuple:
     where inf times the sum is +-inf), so next to a Partial the scale's sign decides, as a Python
     scalar's does (`ShardingRule.value_keys` SIGN). Read only there: elsewhere no rule row depends on it.
     """
-    flat = [item for value in values for item in (value if isinstance(value, (list, tuple)) else (value,))]
-    if not any(isinstance(placement, Partial)
-               for value in flat if isinstance(value, dtensor_class) for placement in value._spec.layout.placements):
+    for value in values:
+        if isinstance(value, dtensor_class):
+            if _is_partial(value):
+                break
+        elif isinstance(value, (list, tuple)) and any(
+            isinstance(item, dtensor_class) and _is_partial(item) for item in value
+        ):
+            break
+    else:  # no Partial: the common case, a loop without building anything
         return ()
+    flat = [item for value in values for item in (value if isinstance(value, (list, tuple)) else (value,))]
     return tuple(
         value_sign(value) for value in flat
         if isinstance(value, torch.Tensor) and not isinstance(value, dtensor_class) and value.ndim == 0
     )
+
+
+def _is_partial(dtensor) -> bool:
+    """Whether some mesh dim of a DTensor's placements is Partial (a plain loop: called per argument)."""
+    for placement in dtensor._spec.layout.placements:
+        if isinstance(placement, Partial):
+            return True
+    return False

@@ -25,7 +25,7 @@ from .placement import REDUCE_OPS, NormPartial, Partial, Placement, Shard
 from .row_costs import choose_rows
 from .rules import (
     ComposedRule, DataDependentOutput, Decision, OpCall, OutVariantRule, ResizesWritten, Row, ShardingRule, TensorMeta,
-    rows_keeping_self, run_on_meta,
+    rows_keeping_self,
 )
 
 __all__ = ["decide", "clear_cache", "MAX_DECISIONS", "decisions_made", "decision_cache_hits"]
@@ -115,7 +115,8 @@ def _exact_output_layouts(call, rule, mesh_shape, placements, metas, input_layou
     """Output layouts whose pieces are exactly what the local op produces on every coordinate.
 
     Sharded outputs are evaluated on meta tensors of each coordinate's local input shapes (once per
-    distinct set of local shapes), so uneven inputs, views and slices get exact shard sizes.
+    distinct set of local shapes; `rule.local_output_shapes`), so uneven inputs, views and slices get
+    exact shard sizes.
     """
     layouts: list[Layout | None] = []
     sharded = [meta is not None and any(isinstance(p, Shard) for p in placements[i]) for i, meta in enumerate(metas)]
@@ -134,7 +135,7 @@ def _exact_output_layouts(call, rule, mesh_shape, placements, metas, input_layou
             if key not in evaluated:
                 local_op = rule.local_op(call, input_layouts, coordinate)
                 op = call.op if local_op is None else lambda *args, **kwargs: local_op(None, *args, **kwargs)
-                evaluated[key] = run_on_meta(op, arguments[0], arguments[1], inputs)
+                evaluated[key] = rule.local_output_shapes(op, arguments, inputs)
             local_shapes[coordinate] = evaluated[key]
     for index, meta in enumerate(metas):
         if meta is None:
@@ -142,7 +143,7 @@ def _exact_output_layouts(call, rule, mesh_shape, placements, metas, input_layou
         elif not sharded[index]:
             layouts.append(Layout.create(mesh_shape, placements[index], meta.shape))
         else:
-            shapes = {coordinate: outputs[index].shape for coordinate, outputs in local_shapes.items()}
+            shapes = {coordinate: outputs[index] for coordinate, outputs in local_shapes.items()}
             order = _inherited_shard_order(placements[index], meta.ndim, input_layouts)
             layout = Layout.from_local_shapes(mesh_shape, placements[index], shapes, shard_order=order)
             if layout.shape != meta.shape:

@@ -248,6 +248,12 @@ class ShardingRule:
         counter stays the same on every rank of the world."""
         return 0
 
+    def local_output_shapes(self, op: Callable, arguments: tuple[tuple, dict], local_inputs: list[TensorMeta]) -> list:
+        """Shapes of the local op's outputs (None for a non-tensor one) on tensors of `local_inputs`
+        (placeholder order) with `arguments`: `op` (the op, or the rule's local op without a mesh) on
+        meta tensors. A rule whose meta kernel is slow and whose shapes are simple says them itself."""
+        return [None if meta is None else meta.shape for meta in run_on_meta(op, arguments[0], arguments[1], local_inputs)]
+
     def local_shape_key(self, call: OpCall, input_layouts: Sequence[Layout], coordinate: Sequence[int]):
         """What the local op's output shapes depend on at `coordinate` besides its local input shapes
         and arguments (a halo exchange's window); coordinates with equal keys share one evaluation on

@@ -127,10 +127,15 @@ def register_variants() -> None:
     overload does not share: a packet registration gives both the same). An in-place overload
     (`addmm_.default`) without a rule takes the one of `addmm` with the same arguments.
     """
-    # Every aten op name (`dir(aten)` lists only the packets loaded so far).
+    # Every aten op name (`dir(aten)` lists only the packets loaded so far); only packets with a rule
+    # (out overloads) or whose functional packet has one (in-place `name_`) can gain one, and loading
+    # the others' overloads cost a third of `import shardtensor`.
     names = sorted({name.split("::")[1].split(".")[0] for name in torch._C._dispatch_get_all_op_names()
                     if name.startswith("aten::")})
+    ruled = {op._schema.name.split("::")[1] for op in RULES if isinstance(op, torch._ops.OpOverload)}
     for name in names:
+        if name not in ruled and not (name.endswith("_") and name[:-1] in ruled):
+            continue
         packet = getattr(aten, name, None)
         if not isinstance(packet, torch._ops.OpOverloadPacket):
             continue

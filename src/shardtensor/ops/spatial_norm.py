@@ -32,6 +32,7 @@ from collections.abc import Sequence
 import torch
 
 from .. import comm
+from ..layout import contiguous_stride
 from ..placement import Partial, Replicate, Shard
 from ..rules import DataDependentOutput, LocalCollective, OpCall, Row, ShardingRule, TensorMeta, run_on_meta, schema_positions
 from .nn import GroupNorm, _masked_outputs, layer_norm, layer_norm_backward
@@ -398,6 +399,35 @@ class SpatialGroupNorm(ShardingRule):
 
 # ---- layer norm ------------------------------------------------------------------------------------
 
+_LAYER_NORM_DTYPES = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.float32: torch.float32,
+                      torch.float64: torch.float64}  # input dtype -> the statistics' on meta tensors
+
+
+def _layer_norm_outputs(arguments: tuple[tuple, dict], local_inputs: Sequence[TensorMeta] | None = None):
+    """(out, mean, rstd) metadata of `native_layer_norm` on meta tensors, without running torch's
+    meta kernel (a Python decomposition of ~10 ops, ~0.5 ms a call; a first call on a new shape ran it
+    up to four times). Only for contiguous floating inputs and parameters of the input's dtype and
+    shape (checked against torch's kernel in tests); None otherwise: the meta kernel decides, and
+    raises torch's errors. `local_inputs` replace the placeholders in order, as in `run_on_meta`."""
+    bound = _bound(aten.native_layer_norm.default, *arguments)
+    tensors = [bound.get(name) for name in ("input", "weight", "bias")]
+    if local_inputs is not None:
+        queue = iter(local_inputs)
+        tensors = [next(queue) if isinstance(meta, TensorMeta) else meta for meta in tensors]
+    tensor, normalized = tensors[0], tuple(bound["normalized_shape"])
+    for meta in tensors:
+        if meta is not None and (not isinstance(meta, TensorMeta) or meta.stride != contiguous_stride(meta.shape)):
+            return None
+    if tensor is None or tensor.dtype not in _LAYER_NORM_DTYPES or not normalized \
+            or tensor.shape[tensor.ndim - len(normalized):] != normalized:
+        return None
+    if any(meta is not None and (meta.shape != normalized or meta.dtype != tensor.dtype) for meta in tensors[1:]):
+        return None
+    statistics_dtype = _LAYER_NORM_DTYPES[tensor.dtype]
+    statistics_shape = tensor.shape[: tensor.ndim - len(normalized)] + (1,) * len(normalized)
+    statistics = TensorMeta(statistics_shape, contiguous_stride(statistics_shape), statistics_dtype)
+    return [tensor, statistics, statistics]
+
 
 class SpatialLayerNorm(ShardingRule):
     """`native_layer_norm(input, normalized_shape, weight, bias, eps)` and its backward: `nn`'s rows
@@ -432,13 +462,25 @@ class SpatialLayerNorm(ShardingRule):
         local_shape = input_layouts[self.field_tensors - 1].local_shape(coordinate)
         return call.with_arguments(normalized_shape=list(local_shape[self._batch_dims(call):]))
 
+    def global_outputs(self, call: OpCall) -> list[TensorMeta | None]:
+        found = None if self.backward else _layer_norm_outputs((call.args, dict(call.kwargs)))
+        return found or super().global_outputs(call)
+
+    def local_output_shapes(self, op, arguments, local_inputs) -> list:
+        """The forward's local op (native or synchronized) gives `native_layer_norm`'s shapes on the
+        local arguments (its `normalized_shape` made local)."""
+        found = None if self.backward else _layer_norm_outputs(arguments, local_inputs)
+        if found is None:
+            return super().local_output_shapes(op, arguments, local_inputs)
+        return [meta.shape for meta in found]
+
     def local_op(self, call, input_layouts, coordinate):
         batch_dims = self._batch_dims(call)
         layout = input_layouts[self.field_tensors - 1]
         reduction = _Reduction(layout, range(batch_dims, layout.ndim), coordinate)
         if not reduction.mesh_dims:
             return None
-        op, metas = call.op, run_on_meta(call.op, call.args, dict(call.kwargs))
+        op, metas = call.op, self.global_outputs(call)
         count = math.prod(call.inputs[self.field_tensors - 1].shape[batch_dims:])
 
         def flat(tensor):  # (samples, 1, 1, normalized elements): one statistic per sample
