@@ -9,6 +9,7 @@ a DTensor and on the full plain tensor and compares.
 
 from __future__ import annotations
 
+import copy
 import gc
 
 import pytest
@@ -150,7 +151,8 @@ def test_multi_tensor_writes_that_one_store_would_undo_raise(mesh):
 @spmd(meshes=[(2,), (2, 2)])
 def test_views_follow_the_storage_when_the_base_gets_other_data(mesh):
     """After `y.data = z` a view of `y` keeps viewing `y`'s former storage, as on one device: it keeps
-    its values, and its writes no longer reach `y`; a view whose base is freed still reads its values."""
+    its values, and its writes no longer reach `y`; a view whose base is freed still reads its values, and
+    a deep copy of a view is a tensor of its own."""
     for dtensor, plain in _bases(mesh):
         results = []
         for y in (dtensor, plain):
@@ -168,10 +170,13 @@ def test_views_follow_the_storage_when_the_base_gets_other_data(mesh):
     for make in (lambda: distribute_tensor(full, mesh, PLACEMENTS[mesh.ndim][0]), full.clone):
         base = make()
         column = base[:, 1]
+        copied = copy.deepcopy(column)  # an independent tensor of the column's values
         base.mul_(2.0)
+        copied.add_(1.0)
         del base
         gc.collect()
         assert_close(_full(column), full[:, 1] * 2)
+        assert_close(_full(copied), full[:, 1] + 1)
 
 
 @spmd(meshes=[(2,), (2, 2)])

@@ -96,12 +96,12 @@ class CopySource:
     live = 0  # how many exist: while none does, list plans skip looking for views of copies
 
     def __init__(self, base, copy: torch.Tensor, layout: Layout):
+        CopySource.live += 1  # first: `__del__` runs even if the rest raises
         self.base, self.base_local, self.base_layout = base, base._local_tensor, base.sharding
         self.base_source, self.mesh = base._view_of_copy, base.device_mesh
         self.copy, self.layout = copy, layout
         self.generation = 0  # bumped whenever the copy gets new values from its base: what copies of it read
         self.seen = self._versions()
-        CopySource.live += 1
 
     def __del__(self):
         CopySource.live -= 1
