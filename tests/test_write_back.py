@@ -195,3 +195,20 @@ def test_gradients_through_a_refreshed_view(mesh):
             loss.backward()
             gradients.append([loss, leaf.grad, other.grad])
         _same(*gradients)
+
+
+@spmd(meshes=[(2,), (2, 2)])
+def test_in_place_views_of_a_view_keep_viewing_the_base(mesh):
+    """`unsqueeze_` and `t_` of a view of a copy change its shape, not what it views."""
+    for dtensor, plain in _bases(mesh):
+        results = []
+        for y in (dtensor, plain):
+            column = y[:, 0]
+            column.unsqueeze_(0)
+            y.add_(1.0)
+            outputs = [column.clone()]
+            column.t_()
+            column.mul_(2.0)
+            y.sub_(0.5)
+            results.append(outputs + [y.clone(), column.clone()])
+        _same(*results)

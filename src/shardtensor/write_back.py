@@ -4,8 +4,9 @@ An in-place or `out=` op whose input had to move ran on a redistributed copy: `w
 the copy's new value into the DTensor's own shard. An op that resizes what it writes (`addbmm_` of
 a broadcast `self`, an empty `out=`) gets its functional result (`write_resized`). In-place views
 (`squeeze_`, `t_`) give a DTensor a new spec (`inplace_view`). A view of a moved copy (`y[:, 0]` of a
-tensor sharded along dim 1) knows its source, and a write into it is stored into the tensor it views
-(`write_through`).
+tensor sharded along dim 1) knows its source: a write into it is stored into the tensor it views
+(`write_through`), and a read of it after that tensor was written first copies its new value in
+(`CopySource.refresh`).
 
 The functions take the DTensor class as an argument where they must tell DTensors from plain
 tensors: this layer is below the class (`dtensor.py`), which passes itself through its hooks.
