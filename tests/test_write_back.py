@@ -18,7 +18,7 @@ from helpers import exact_full
 from spmd import spmd
 from torch.testing import assert_close
 
-from shardtensor import DTensor, Replicate, Shard, comm, distribute_tensor, torch_function
+from shardtensor import DTensor, Replicate, Shard, comm, distribute_tensor, explicit_communication, torch_function
 
 # Placements of the base per mesh: the viewed dim (1) is sharded, so `y[:, 0]` moves it.
 PLACEMENTS = {1: [[Shard(1)]], 2: [[Shard(1), Shard(1)], [Shard(0), Shard(1)]]}
@@ -212,3 +212,17 @@ def test_in_place_views_of_a_view_keep_viewing_the_base(mesh):
             y.sub_(0.5)
             results.append(outputs + [y.clone(), column.clone()])
         _same(*results)
+
+
+@spmd(meshes=[(2,)])
+def test_explicit_communication_refuses_the_refresh_a_read_needs(mesh):
+    """Refreshing a stale view moves the base's shard: explicit-communication mode raises, naming it;
+    a current view reads without communication there."""
+    for dtensor, plain in _bases(mesh):
+        column = dtensor[:, 0]
+        with explicit_communication():
+            assert_close(column.sum().full_tensor(), plain[:, 0].sum())
+            dtensor.add_(1.0)
+            with pytest.raises(RuntimeError, match="a read of a view of a redistributed copy would communicate"):
+                column.sum()
+        assert_close(column.sum().full_tensor(), plain[:, 0].sum() + 6)

@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import return_and_correct_aliasing
 from torch.utils._pytree import tree_flatten
 
 from .layout import Layout
+from .modes import implicit_communication_error, is_explicit
 from .placement import Shard
 from .redistribute import redistribute_local_tensor
 
@@ -119,6 +120,11 @@ class CopySource:
         versions = self._versions()
         if versions == self.seen:
             return
+        if is_explicit():
+            raise implicit_communication_error(
+                "a read of a view of a redistributed copy", [self.base], [self.layout],
+                "its base was written since the view was taken, and the copy must get the base's new value",
+            )
         if self.mesh.get_coordinate() is not None:
             with torch.no_grad():
                 self.copy.copy_(redistribute_local_tensor(self.base_local, self.base_layout, self.layout, self.mesh))
