@@ -171,7 +171,7 @@ def _check_no_overlap(op, targets: list) -> None:
     """A copy is stored back whole, so the call must write no storage it reaches (its base's, and the
     storages under that) through another copy or directly: `_foreach_add_([y[:, 0], y[:, 1]], 1)` on
     `y` sharded along dim 1 takes two copies of `y`, and storing the second would undo the first's write."""
-    reached: dict[int, object] = {}  # storage -> the source whose store reaches it (None: written directly)
+    reached: dict[int, tuple] = {}  # storage -> (the source whose store reaches it, None: written directly; target)
     for dtensor in targets:
         source = dtensor._view_of_copy
         storages = [dtensor._local_tensor.untyped_storage()._cdata]
@@ -180,18 +180,18 @@ def _check_no_overlap(op, targets: list) -> None:
             storages.append(below.base_local.untyped_storage()._cdata)
             below = below.base_source
         for storage in storages:
-            other = reached.setdefault(storage, source)
+            other, other_dtensor = reached.setdefault(storage, (source, dtensor))
             if other is not source:
-                raise _overlap_error(op, dtensor)
+                raise _overlap_error(op, other_dtensor, dtensor)
 
 
-def _overlap_error(op, dtensor) -> RuntimeError:
+def _overlap_error(op, first, second) -> RuntimeError:
     return RuntimeError(
-        f"{op} writes into several tensors of which one, with placements {list(dtensor.placements)}, is a view "
-        f"of a redistributed copy of a DTensor (a view op whose input had to move, e.g. select or indexing along "
-        f"a sharded dim) and another views the same DTensor (directly or through another copy): the copy is "
-        f"stored back whole, which would undo the other write. Write them in separate calls (one call per "
-        f"tensor), or redistribute the base to a layout the view op keeps (often Replicate) before taking views"
+        f"{op} writes into two tensors (placements {list(first.placements)} and {list(second.placements)}) that "
+        f"reach the same DTensor, at least one through a view of a redistributed copy of it (a view op whose input "
+        f"had to move, e.g. select or indexing along a sharded dim): the copy is stored back whole, which would "
+        f"undo the other write. Write them in separate calls (one call per tensor), or redistribute the base to a "
+        f"layout the view op keeps (often Replicate) before taking views"
     )
 
 
