@@ -226,3 +226,18 @@ def test_explicit_communication_refuses_the_refresh_a_read_needs(mesh):
             with pytest.raises(RuntimeError, match="a read of a view of a redistributed copy would communicate"):
                 column.sum()
         assert_close(column.sum().full_tensor(), plain[:, 0].sum() + 6)
+
+
+@spmd(meshes=[(2,)])
+def test_printing_a_stale_view_on_one_rank_communicates_nothing(mesh):
+    """`if rank == 0: print(view)` must not start a refresh (a collective the other ranks never join)."""
+    for dtensor, plain in _bases(mesh):
+        column = dtensor[:, 0]
+        dtensor.add_(1.0)
+        plain.add_(1.0)
+        with comm.observe() as records:
+            text = repr(column) if mesh.get_rank() == 0 else ""
+        assert list(records) == []
+        assert mesh.get_rank() != 0 or "stale" in text
+        assert_close(column.full_tensor(), plain[:, 0])  # every rank: refreshed by the next read
+        assert "stale" not in repr(column)

@@ -159,8 +159,14 @@ class DTensor(FastTensorMethods, CheckpointableMixin, torch.Tensor):
 
     def __repr__(self) -> str:
         sizes = _uneven_sizes_text(self._spec.layout)
+        source = self._view_of_copy
+        if source is not None and source.needs_refresh():  # printing may run on one rank: no collective here
+            local = (f"{self._local_value!r} (stale: a view of a redistributed copy whose base was written since; "
+                     f"the next op on it reads the base's new values)")
+        else:
+            local = repr(self._local_tensor)
         return (
-            f"DTensor(local_tensor={self._local_tensor!r}, device_mesh={self._spec.mesh!r}, "
+            f"DTensor(local_tensor={local}, device_mesh={self._spec.mesh!r}, "
             f"placements={self.placements!r}{sizes})"
         )
 

@@ -112,6 +112,10 @@ class CopySource:
         source = self.base_source
         return self.base._version, self.base_local._version, 0 if source is None else source.generation
 
+    def needs_refresh(self) -> bool:
+        """Whether the next read copies the base's new value in (a collective): the base was written since."""
+        return (self.base_source is not None and self.base_source.needs_refresh()) or self._versions() != self.seen
+
     def refresh(self) -> None:
         """Copy the base's current value into the copy if the base was written since the last time
         (every view of the copy sees it): one redistribute of the base's shard, as the view op did."""
