@@ -127,7 +127,8 @@ class CheckpointableMixin:
     """
 
     __slots__ = ()
-    _data_attributes: tuple[str, ...] = ("_local_value", "_pending", "_spec")
+    # A view of a moved copy (`_view_of_copy`) pickles and copies as an independent tensor of its values.
+    _data_attributes: tuple[str, ...] = ("_local_value", "_pending", "_spec", "_view_of_copy")
 
     def __init_subclass__(cls, **options):
         """A subclass may be rebuilt by `torch.load(weights_only=True)` like the values it holds."""

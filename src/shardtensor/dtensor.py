@@ -63,7 +63,7 @@ class DTensor(FastTensorMethods, CheckpointableMixin, torch.Tensor):
     _pending: object | None = None  # an async redistribute's result to wait for (`_wrap` leaves it unset)
     _waiting = _waiting  # read through the class by the engine below it (`list_plans`)
     _spec: DTensorSpec
-    _view_of_copy = None  # a view of a moved copy: the copy's `CopySource`, which writes go through (`write_back.py`)
+    _view_of_copy = None  # a view of a moved copy: the copy's `CopySource`, which reads and writes go through (`write_back.py`)
 
     # Public torch functions, methods and operators reach `torch_function` (bound to the class as
     # `__torch_function__` by `FastTensorMethods.__init_subclass__`), then aten ops `dispatch`.
@@ -123,17 +123,26 @@ class DTensor(FastTensorMethods, CheckpointableMixin, torch.Tensor):
 
     @property
     def _local_tensor(self) -> torch.Tensor:
-        """This rank's shard; waits here for an async redistribute that produced it."""
+        """This rank's shard; waits here for an async redistribute that produced it. A view of a
+        moved copy first gets the values its base was given since (`CopySource.refresh`): every read
+        of a DTensor's shard comes here, cached plans and `to_local()` included."""
         if self._pending is not None:
             self._local_value = self._pending.wait()
             self._pending = None
             _waiting.pop(id(self), None)
+        source = self._view_of_copy
+        if source is not None:
+            source.refresh()
         return self._local_value
 
     def _take_value_of(self, other: DTensor) -> None:
-        """Become `other` in place (its shard and spec): how in-place views such as `squeeze_` land."""
+        """Become `other` in place (its shard and spec): how in-place views such as `squeeze_` and
+        `x.data = y` land. What `x` views follows too: a view of a copy no longer reads or writes
+        its base after `x.data = y`, as on one device."""
         self._local_value, self._pending, self._spec = other._local_tensor, None, other._spec
         _waiting.pop(id(self), None)
+        if other._view_of_copy is not self._view_of_copy:
+            self._view_of_copy = other._view_of_copy
 
     @property
     def device_mesh(self) -> DeviceMesh:
@@ -150,8 +159,14 @@ class DTensor(FastTensorMethods, CheckpointableMixin, torch.Tensor):
 
     def __repr__(self) -> str:
         sizes = _uneven_sizes_text(self._spec.layout)
+        source = self._view_of_copy
+        if source is not None and source.needs_refresh():  # printing may run on one rank: no collective here
+            local = (f"{self._local_value!r} (stale: a view of a redistributed copy whose base was written since; "
+                     f"the next op on it reads the base's new values)")
+        else:
+            local = repr(self._local_tensor)
         return (
-            f"DTensor(local_tensor={self._local_tensor!r}, device_mesh={self._spec.mesh!r}, "
+            f"DTensor(local_tensor={local}, device_mesh={self._spec.mesh!r}, "
             f"placements={self.placements!r}{sizes})"
         )
 

@@ -27,6 +27,7 @@ from .plain_tensors import scale_signs
 from .plan_cache import PLAIN_TENSOR, CachedPlan, reads_scale_signs, store_function_plan
 from .rules import ComposedRule, Decision, sign_of
 from .spec import DTensorSpec, interned_spec
+from .write_back import CopySource, write_through, written_copy_sources
 
 __all__ = ["is_multi_tensor", "is_multi_tensor_function", "list_key", "ListPlan", "learn_function"]
 
@@ -129,7 +130,9 @@ class ListPlan(CachedPlan):
     their local tensors), what to call on them (the aten op, a rule's local op, or the public torch
     function it was learnt from), the specs of the outputs (none for in-place ops), and the lists it
     writes (whose wrappers' version counters it bumps, as the dispatcher does). The op's own outputs
-    are new tensors, wrapped by `_wrap_new`; a rule's local op's go through `_wrap` (math bits)."""
+    are new tensors, wrapped by `_wrap_new`; a rule's local op's go through `_wrap` (math bits).
+    While views of moved copies exist, it reads every shard through `_local_tensor` (which refreshes
+    such a view) and stores what it wrote into one back into its base (`write_back.write_through`)."""
 
     __slots__ = ("dtensor_class", "wrap", "op", "specs", "list_positions", "list_names", "single_positions", "single_names",
                  "call", "output_specs", "written_positions", "returned_argument")
@@ -177,6 +180,10 @@ class ListPlan(CachedPlan):
     def run(self, args: tuple, kwargs: dict):
         local_args = list(args)
         waiting = self.dtensor_class._waiting
+        sources = None
+        if CopySource.live:  # a view of a moved copy may be among the tensors: read it fresh, write it through
+            waiting = True  # `_locals` reads `_local_tensor`, which refreshes it
+            sources = written_copy_sources(self.dtensor_class, self.op, args, kwargs)
         for position in self.list_positions:
             local_args[position] = _locals(args[position]) if waiting else [t._local_value for t in args[position]]
         for position in self.single_positions:
@@ -188,6 +195,8 @@ class ListPlan(CachedPlan):
             for name in self.single_names:
                 kwargs[name] = kwargs[name]._local_tensor
         result = self.call(*local_args, **kwargs)
+        if sources:
+            write_through(self.op, sources)
         for position in self.written_positions:
             _increment_version(args[position])
         if not self.output_specs:

@@ -15,7 +15,8 @@ It does three things before the call reaches the aten level:
   An in-place call (`p.mul_(s)`, `x += y`: the op writes only its first argument, which it returns,
   where it lies) returns that DTensor after bumping its version counter, as the dispatcher's
   ADInplaceOrView kernel does (autograd's saved-tensor checks and kept moves read it); a write into
-  a view of a moved copy takes the normal path, which refuses it. A function is learnt on a call
+  a view of a moved copy takes the normal path, which stores it into the copy's base. Reads of such a
+  view refresh it from its base where they read its shard (`DTensor._local_tensor`). A function is learnt on a call
   that runs through `dispatch` on cached plans only (`plan_cache.recording`), and checked once by
   running it on the local tensors (in place: on meta stand-ins of them, so the check neither writes
   the DTensor a second time nor allocates a copy of it): it must run the same single
@@ -145,7 +146,7 @@ def torch_function(cls, function, types, args=(), kwargs=None):
                 plan.counts.hits += 1
                 return cls._wrap(function(*local_args, **kwargs), plan.spec)
             target = args[0]
-            if not target._view_of_copy:  # else the normal path raises (`write_back`)
+            if not target._view_of_copy:  # else the normal path stores the copy into its base (`write_through`)
                 plan.counts.hits += 1
                 function(*local_args, **kwargs)
                 _increment_version((target,))  # what the dispatcher's ADInplaceOrView kernel does

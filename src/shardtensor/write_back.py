@@ -4,8 +4,9 @@ An in-place or `out=` op whose input had to move ran on a redistributed copy: `w
 the copy's new value into the DTensor's own shard. An op that resizes what it writes (`addbmm_` of
 a broadcast `self`, an empty `out=`) gets its functional result (`write_resized`). In-place views
 (`squeeze_`, `t_`) give a DTensor a new spec (`inplace_view`). A view of a moved copy (`y[:, 0]` of a
-tensor sharded along dim 1) knows its source, and a write into it is stored into the tensor it views
-(`write_through`).
+tensor sharded along dim 1) knows its source: a write into it is stored into the tensor it views
+(`write_through`), and a read of it after that tensor was written first copies its new value in
+(`CopySource.refresh`).
 
 The functions take the DTensor class as an argument where they must tell DTensors from plain
 tensors: this layer is below the class (`dtensor.py`), which passes itself through its hooks.
@@ -13,13 +14,13 @@ tensors: this layer is below the class (`dtensor.py`), which passes itself throu
 
 from __future__ import annotations
 
-import weakref
-
 import torch
+from torch._C import _increment_version
 from torch.utils._python_dispatch import return_and_correct_aliasing
 from torch.utils._pytree import tree_flatten
 
 from .layout import Layout
+from .modes import implicit_communication_error, is_explicit
 from .placement import Shard
 from .redistribute import redistribute_local_tensor
 
@@ -80,33 +81,59 @@ def returns_view(op) -> bool:
 
 
 class CopySource:
-    """What a view of a moved copy views: the DTensor `base` and the copy of its value that the view
-    aliases (`copy`, in `layout`). A write into the view writes the copy, which `write_through` stores
-    into the base. Once the base was written otherwise, the copy is stale, and writing it back would
-    undo that write: the base's version counter (which autograd shares among a tensor and its views)
-    tells, read below autograd, where the op writing the view has not counted its own write yet.
-    The base keeps its live copies (weakly), so that a write through one refreshes the others."""
+    """What a view of a moved copy views: the storage its base had when the view was taken
+    (`base_local`, in `base_layout`; itself inside another copy when the base was a view of one:
+    `base_source`) and the copy of its value that the view aliases (`copy`, in `layout`).
 
-    __slots__ = ("base", "copy", "layout", "base_local", "version", "__weakref__")
+    On one device such a view shares its base's storage, so the copy must follow it both ways: a write
+    into the view writes the copy, which `write_through` stores into the base's storage; a read of the
+    view after the base was written reads the base's current value, which `refresh` (run on every read of
+    the view's shard, `DTensor._local_tensor`) copies in first. The base was written when the version
+    counter of its wrapper (an op on it, or on any of its views: they share it), of its shard (a write
+    through `to_local()`) or the generation of the copy the base lies in has moved since the last refresh.
+    Like a view on one device, it keeps following the storage it views when the base is given other data
+    (`x.data = ...`)."""
+
+    __slots__ = ("base", "base_local", "base_layout", "base_source", "mesh", "copy", "layout", "generation", "seen")
+    live = 0  # how many exist: while none does, list plans skip looking for views of copies
 
     def __init__(self, base, copy: torch.Tensor, layout: Layout):
-        self.base, self.copy, self.layout = base, copy, layout
-        self.base_local, self.version = base._local_tensor, base._version
-        copies = base.__dict__.get("_live_copies")
-        if copies is None:
-            copies = base._live_copies = weakref.WeakSet()
-        copies.add(self)
+        CopySource.live += 1  # first: `__del__` runs even if the rest raises
+        self.base, self.base_local, self.base_layout = base, base._local_tensor, base.sharding
+        self.base_source, self.mesh = base._view_of_copy, base.device_mesh
+        self.copy, self.layout = copy, layout
+        self.generation = 0  # bumped whenever the copy gets new values from its base: what copies of it read
+        self.seen = self._versions()
 
-    def written_through(self) -> None:
-        """The copy was stored into the base by an op that counts one write when it returns."""
-        self.base_local, self.version = self.base._local_tensor, self.base._version + 1
+    def __del__(self):
+        CopySource.live -= 1
 
-    def is_current(self) -> bool:
-        return self.base._local_tensor is self.base_local and self.base._version == self.version
+    def _versions(self) -> tuple[int, int, int]:
+        source = self.base_source
+        return self.base._version, self.base_local._version, 0 if source is None else source.generation
 
-    def is_current_but_for(self, written: CopySource) -> bool:
-        """Whether this copy equalled the base before the write through `written` (sharing its version)."""
-        return self.base_local is written.base_local and self.version == written.version
+    def needs_refresh(self) -> bool:
+        """Whether the next read copies the base's new value in (a collective): the base was written since."""
+        return (self.base_source is not None and self.base_source.needs_refresh()) or self._versions() != self.seen
+
+    def refresh(self) -> None:
+        """Copy the base's current value into the copy if the base was written since the last time
+        (every view of the copy sees it): one redistribute of the base's shard, as the view op did."""
+        if self.base_source is not None:  # the storage the base lies in first
+            self.base_source.refresh()
+        versions = self._versions()
+        if versions == self.seen:
+            return
+        if is_explicit():
+            raise implicit_communication_error(
+                "a read of a view of a redistributed copy", [self.base], [self.layout],
+                "its base was written since the view was taken, and the copy must get the base's new value",
+            )
+        if self.mesh.get_coordinate() is not None:
+            with torch.no_grad():
+                self.copy.copy_(redistribute_local_tensor(self.base_local, self.base_layout, self.layout, self.mesh))
+        self.generation += 1
+        self.seen = versions
 
 
 def copy_source(base, local: torch.Tensor, layout: Layout | None) -> CopySource | None:
@@ -120,7 +147,7 @@ def copy_source(base, local: torch.Tensor, layout: Layout | None) -> CopySource 
 def mark_views_of_copies(dtensor_class: type, result, source: CopySource | None):
     """A view op whose input had to move (or was itself a view of a copy) returns a view of the
     moved copy, not of the input: give it the copy's source, so that writes into it reach the input
-    (`write_through`). Reading it is exact."""
+    (`write_through`) and reads of it see the input's writes (`CopySource.refresh`)."""
     if source is None:
         return result
     for output in tree_flatten(result)[0]:
@@ -130,49 +157,73 @@ def mark_views_of_copies(dtensor_class: type, result, source: CopySource | None)
 
 
 def written_copy_sources(dtensor_class: type, op, args: tuple, kwargs: dict) -> list[CopySource]:
-    """The sources of the views of copies that the op writes: after it, `write_through` them.
-    A stale one (its base written since the view was taken) raises instead of losing that write."""
+    """The sources of the views of copies that the op writes, refreshed: after the op, `write_through`
+    them. Raises where storing the copies back would undo a write of the same call (`_overlap_error`)."""
+    targets = mutated(dtensor_class, op, args, kwargs)
     sources = []
-    for dtensor in mutated(dtensor_class, op, args, kwargs):
+    for dtensor in targets:
         source = dtensor._view_of_copy
-        if source is None:
-            continue
-        if not source.is_current():
-            raise RuntimeError(
-                f"{op} writes in place into a DTensor that is a view of a redistributed copy of its base (a view "
-                f"op whose input had to move, e.g. select or indexing along a sharded dim), and the base was "
-                f"written since the view was taken: writing the copy back would undo that write. Placements of "
-                f"the view: {list(dtensor.placements)}, of the base: {list(source.base.placements)}. Take the view "
-                f"again after writing the base, or redistribute the base to a layout the view op keeps (often "
-                f"Replicate) first"
-            )
-        sources.append(source)
+        if source is not None and source not in sources:
+            source.refresh()
+            sources.append(source)
+    if sources and len(targets) > 1:
+        _check_no_overlap(op, targets)
     return sources
 
 
+def _check_no_overlap(op, targets: list) -> None:
+    """A copy is stored back whole, so the call must write no storage it reaches (its base's, and the
+    storages under that) through another copy or directly: `_foreach_add_([y[:, 0], y[:, 1]], 1)` on
+    `y` sharded along dim 1 takes two copies of `y`, and storing the second would undo the first's write."""
+    reached: dict[int, tuple] = {}  # storage -> (the source whose store reaches it, None: written directly; target)
+    for dtensor in targets:
+        source = dtensor._view_of_copy
+        storages = [dtensor._local_tensor.untyped_storage()._cdata]
+        below = source
+        while below is not None:
+            storages.append(below.base_local.untyped_storage()._cdata)
+            below = below.base_source
+        for storage in storages:
+            other, other_dtensor = reached.setdefault(storage, (source, dtensor))
+            if other is not source:
+                raise _overlap_error(op, other_dtensor, dtensor)
+
+
+def _overlap_error(op, first, second) -> RuntimeError:
+    return RuntimeError(
+        f"{op} writes into two tensors (placements {list(first.placements)} and {list(second.placements)}) that "
+        f"reach the same DTensor, at least one through a view of a redistributed copy of it (a view op whose input "
+        f"had to move, e.g. select or indexing along a sharded dim): the copy is stored back whole, which would "
+        f"undo the other write. Write them in separate calls (one call per tensor), or redistribute the base to a "
+        f"layout the view op keeps (often Replicate) before taking views"
+    )
+
+
 def write_through(op, sources: list[CopySource]) -> None:
-    """Store each written copy into its base (its own shard, from the copy's layout: no communication
-    from Replicate), then into the base's own base if the base is itself a view of a copy."""
+    """Store each written copy into its base's storage (from the copy's layout: no communication from
+    Replicate), then that storage into its own base's if it lies in a copy too. The base's version
+    counter moves, so that its other copies refresh before they are read again."""
     while sources:
         for source in sources:
-            base, mesh = source.base, source.base.device_mesh
-            write_back(op, base, source.copy, source.layout, mesh)
-            for other in list(base._live_copies):  # the views of the base's other copies read the new value
-                if other is not source and other.is_current_but_for(source):
-                    other.copy.copy_(redistribute_local_tensor(base._local_tensor, base.sharding, other.layout, mesh))
-                    other.written_through()
-            source.written_through()
-        sources = [source.base._view_of_copy for source in sources if source.base._view_of_copy is not None]
+            _store(op, source.base_local, source.base_layout, source.copy, source.layout, source.mesh)
+            source.generation += 1
+            _increment_version((source.base,))
+        sources = [source.base_source for source in sources if source.base_source is not None]
 
 
 def write_back(op, dtensor, local: torch.Tensor, layout: Layout, mesh) -> None:
     """An in-place op ran on a redistributed copy: store the new value into the DTensor's own shard."""
-    target = dtensor.sharding.without_partial()
+    _store(op, dtensor._local_tensor, dtensor.sharding, local, layout, mesh)
+
+
+def _store(op, target: torch.Tensor, target_layout: Layout, local: torch.Tensor, layout: Layout, mesh) -> None:
+    """Store `local` (in `layout`) into the shard `target` (in `target_layout`, which may be Partial)."""
+    kept = target_layout.without_partial()
     coordinate = mesh.get_coordinate()
     if tuple(local.shape) != layout.local_shape(coordinate):
         raise NotImplementedError(f"{op} changed the shape of a DTensor in place; this is not supported")
-    value = redistribute_local_tensor(local, layout, target, mesh) if layout != target else local
-    dtensor._local_tensor.copy_(dtensor.sharding.operand_of(value, coordinate))
+    value = redistribute_local_tensor(local, layout, kept, mesh) if layout != kept else local
+    target.copy_(target_layout.operand_of(value, coordinate))
 
 
 def write_resized(dtensor_class: type, op, args: tuple, kwargs: dict, dtensor_args: tuple, dtensor_kwargs: dict,

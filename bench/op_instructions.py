@@ -1,0 +1,63 @@
+"""Instructions per cached op call (callgrind): the single-op rows of `bench_ops.py`, ours vs torch.
+
+    valgrind --tool=callgrind --instr-atstart=no --callgrind-out-file=/tmp/cg.ours \\
+        .venv/bin/python bench/op_instructions.py ours /tmp/cg.ours      # or: torch
+
+The hot path's cost in a unit that does not depend on the machine's load: on one gloo rank, each
+row of `bench_ops._workloads` runs with callgrind's instrumentation on around `SHORT` and then
+`LONG` calls (the toggling of `optimizer_instructions.py`); the difference is per call.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+import bench_ops
+from optimizer_instructions import _control, _instructions
+
+ROWS = ("add", "mul", "relu", "sum", "mm", "view", "reshape", "transpose", "10-op chain")
+SHORT, LONG = 20, 120
+
+
+def main() -> None:
+    import torch.distributed as dist
+
+    library_name, out = sys.argv[1], sys.argv[2]
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 500))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    if library_name == "ours":
+        import shardtensor as library
+
+        mesh = library.init_device_mesh("cpu", (1,))
+    else:
+        from torch.distributed import tensor as library
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (1,))
+    workloads = bench_ops._workloads(bench_ops._distributor(library, mesh))
+    dumps = 0
+    for name in ROWS:
+        function, ops_per_call = workloads[name]
+        for _ in range(3):  # warm: decisions cached, public functions learnt
+            function()
+        counts = []
+        for calls in (SHORT, LONG):
+            _control("--instr=on")
+            for _ in range(calls):
+                function()
+            _control("--instr=off")
+            _control("--dump")
+            dumps += 1
+            counts.append(_instructions(f"{out}.{dumps}"))
+        per_op = (counts[1] - counts[0]) / (LONG - SHORT) / ops_per_call
+        print(f"{library_name} | {name} | {per_op / 1e3:.1f} K instructions per op")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
