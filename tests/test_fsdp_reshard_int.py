@@ -25,6 +25,7 @@ from torch.testing import assert_close
 from shardtensor import DTensor, comm
 from shardtensor.debug import CommDebugMode
 from shardtensor.fsdp import FSDPModule, fully_shard
+from shardtensor.mesh import DeviceMesh
 
 EIGHT_RANKS_TIMEOUT = 300.0  # eight processes on a two-core machine: a no-hang bound, not a time budget
 
@@ -267,3 +268,12 @@ def test_activation_checkpointing_recomputes_from_the_sub_group_gather(mesh, whe
     _loss(reference(_batches(2)[1][0]), _batches(2)[1][1]).backward()
     for parameter, expected in zip(model.parameters(), reference.parameters(), strict=True):
         assert_close(parameter.grad.full_tensor(), expected.grad)
+
+
+@spmd(meshes=[(4,)])
+def test_sub_groups_form_when_members_have_seen_different_groups(mesh):
+    """Ranks 0 and 1 share a sub-group but not the groups they were in before (a sub-mesh over ranks 0 and
+    2): groups made by their members alone would get different hashed names on the two and hang."""
+    DeviceMesh("cpu", [0, 2])  # every rank builds it; only ranks 0 and 2 are in its group
+    sharded = _shard(_model(), mesh, reshard_after_forward=2)
+    _step_in_lockstep(sharded, _model(), _batches(2), torch.optim.SGD, mesh.get_rank(), mesh.size())

@@ -341,18 +341,24 @@ class DeviceMesh:
         new_names = old_names[:mesh_dim] + names + old_names[mesh_dim + 1:]
         _check_names(new_names, len(new_names))
         shape = self.shape[:mesh_dim] + sizes + self.shape[mesh_dim + 1:]
-        root = self._root or self
-        spans = self._root_dims
-        others = [root_dim for root_dim in range(root.ndim) if root_dim not in self._spanned_root_dims()]
-        siblings = root.mesh.permute(others + [root_dim for span in spans for root_dim in span]).reshape(-1, *shape)
-        for sibling in siblings:  # every rank's mesh like this one, in the same order everywhere
-            for new_dim in range(mesh_dim, mesh_dim + len(sizes)):
-                for line in _rank_lines_over(sibling, (new_dim,)):
-                    group_for(line)
+        self._create_split_groups(mesh_dim, sizes)
         tokens = self._group_tokens[:mesh_dim] + (None,) * len(sizes) + self._group_tokens[mesh_dim + 1:]
         sliced_from_world = self._sliced_from_world or self.size() == dist.get_world_size()
         return DeviceMesh(self.device_type, self.mesh.reshape(shape), mesh_dim_names=new_names, _groups_exist=True,
                           _user_group_tokens=tokens, _sliced_from_world=sliced_from_world)
+
+    def _create_split_groups(self, mesh_dim: int, sizes: tuple[int, ...]) -> None:
+        """Create the groups of mesh dim `mesh_dim` split into mesh dims of `sizes`, for this mesh and for
+        every mesh sliced like it on the other ranks (enumerated through the root mesh), in the same order
+        on every rank: collective, like building a mesh. Groups that exist are not made again."""
+        shape = self.shape[:mesh_dim] + tuple(sizes) + self.shape[mesh_dim + 1:]
+        root = self._root or self
+        others = [root_dim for root_dim in range(root.ndim) if root_dim not in self._spanned_root_dims()]
+        order = others + [root_dim for span in self._root_dims for root_dim in span]
+        for sibling in root.mesh.permute(order).reshape(-1, *shape):
+            for new_dim in range(mesh_dim, mesh_dim + len(sizes)):
+                for line in _rank_lines_over(sibling, (new_dim,)):
+                    group_for(line)
 
     def _outside_flattened(self, name: str) -> DeviceMesh:
         """What `_flatten` returns on a rank outside the mesh: the flattened ranks of the mesh itself (a

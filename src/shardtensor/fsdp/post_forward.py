@@ -25,7 +25,6 @@ import torch
 
 from .. import comm
 from ..mesh import DeviceMesh
-from ..process_groups import local_group
 from .slots import ParameterSlot
 
 __all__ = ["PostForwardShard", "reshard_after_forward_choice"]
@@ -60,11 +59,14 @@ def reshard_after_forward_choice(value, size: int, caller: str) -> bool | int | 
 def sub_group_mesh(mesh: DeviceMesh, shard_mesh_dim: int, group_size: int) -> DeviceMesh:
     """The 1-D mesh over this rank's sub-group: `group_size` consecutive coordinates along `shard_mesh_dim`.
 
-    Its process group is the library's, cached by rank set and created by the members alone (every
-    member makes its unit at the same point), so meshes sliced from a larger mesh need no world-wide call."""
+    Its process group is made with every sub-group of the world at once, by every rank in the same order
+    (collective, like building a mesh; later units find them made). Groups made by their members alone
+    (`new_group(use_local_synchronization=True)`) take torch's hashed names, which count the groups each
+    member has seen: members that saw different numbers (a sub-mesh one of them is in) hang."""
+    mesh._create_split_groups(shard_mesh_dim, (mesh.size(shard_mesh_dim) // group_size, group_size))
     line = mesh.group_ranks(shard_mesh_dim)
     first = mesh.get_local_rank(shard_mesh_dim) // group_size * group_size
-    return DeviceMesh.from_group(local_group(line[first : first + group_size]), mesh.device_type)
+    return DeviceMesh(mesh.device_type, list(line[first : first + group_size]), _groups_exist=True)
 
 
 class PostForwardShard:
