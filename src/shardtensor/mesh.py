@@ -315,8 +315,7 @@ class DeviceMesh:
                              f"name (taken: {root.mesh_dim_names + tuple(root._flattened)})")
         known = root._flattened.get(name)
         if known is None:
-            for line in _rank_lines_over(root.mesh, span):
-                group_for(line)
+            self._create_flattened_groups(range(self.ndim))
             root._flattened[name] = span
         elif known != span:
             raise ValueError(f"_flatten: {name!r} already names the flattened root dims {known} of {root!r}, not {span}; "
@@ -346,6 +345,15 @@ class DeviceMesh:
         sliced_from_world = self._sliced_from_world or self.size() == dist.get_world_size()
         return DeviceMesh(self.device_type, self.mesh.reshape(shape), mesh_dim_names=new_names, _groups_exist=True,
                           _user_group_tokens=tokens, _sliced_from_world=sliced_from_world)
+
+    def _create_flattened_groups(self, mesh_dims) -> None:
+        """Create the groups over `mesh_dims` flattened (in that order) for this mesh and for every mesh
+        sliced like it on the other ranks (enumerated through the root mesh), in the same order on every
+        rank: collective, like building a mesh. Groups that exist are not made again."""
+        root = self._root or self
+        span = tuple(root_dim for mesh_dim in mesh_dims for root_dim in self._root_dims[mesh_dim])
+        for line in _rank_lines_over(root.mesh, span):
+            group_for(line)
 
     def _create_split_groups(self, mesh_dim: int, sizes: tuple[int, ...]) -> None:
         """Create the groups of mesh dim `mesh_dim` split into mesh dims of `sizes`, for this mesh and for

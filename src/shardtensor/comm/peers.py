@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ..mesh import DeviceMesh
-from ..process_groups import local_group, on_new_world
+from ..process_groups import local_group, named_group, on_new_world
 
 __all__ = ["MeshDims"]
 
@@ -89,9 +89,17 @@ def _flattened_peers(mesh: DeviceMesh, mesh_dims: tuple) -> _Peers:
     kept = sorted(indices)
     sub_mesh = mesh.mesh[index].permute([kept.index(mesh_dim) for mesh_dim in indices])
     ranks = tuple(sub_mesh.flatten().tolist())
-    group = None
-    if len(ranks) > 1:
-        group = dist.group.WORLD if len(ranks) == dist.get_world_size() else local_group(ranks)
+    group, world_size = None, dist.get_world_size()
+    if len(ranks) == world_size:
+        group = dist.group.WORLD
+    elif len(ranks) > 1 and mesh.size() == world_size:
+        # Every rank holds this mesh and runs its collectives (on its own plane): they make every such
+        # group together. A group made by its members alone gets torch's hashed name, which counts the
+        # groups each member has been in: members that were in different ones (a sub-mesh) would hang.
+        mesh._create_flattened_groups(indices)
+        group = named_group(tuple(sorted(ranks)), None)
+    elif len(ranks) > 1:  # a slice: other slices may run other ops (pipeline stages), so its members alone
+        group = local_group(ranks)
     return _make_peers(indices, ranks, ranks.index(mesh.get_rank()), group, _names(mesh, indices))
 
 
