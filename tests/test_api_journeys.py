@@ -1,0 +1,195 @@
+"""The API surface users of torch's tensor parallelism and debug/experimental tools call, each program
+written once and run twice on the same gloo ranks: with torch's `torch.distributed.tensor` names (the
+oracle) and with shardtensor's. Outputs, gradients, placements and collectives (each library's own
+CommDebugMode, by c10d name) must agree. End-to-end training is in test_user_journeys*.py.
+
+Deliberate differences from torch, asserted where they show:
+- A plan key that matches no submodule raises (torch warns and skips the entry).
+"""
+
+import copy
+import typing
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import torch_mesh
+from spmd import spmd
+from torch import nn
+from torch.testing import assert_close
+
+import shardtensor
+import shardtensor.debug
+import shardtensor.experimental
+import shardtensor.parallel
+from shardtensor.debug.tracing_table import C10D_NAMES
+
+
+class Api(typing.NamedTuple):
+    """One library's names, as a program imports them, and the mesh it runs on."""
+
+    name: str
+    tensor: typing.Any  # torch.distributed.tensor or shardtensor
+    parallel: typing.Any
+    debug: typing.Any
+    experimental: typing.Any
+    mesh: typing.Any
+
+
+def _apis(mesh) -> tuple[Api, Api]:
+    import torch.distributed.tensor as theirs
+    import torch.distributed.tensor.debug
+    import torch.distributed.tensor.experimental
+    import torch.distributed.tensor.parallel  # noqa: F401
+
+    return (
+        Api("torch", theirs, theirs.parallel, theirs.debug, theirs.experimental, torch_mesh(mesh)),
+        Api("ours", shardtensor, shardtensor.parallel, shardtensor.debug, shardtensor.experimental, mesh),
+    )
+
+
+def _kinds(api: Api, mode) -> dict[str, int]:
+    """Collectives by c10d name (`all_reduce`, `all_gather_into_tensor`, ...) from either CommDebugMode."""
+    if api.name == "ours":
+        return {C10D_NAMES[kind]: count for kind, count in mode.get_comm_counts().items() if count}
+    return {str(op).split(".")[-1].rstrip("_"): count for op, count in mode.get_comm_counts().items() if count}
+
+
+def _both(mesh, setup, step) -> tuple:
+    """(torch's result, our result, torch's collectives, ours): `step(api, setup(api))`, the step run
+    under each library's CommDebugMode."""
+    results, counts = [], []
+    for api in _apis(mesh):
+        state = setup(api)
+        with api.debug.CommDebugMode() as mode:
+            results.append(step(api, state))
+        counts.append(_kinds(api, mode))
+    return results[0], results[1], counts[0], counts[1]
+
+
+def _value(x):
+    """A DTensor's global value (either library), a plain tensor as it is."""
+    return x.full_tensor() if hasattr(x, "full_tensor") else x
+
+
+def _placements(x) -> tuple[str, ...] | str:
+    """Placements as text (`S(0)`, `R`, `P(sum)`), or "plain" for a plain tensor."""
+    return tuple(str(p) for p in x.placements) if hasattr(x, "placements") else "plain"
+
+
+def _same(theirs, ours):
+    """Values and placements of two pytrees of tensors agree."""
+    theirs_flat, ours_flat = torch.utils._pytree.tree_leaves(theirs), torch.utils._pytree.tree_leaves(ours)
+    assert len(theirs_flat) == len(ours_flat)
+    for their, our in zip(theirs_flat, ours_flat):
+        if isinstance(their, torch.Tensor):
+            assert _placements(our) == _placements(their)
+            assert_close(_value(our), _value(their), rtol=1e-12, atol=1e-12)
+        else:
+            assert our == their
+
+
+def _same_counts(ours: dict, theirs: dict, expected: dict, what: str = "") -> None:
+    """Our collectives are torch's and the expected ones (by c10d name)."""
+    assert ours == theirs == expected, f"{what}: ours {ours}, torch {theirs}, expected {expected}"
+
+
+def _parameters_and_grads(module: nn.Module) -> dict:
+    return {name: (p, p.grad) for name, p in module.named_parameters()}
+
+
+# --- parallelize_module -----------------------------------------------------------------------------------
+
+DIM = 8
+
+
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wq, self.wk, self.wo = nn.Linear(DIM, DIM), nn.Linear(DIM, DIM), nn.Linear(DIM, DIM, bias=False)
+
+    def forward(self, x):
+        return self.wo(torch.tanh(self.wq(x)) * self.wk(x))
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(DIM, 2 * DIM), nn.Linear(2 * DIM, DIM)
+
+    def forward(self, x):
+        return self.down(F.gelu(self.up(x)))
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attention, self.mlp = Attention(), MLP()
+
+    def forward(self, x):
+        x = x + self.attention(x)
+        return x + self.mlp(x)
+
+
+class Stack(nn.Module):
+    def __init__(self, blocks: int = 2):
+        super().__init__()
+        self.layers = nn.ModuleList(Block() for _ in range(blocks))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _stack() -> Stack:
+    torch.manual_seed(0)
+    return Stack().to(torch.float64)
+
+
+def _forward_backward(module, x):
+    out = module(x)
+    out.pow(2).sum().backward()
+    return out
+
+
+@spmd(meshes=[(2,)])
+def test_wildcard_nested_and_parent_child_plans(mesh):
+    """One model, three spellings of a Megatron plan: wildcard FQNs, a nested dict per block, and a plan
+    with an entry for the root (key "") and for a parent and its children. Same values, gradients,
+    parameter placements and collectives as torch (2 all_reduces per block forward, 2 in backward)."""
+    plans = {
+        "wildcards": lambda a: {
+            "layers.*.attention.wq": a.parallel.ColwiseParallel(), "layers.*.attention.wk": a.parallel.ColwiseParallel(),
+            "layers.*.attention.wo": a.parallel.RowwiseParallel(),
+            "layers.*.mlp.up": a.parallel.ColwiseParallel(), "layers.*.mlp.down": a.parallel.RowwiseParallel(),
+        },
+        "nested": lambda a: {
+            "layers": {"0": {"attention": {"w[qk]": a.parallel.ColwiseParallel(), "wo": a.parallel.RowwiseParallel()},
+                             "mlp": {"up": a.parallel.ColwiseParallel(), "down": a.parallel.RowwiseParallel()}},
+                       "1.attention": {"w[qk]": a.parallel.ColwiseParallel(), "wo": a.parallel.RowwiseParallel()},
+                       "1.mlp": {"up": a.parallel.ColwiseParallel(), "down": a.parallel.RowwiseParallel()}},
+        },
+        "root_parent_children": lambda a: {
+            "": a.parallel.PrepareModuleInput(input_layouts=(a.tensor.Replicate(),), desired_input_layouts=(a.tensor.Replicate(),),
+                                                use_local_output=True),
+            "layers.*": a.parallel.PrepareModuleInput(input_layouts=(a.tensor.Replicate(),), desired_input_layouts=(a.tensor.Replicate(),),
+                                                use_local_output=True),
+            "layers.*.attention.wq": a.parallel.ColwiseParallel(), "layers.*.attention.wk": a.parallel.ColwiseParallel(),
+            "layers.*.attention.wo": a.parallel.RowwiseParallel(),
+            "layers.*.mlp": a.parallel.PrepareModuleOutput(output_layouts=(a.tensor.Replicate(),), desired_output_layouts=(a.tensor.Replicate(),)),
+            "layers.*.mlp.up": a.parallel.ColwiseParallel(), "layers.*.mlp.down": a.parallel.RowwiseParallel(),
+        },
+    }
+    x = torch.randn(3, DIM, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    for spelling, plan in plans.items():
+        def setup(api):
+            return api.parallel.parallelize_module(_stack(), api.mesh, plan(api))
+
+        def step(api, model):
+            return _forward_backward(model, x), _parameters_and_grads(model)
+
+        theirs, ours, their_counts, our_counts = _both(mesh, setup, step)
+        _same(theirs, ours)
+        _same_counts(our_counts, their_counts, {"all_reduce": 8}, spelling)
+
