@@ -5,6 +5,9 @@ CommDebugMode, by c10d name) must agree. End-to-end training is in test_user_jou
 
 Deliberate differences from torch, asserted where they show:
 - A plan key that matches no submodule raises (torch warns and skips the entry).
+- A plain tensor a style reads as Shard(dim) along a dim the module does not define (a batch-sharded
+  input of ColwiseParallel(input_layouts=Shard(0))) costs ours a size agreement (2 all_gathers), so that
+  uneven shards are exact; torch assumes every rank's shard has this rank's shape.
 """
 
 import copy
@@ -77,21 +80,31 @@ def _placements(x) -> tuple[str, ...] | str:
     return tuple(str(p) for p in x.placements) if hasattr(x, "placements") else "plain"
 
 
-def _same(theirs, ours):
-    """Values and placements of two pytrees of tensors agree."""
+def _same(theirs, ours, what: str = "", placements_differ: dict | None = None):
+    """Values and placements of two pytrees of tensors agree; `placements_differ` maps a leaf's index to
+    (torch's placements, ours) where ours differ deliberately."""
     theirs_flat, ours_flat = torch.utils._pytree.tree_leaves(theirs), torch.utils._pytree.tree_leaves(ours)
-    assert len(theirs_flat) == len(ours_flat)
-    for their, our in zip(theirs_flat, ours_flat):
+    assert len(theirs_flat) == len(ours_flat), f"{what}: {ours} against torch's {theirs}"
+    for index, (their, our) in enumerate(zip(theirs_flat, ours_flat)):
+        where = f"{what}, leaf {index}"
         if isinstance(their, torch.Tensor):
-            assert _placements(our) == _placements(their)
-            assert_close(_value(our), _value(their), rtol=1e-12, atol=1e-12)
+            expected = (placements_differ or {}).get(index, (_placements(their),) * 2)
+            got = (_placements(their), _placements(our))
+            assert got == expected, f"{where}: placements (torch, ours) {got}, expected {expected}"
+            assert_close(_value(our), _value(their), rtol=1e-12, atol=1e-12, msg=lambda m: f"{where}: {m}")
         else:
-            assert our == their
+            assert our == their, f"{where}: ours {our!r}, torch {their!r}"
 
 
 def _same_counts(ours: dict, theirs: dict, expected: dict, what: str = "") -> None:
     """Our collectives are torch's and the expected ones (by c10d name)."""
     assert ours == theirs == expected, f"{what}: ours {ours}, torch {theirs}, expected {expected}"
+
+
+def _without(counts: dict, extra: dict | None = None) -> dict:
+    """`counts` less the `extra` collectives ours issues deliberately (see the module docstring)."""
+    left = {kind: count - (extra or {}).get(kind, 0) for kind, count in counts.items()}
+    return {kind: count for kind, count in left.items() if count}
 
 
 def _parameters_and_grads(module: nn.Module) -> dict:
@@ -193,3 +206,79 @@ def test_wildcard_nested_and_parent_child_plans(mesh):
         _same(theirs, ours)
         _same_counts(our_counts, their_counts, {"all_reduce": 8}, spelling)
 
+
+
+def _chunk(x: torch.Tensor, mesh, dim: int) -> torch.Tensor:
+    """This rank's `torch.chunk` piece of `x` along `dim` (a 1-D mesh)."""
+    return x.chunk(mesh.size(0), dim)[mesh.get_local_rank(0)]
+
+
+# A plain input read as Shard(dim) along a dim the module does not define: our style learns the exact
+# global size from every rank's local shape (`all_gather_object`: lengths, then bytes), torch assumes even shards.
+_SIZE_AGREEMENT = {"all_gather_into_tensor": 2}
+
+# The vocabulary-sharded embedding's weight gradient: ours keeps the weight's Shard(0) (each rank's rows,
+# no collective), torch's comes out Replicate (every rank holds the whole gradient, the optimizer step then
+# mixes a Shard(0) weight with it). Leaf 2 is the weight's gradient.
+_ROW_SHARDED_GRAD = {2: (("R",), ("S(0)",))}
+
+# (name, module, style from the api, input dim chunked (None: the whole input), torch's collectives in
+# forward + backward[, our extra collectives[, {leaf: (torch's placements, ours)} where they differ]])
+_STYLE_VARIANTS = [
+    ("colwise", "linear", lambda a: a.parallel.ColwiseParallel(), None, {"all_reduce": 1}),
+    ("colwise_replicate_out", "linear", lambda a: a.parallel.ColwiseParallel(output_layouts=a.tensor.Replicate()),
+     None, {"all_gather_into_tensor": 1, "all_reduce": 1}),
+    ("colwise_dtensor_out", "linear", lambda a: a.parallel.ColwiseParallel(use_local_output=False), None,
+     {"all_reduce": 1}),
+    ("colwise_batch_sharded_in", "linear", lambda a: a.parallel.ColwiseParallel(input_layouts=a.tensor.Shard(0)),
+     0, {"all_gather_into_tensor": 1, "reduce_scatter_tensor": 1}, _SIZE_AGREEMENT),
+    ("rowwise", "linear", lambda a: a.parallel.RowwiseParallel(), -1, {"all_reduce": 1}),
+    ("rowwise_replicate_in", "linear", lambda a: a.parallel.RowwiseParallel(input_layouts=a.tensor.Replicate()),
+     None, {"all_reduce": 1, "all_gather_into_tensor": 1}),
+    ("rowwise_sequence_out", "linear",
+     lambda a: a.parallel.RowwiseParallel(output_layouts=a.tensor.Shard(0), use_local_output=False),
+     -1, {"reduce_scatter_tensor": 1, "all_gather_into_tensor": 1}),
+    ("rowwise_embedding", "embedding", lambda a: a.parallel.RowwiseParallel(input_layouts=a.tensor.Replicate()),
+     None, {"all_reduce": 1}, None, _ROW_SHARDED_GRAD),
+    ("rowwise_embedding_sequence_out", "embedding",
+     lambda a: a.parallel.RowwiseParallel(input_layouts=a.tensor.Replicate(), output_layouts=a.tensor.Shard(1)),
+     None, {"reduce_scatter_tensor": 1, "all_gather_into_tensor": 1}, None, _ROW_SHARDED_GRAD),
+    ("colwise_embedding", "embedding", lambda a: a.parallel.ColwiseParallel(), None, {}),
+    ("colwise_embedding_replicate_out", "embedding",
+     lambda a: a.parallel.ColwiseParallel(output_layouts=a.tensor.Replicate()), None, {"all_gather_into_tensor": 1}),
+]
+
+
+def _style_module(kind: str) -> nn.Module:
+    torch.manual_seed(2)
+    module = nn.Linear(DIM, 6) if kind == "linear" else nn.Embedding(10, DIM)
+    return module.to(torch.float64)
+
+
+@spmd(meshes=[(2,)])
+def test_colwise_rowwise_variants_on_linear_and_embedding(mesh):
+    """ColwiseParallel / RowwiseParallel with input_layouts, output_layouts and use_local_output, on
+    nn.Linear and nn.Embedding (Rowwise: vocabulary-sharded lookup, masked and summed): the output's value,
+    type and placements, the gradients of the parameters and of a float input, and the collectives of
+    forward and backward are torch's."""
+    generator = torch.Generator().manual_seed(3)
+    features = torch.randn(4, 2, DIM, dtype=torch.float64, generator=generator)
+    tokens = torch.randint(0, 10, (4, 2), generator=generator)
+    for name, kind, style, input_dim, expected, *options in _STYLE_VARIANTS:
+        extra, placements_differ = (options + [None, None])[:2]
+        def setup(api):
+            module = api.parallel.parallelize_module(_style_module(kind), api.mesh, style(api))
+            if kind == "embedding":
+                return module, tokens
+            x = features if input_dim is None else _chunk(features, mesh, input_dim)
+            return module, x.clone().requires_grad_()
+
+        def step(api, state):
+            module, x = state
+            out = module(x)
+            out.pow(2).sum().backward()
+            return out, _parameters_and_grads(module), x.grad
+
+        theirs, ours, their_counts, our_counts = _both(mesh, setup, step)
+        _same(theirs, ours, name, placements_differ)
+        _same_counts(_without(our_counts, extra), their_counts, expected, name)
