@@ -282,3 +282,120 @@ def test_colwise_rowwise_variants_on_linear_and_embedding(mesh):
         theirs, ours, their_counts, our_counts = _both(mesh, setup, step)
         _same(theirs, ours, name, placements_differ)
         _same_counts(_without(our_counts, extra), their_counts, expected, name)
+
+
+@spmd(meshes=[(2,)])
+def test_sequence_parallel_norms(mesh):
+    """SequenceParallel on nn.LayerNorm and on a norm written in Python, given a sequence-sharded DTensor
+    (and a plain local shard, with use_local_output): torch's outputs and gradients. Ours reduces the
+    norm's weight and bias gradients when backward ends (one all_reduce for the module, Replicate like the
+    parameters); torch leaves them Partial(sum), to be reduced by whoever reads them."""
+
+    class ScaleNorm(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.linspace(0.5, 1.5, DIM, dtype=torch.float64))
+
+        def forward(self, x):
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+    x = torch.randn(2, 4, DIM, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    cases = [
+        ("layer_norm", lambda: nn.LayerNorm(DIM, dtype=torch.float64), {}, {1: ("P(sum)",), 2: ("P(sum)",)}),
+        ("python_norm", ScaleNorm, {}, {1: ("P(sum)",)}),
+        ("local_output", lambda: nn.LayerNorm(DIM, dtype=torch.float64), {"use_local_output": True},
+         {1: ("P(sum)",), 2: ("P(sum)",)}),
+    ]
+    for name, make, options, partial_grads in cases:
+        def setup(api):
+            torch.manual_seed(5)
+            norm = api.parallel.parallelize_module(make(), api.mesh, api.parallel.SequenceParallel(**options))
+            if options:
+                return norm, _chunk(x, mesh, 1).clone().requires_grad_()
+            return norm, api.tensor.distribute_tensor(x, api.mesh, [api.tensor.Shard(1)]).requires_grad_()
+
+        def step(api, state):
+            norm, given = state
+            out = norm(given)
+            out.pow(3).sum().backward()
+            return out, [parameter.grad for parameter in norm.parameters()], given.grad
+
+        theirs, ours, their_counts, our_counts = _both(mesh, setup, step)
+        # Leaves: the output, the parameters' gradients (1, 2), the input's gradient.
+        differ = {leaf: (placements, ("R",)) for leaf, placements in partial_grads.items()}
+        _same(theirs, ours, name, differ)
+        size_agreement = _SIZE_AGREEMENT if options else {}
+        _same_counts(_without(our_counts, {"all_reduce": 1, **size_agreement}), their_counts, {}, name)
+
+
+class _Gate(nn.Module):
+    """forward(x, y, *, scale, mask=None): positional and keyword tensor inputs, two outputs."""
+
+    def forward(self, x, y, *, scale, mask=None):
+        gated = x * torch.sigmoid(y) * scale
+        if mask is not None:
+            gated = gated * mask
+        return gated, gated.sum(-1, keepdim=True)
+
+
+@spmd(meshes=[(2,)])
+def test_prepare_module_input_output_with_kwargs(mesh):
+    """PrepareModuleInput with positional layouts (None: left alone) and input_kwarg_layouts /
+    desired_input_kwarg_layouts, PrepareModuleOutput on a tuple of outputs, and PrepareModuleInputOutput
+    (use_local_input): the values, types, placements and gradients that reach and leave the module, and
+    the collectives, are torch's."""
+    generator = torch.Generator().manual_seed(6)
+    x, y = (torch.randn(4, DIM, dtype=torch.float64, generator=generator) for _ in range(2))
+    scale, mask = torch.randn(DIM, dtype=torch.float64, generator=generator), (torch.rand(4, DIM, generator=generator) > 0.3).double()
+
+    def styles(a):
+        S, R = a.tensor.Shard, a.tensor.Replicate
+        prepare_input = dict(input_layouts=(S(0), None), desired_input_layouts=(R(), None),
+                             input_kwarg_layouts={"scale": R(), "mask": S(1)},
+                             desired_input_kwarg_layouts={"scale": R(), "mask": R()})
+        # The module computes with DTensors: every input made one (torch refuses mixing them with plain tensors).
+        all_dtensors = dict(prepare_input, input_layouts=(S(0), R()), desired_input_layouts=(R(), R()))
+        return {
+            "input": a.parallel.PrepareModuleInput(**all_dtensors),
+            "input_local": a.parallel.PrepareModuleInput(**prepare_input, use_local_output=True),
+            "output": a.parallel.PrepareModuleOutput(output_layouts=(S(0), R()), desired_output_layouts=(R(), S(0))),
+            "output_dtensors": a.parallel.PrepareModuleOutput(output_layouts=(S(1), None), desired_output_layouts=(R(), None),
+                                                              use_local_output=False),
+            "input_output": a.parallel.PrepareModuleInputOutput(
+                **prepare_input, use_local_input=True, output_layouts=(R(), R()), desired_output_layouts=(S(1), S(0)),
+                use_local_output=False),
+        }
+
+    # Collectives of forward + backward, by torch: the sharded inputs gathered (their gradients are cut
+    # locally), the outputs moved. Ours learns the sizes of the plain tensors read as sharded first.
+    expected = {
+        "input": {"all_gather_into_tensor": 2},
+        "input_local": {"all_gather_into_tensor": 2},
+        "output": {"all_gather_into_tensor": 2},
+        "output_dtensors": {"all_gather_into_tensor": 1},
+        "input_output": {"all_gather_into_tensor": 4},
+    }
+    agreements = {"input": 2, "input_local": 2, "output": 1, "output_dtensors": 1, "input_output": 2}
+    for name in expected:
+        def setup(api):
+            module = api.parallel.parallelize_module(_Gate(), api.mesh, styles(api)[name])
+            seen = []
+            module.register_forward_pre_hook(lambda m, args, kwargs: seen.append((args, kwargs)), with_kwargs=True)
+            if name.startswith("input"):
+                inputs = [_chunk(x, mesh, 0), y, scale, _chunk(mask, mesh, 1)]
+            else:
+                inputs = [x, y, scale, mask]
+            return module, [t.clone().requires_grad_() for t in inputs[:2]] + inputs[2:], seen
+
+        def step(api, state):
+            module, (x_in, y_in, scale_in, mask_in), seen = state
+            outputs = module(x_in, y_in, scale=scale_in, mask=mask_in)
+            local = [output.to_local() if hasattr(output, "to_local") else output for output in outputs]
+            loss = local[0].pow(2).sum() + local[1].sum()
+            loss.backward()
+            return seen, outputs, x_in.grad, y_in.grad
+
+        theirs, ours, their_counts, our_counts = _both(mesh, setup, step)
+        _same(theirs, ours, name)
+        extra = {"all_gather_into_tensor": agreements[name] * _SIZE_AGREEMENT["all_gather_into_tensor"]}
+        _same_counts(_without(our_counts, extra), their_counts, expected[name], name)
