@@ -399,3 +399,65 @@ def test_prepare_module_input_output_with_kwargs(mesh):
         _same(theirs, ours, name)
         extra = {"all_gather_into_tensor": agreements[name] * _SIZE_AGREEMENT["all_gather_into_tensor"]}
         _same_counts(_without(our_counts, extra), their_counts, expected[name], name)
+
+
+@spmd(meshes=[(2,)])
+def test_loss_parallel_reductions_and_ignore_index(mesh):
+    """loss_parallel over class-sharded logits from ColwiseParallel(use_local_output=False): cross_entropy
+    with reduction none/sum/mean, with and without ignore_index (targets equal to it, and mean over the
+    rest), class weights, and backward inside the context as torch requires: torch's losses, placements
+    and gradients."""
+    generator = torch.Generator().manual_seed(7)
+    features = torch.randn(6, DIM, dtype=torch.float64, generator=generator)
+    target = torch.randint(0, 10, (6,), generator=generator)
+    target[[1, 4]] = 3
+    weight = torch.rand(10, dtype=torch.float64, generator=generator) + 0.5
+    cases = [(reduction, ignore_index, weighted) for reduction in ("none", "sum", "mean")
+             for ignore_index, weighted in ((-100, False), (3, False), (3, True))]
+    for reduction, ignore_index, weighted in cases:
+        name = f"reduction={reduction} ignore_index={ignore_index} weighted={weighted}"
+
+        def setup(api):
+            torch.manual_seed(8)
+            head = nn.Linear(DIM, 10, dtype=torch.float64)
+            return api.parallel.parallelize_module(head, api.mesh, api.parallel.ColwiseParallel(use_local_output=False))
+
+        def step(api, head):
+            x = features.clone().requires_grad_()
+            with api.parallel.loss_parallel():
+                logits = head(x)
+                loss = F.cross_entropy(logits, target, weight=weight if weighted else None,
+                                       reduction=reduction, ignore_index=ignore_index)
+                (loss.sum() if reduction == "none" else loss).backward()
+            return loss, x.grad, _parameters_and_grads(head)
+
+        theirs, ours, their_counts, our_counts = _both(mesh, setup, step)
+        _same(theirs, ours, name)
+        # Forward: the max, the sum of exponentials, the picked targets; backward: the input's gradient.
+        _same_counts(our_counts, their_counts, {"all_reduce": 4}, name)
+
+
+@spmd(meshes=[(2,)])
+def test_src_data_rank_none(mesh):
+    """src_data_rank=None: distribute_tensor and parallelize_module take each rank's own values without
+    communicating (rank r's shard is cut from rank r's tensor); src_data_rank=1 sends rank 1's values."""
+    rank = mesh.get_rank()
+    mine = torch.randn(4, DIM, dtype=torch.float64, generator=torch.Generator().manual_seed(10 + rank))
+
+    def setup(api):
+        return None
+
+    for src_data_rank, expected in ((None, {}), (1, {"scatter": 1, "broadcast": 1})):
+        def step(api, _):
+            torch.manual_seed(11 + rank)
+            module = api.parallel.parallelize_module(nn.Linear(DIM, 4, dtype=torch.float64), api.mesh,
+                                                     api.parallel.RowwiseParallel(), src_data_rank=src_data_rank)
+            S, R = api.tensor.Shard, api.tensor.Replicate
+            sharded = api.tensor.distribute_tensor(mine, api.mesh, [S(1)], src_data_rank=src_data_rank)
+            replicated = api.tensor.distribute_tensor(mine, api.mesh, [R()], src_data_rank=src_data_rank)
+            return [(t.to_local(), _placements(t)) for t in (module.weight, module.bias, sharded, replicated)]
+
+        theirs, ours, their_counts, our_counts = _both(mesh, setup, step)
+        _same(theirs, ours, f"src_data_rank={src_data_rank}")
+        doubled = {kind: 2 * count for kind, count in expected.items()}  # the module's and distribute_tensor's
+        _same_counts(our_counts, their_counts, doubled, f"src_data_rank={src_data_rank}")
