@@ -461,3 +461,58 @@ def test_src_data_rank_none(mesh):
         _same(theirs, ours, f"src_data_rank={src_data_rank}")
         doubled = {kind: 2 * count for kind, count in expected.items()}  # the module's and distribute_tensor's
         _same_counts(our_counts, their_counts, doubled, f"src_data_rank={src_data_rank}")
+
+
+class _Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(DIM, 2 * DIM), nn.Linear(2 * DIM, DIM)
+        self.register_buffer("scale", torch.linspace(1.0, 2.0, DIM))
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x))) * self.scale
+
+
+@spmd(meshes=[(2,)])
+def test_distribute_module_hooks(mesh):
+    """distribute_module with a partition_fn that shards fc1's parameters (the rest replicated, buffers
+    too), an input_fn that wraps the batch-sharded plain input, and an output_fn that gathers the output
+    to a plain tensor; also the legacy two-argument input_fn(inputs, mesh). Torch's values, placements,
+    gradients and collectives."""
+    x = torch.randn(4, DIM, dtype=torch.float64, generator=torch.Generator().manual_seed(12))
+
+    def setup(api):
+        S, R = api.tensor.Shard, api.tensor.Replicate
+
+        def partition_fn(name, module, device_mesh):
+            if name == "fc1":
+                for parameter_name, parameter in list(module.named_parameters(recurse=False)):
+                    sharded = api.tensor.distribute_tensor(parameter, device_mesh, [S(0)])
+                    module.register_parameter(parameter_name, nn.Parameter(sharded))
+
+        def input_fn(module, inputs, device_mesh):
+            return tuple(api.tensor.DTensor.from_local(t, device_mesh, [S(0)], run_check=False).redistribute(
+                device_mesh, [R()]) for t in inputs)
+
+        def output_fn(module, output, device_mesh):
+            return output.redistribute(device_mesh, [R()]).to_local()
+
+        torch.manual_seed(13)
+        model = _Scaled().to(torch.float64)
+        return api.tensor.distribute_module(model, api.mesh, partition_fn, input_fn, output_fn)
+
+    def step(api, model):
+        out = model(_chunk(x, mesh, 0).clone().requires_grad_())
+        out.pow(2).sum().backward()
+        return out, _parameters_and_grads(model), [(name, _placements(b)) for name, b in model.named_buffers()]
+
+    theirs, ours, their_counts, our_counts = _both(mesh, setup, step)
+    # Leaf 6, fc2's weight gradient: ours Replicate like the weight, torch's Shard(1) (fc1's output is
+    # sharded along features, fc2's replicated weight multiplies it where it lies).
+    _same(theirs, ours, "distribute_module", {6: (("S(1)",), ("R",))})
+    # Forward: the input gathered, fc2's Partial output reduced; backward: the input's Partial gradient
+    # reduce-scattered. Ours also learns the input's size (from_local without shape, run_check or not)
+    # and gathers fc2's weight gradient to the weight's Replicate.
+    extra = {"all_gather_into_tensor": _SIZE_AGREEMENT["all_gather_into_tensor"] + 1}
+    _same_counts(_without(our_counts, extra), their_counts,
+                 {"all_gather_into_tensor": 1, "all_reduce": 1, "reduce_scatter_tensor": 1}, "distribute_module")
