@@ -477,8 +477,8 @@ class _Scaled(nn.Module):
 def test_distribute_module_hooks(mesh):
     """distribute_module with a partition_fn that shards fc1's parameters (the rest replicated, buffers
     too), an input_fn that wraps the batch-sharded plain input, and an output_fn that gathers the output
-    to a plain tensor; also the legacy two-argument input_fn(inputs, mesh). Torch's values, placements,
-    gradients and collectives."""
+    to a plain tensor (in the older two-argument form, output_fn(outputs, mesh)). Torch's values,
+    placements, gradients and collectives."""
     x = torch.randn(4, DIM, dtype=torch.float64, generator=torch.Generator().manual_seed(12))
 
     def setup(api):
@@ -494,7 +494,7 @@ def test_distribute_module_hooks(mesh):
             return tuple(api.tensor.DTensor.from_local(t, device_mesh, [S(0)], run_check=False).redistribute(
                 device_mesh, [R()]) for t in inputs)
 
-        def output_fn(module, output, device_mesh):
+        def output_fn(output, device_mesh):  # PyTorch's older two-argument form
             return output.redistribute(device_mesh, [R()]).to_local()
 
         torch.manual_seed(13)
