@@ -516,3 +516,67 @@ def test_distribute_module_hooks(mesh):
     extra = {"all_gather_into_tensor": _SIZE_AGREEMENT["all_gather_into_tensor"] + 1}
     _same_counts(_without(our_counts, extra), their_counts,
                  {"all_gather_into_tensor": 1, "all_reduce": 1, "reduce_scatter_tensor": 1}, "distribute_module")
+
+
+# --- debug -----------------------------------------------------------------------------------------------
+
+
+def _c10d_name(api: Api, key) -> str:
+    return C10D_NAMES[key] if api.name == "ours" else str(key).split(".")[-1].rstrip("_")
+
+
+def _module_counts(api: Api, mode) -> dict:
+    """{(module, phase): {c10d name: count}} of the modules that issued collectives."""
+    return {(module, phase): {_c10d_name(api, kind): count for kind, count in counts.items()}
+            for module, phases in mode.comm_module_counts.items() for phase, counts in phases.items() if counts}
+
+
+def _json_tree(api: Api, node: dict) -> list:
+    """The JSON dump's module tree: (fqn, forward collectives, backward collectives, children)."""
+    def collectives(pairs):
+        return sorted((_c10d_name(api, name.split(".")[-1] if api.name == "torch" else name), count) for name, count in pairs)
+    return [node["fqn"], collectives(node["collectives_forward"]), collectives(node["collectives_backward"]),
+            [_json_tree(api, child) for child in node["children"]]]
+
+
+@spmd(meshes=[(2,)])
+def test_comm_debug_mode_reports(mesh):
+    """CommDebugMode over a tensor-parallel block's forward and backward: total and per-kind counts,
+    per-module counts by phase, sharding and parameter info, the tracing table at noise levels 0 and 1
+    and the JSON dump's module tree read like torch's. Ours keys counts by kind ("all_reduce"), torch by
+    functional op (`c10d_functional.all_reduce`); the table's text is ours (with bytes)."""
+    import json
+    import os
+    import tempfile
+
+    x = torch.randn(3, DIM, dtype=torch.float64, generator=torch.Generator().manual_seed(14))
+    reports = []
+    for api in _apis(mesh):
+        p = api.parallel
+        model = p.parallelize_module(_stack(), api.mesh, {"layers.*.mlp.up": p.ColwiseParallel(),
+                                                          "layers.*.mlp.down": p.RowwiseParallel()})
+        with api.debug.CommDebugMode() as mode:
+            model(x.clone().requires_grad_()).sum().backward()
+        with tempfile.TemporaryDirectory() as directory:
+            path = os.path.join(directory, "comm.json")
+            mode.generate_json_dump(path, noise_level=0)
+            with open(path) as dump:
+                tree = _json_tree(api, json.load(dump))
+        reports.append({
+            "total": mode.get_total_counts(),
+            "kinds": _kinds(api, mode),
+            "modules": _module_counts(api, mode),
+            "sharding": {name: tuple(map(str, placements)) for name, placements in mode.get_sharding_info().items()},
+            "parameters": {module: sorted(names) for module, names in mode.get_parameter_info().items()},
+            "tree": tree,
+        })
+        for noise_level in (0, 1):
+            table = mode.generate_comm_debug_tracing_table(noise_level=noise_level)
+            assert "Global" in table and "FORWARD PASS" in table and "BACKWARD PASS" in table, table
+            if api.name == "ours":  # torch prints its counts without the module names
+                for module in ("Stack", "Stack.layers.0.mlp.down", "Stack.layers.1.mlp.up"):
+                    assert f"\n{module}" in table.replace("  ", ""), table
+    theirs, ours = reports
+    for key in theirs:
+        assert ours[key] == theirs[key], f"{key}: ours {ours[key]}, torch {theirs[key]}"
+    assert ours["kinds"] == {"all_reduce": 4}  # each block: down's output forward, up's input gradient backward
