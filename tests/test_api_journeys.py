@@ -16,7 +16,7 @@ import typing
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import torch_mesh
+from helpers import local_piece, torch_mesh
 from spmd import spmd
 from torch import nn
 from torch.testing import assert_close
@@ -580,3 +580,74 @@ def test_comm_debug_mode_reports(mesh):
     for key in theirs:
         assert ours[key] == theirs[key], f"{key}: ours {ours[key]}, torch {theirs[key]}"
     assert ours["kinds"] == {"all_reduce": 4}  # each block: down's output forward, up's input gradient backward
+
+
+def _torch_shard_boxes(dtensor) -> set:
+    """What torch's visualize_sharding tabulates (it needs `tabulate` or `rich` and `matplotlib` to print):
+    per rank, the inclusive index ranges of its shard by torch's own offsets, a 1-D tensor as one column."""
+    import numpy as np
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    boxes = set()
+    for coordinate, rank in np.ndenumerate(np.array(dtensor.device_mesh.mesh.tolist())):
+        shape, offset = _compute_local_shape_and_global_offset(dtensor.shape, dtensor.device_mesh.shape,
+                                                               lambda i: coordinate[i], dtensor.placements)
+        if all(shape):
+            ranges = tuple((start, start + size - 1) for start, size in zip(offset, shape))
+            boxes.add((ranges if len(ranges) == 2 else (ranges[0], (0, 0)), int(rank)))
+    return boxes
+
+
+def _our_shard_boxes(text: str) -> set:
+    """The same, read back from our visualize_sharding's text (`Row 0-3` / `Col 4-7` / `Index 0-2` labels,
+    cells `cpu:0,1`, a Partial cell prefixed `P(sum)`)."""
+    import re
+
+    lines = text.splitlines()[1:]
+    header = re.split(r"\s{3,}", lines[0].strip())
+    columns = [tuple(int(n) for n in label.split()[1].split("-")) for label in header]
+    boxes = set()
+    for line in lines[1:]:
+        if not line.startswith(("Row", "Ranks")):
+            continue
+        label, *cells = re.split(r"\s{3,}", line.strip())
+        row = tuple(int(n) for n in label.split()[1].split("-")) if label.startswith("Row") else None
+        for column, cell in zip(columns, cells):
+            for rank in cell.split(":")[-1].split(","):
+                boxes.add(((row, column) if row else (column, (0, 0)), int(rank)))
+    return boxes
+
+
+@spmd(meshes=[(2,), (2, 2)])
+def test_visualize_sharding_shows_torchs_shards(mesh):
+    """visualize_sharding on 1-D and 2-D meshes, 1-D and 2-D tensors, even and uneven, replicated and
+    Partial: every rank's index ranges in our text are the ones torch computes for its table (torch
+    itself cannot print here: it needs `tabulate`, or `rich` with `matplotlib`). The text is returned on
+    every rank; Partial cells are marked."""
+    import torch.distributed.tensor as theirs
+
+    placements_1d = [[shardtensor.Shard(0)], [shardtensor.Replicate()], [shardtensor.Shard(1)]]
+    placements_2d = [[shardtensor.Shard(0), shardtensor.Shard(1)], [shardtensor.Shard(1), shardtensor.Shard(0)],
+                     [shardtensor.Replicate(), shardtensor.Shard(0)], [shardtensor.Shard(0), shardtensor.Shard(0)],
+                     [shardtensor.Partial(), shardtensor.Shard(1)]]
+    for shape in ((8, 6), (5, 3), (7,)):
+        for placements in placements_1d if mesh.ndim == 1 else placements_2d:
+            if len(shape) == 1 and any(getattr(p, "dim", 0) == 1 for p in placements):
+                continue
+            full = torch.arange(float(torch.Size(shape).numel())).reshape(shape)
+            if any(isinstance(p, shardtensor.Partial) for p in placements):
+                replicated = [shardtensor.Replicate() if isinstance(p, shardtensor.Partial) else p for p in placements]
+                local = local_piece(full, mesh.shape, replicated, mesh.get_coordinate())
+                ours = shardtensor.DTensor.from_local(local, mesh, placements, shape=full.shape)
+                torch_placements = [theirs.Replicate() if isinstance(p, shardtensor.Partial) else theirs.Shard(p.dim)
+                                    for p in placements]
+            else:
+                ours = shardtensor.distribute_tensor(full, mesh, placements)
+                torch_placements = [theirs.Shard(p.dim) if isinstance(p, shardtensor.Shard) else theirs.Replicate()
+                                    for p in placements]
+            torch_tensor = theirs.distribute_tensor(full, torch_mesh(mesh), torch_placements)
+            text = shardtensor.debug.visualize_sharding(ours)
+            what = f"shape {shape} placements {placements}:\n{text}"
+            assert _our_shard_boxes(text) == _torch_shard_boxes(torch_tensor), what
+            assert ("P(sum) cpu:" in text) == any(isinstance(p, shardtensor.Partial) for p in placements), what
+
