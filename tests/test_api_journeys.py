@@ -686,3 +686,50 @@ def test_explain_redistribute_matches_what_runs(mesh):
             lambda: torch_source.redistribute(torch_mesh(mesh), torch_placements(target)))
         assert len(plan.collectives) <= torch_count, f"{what}: ours {plan.collectives}, torch {torch_count}"
         _same(torch_moved, moved, what)
+
+
+# --- experimental ----------------------------------------------------------------------------------------
+
+
+@spmd(meshes=[(2,)])
+def test_local_map_programs(mesh):
+    """local_map as torch documents it: a local matmul on Shard(1) x Shard(0) giving a Partial output
+    (device_mesh given), inputs redistributed to in_placements (redistribute_inputs), a replicated
+    weight whose local gradients differ per rank read as Partial (in_grad_placements), and several outputs
+    with a None for a non-tensor one: torch's values, placements, gradients and collectives."""
+    generator = torch.Generator().manual_seed(17)
+    w_full, x_full = torch.randn(4, 6, dtype=torch.float64, generator=generator), torch.randn(6, 3, dtype=torch.float64, generator=generator)
+
+    def setup(api):
+        S, R = api.tensor.Shard, api.tensor.Replicate
+        w = api.tensor.distribute_tensor(w_full, api.mesh, [S(1)]).requires_grad_()
+        x = api.tensor.distribute_tensor(x_full, api.mesh, [R()]).requires_grad_()
+        return w, x
+
+    def step(api, state):
+        w, x = state
+        S, R, P = api.tensor.Shard, api.tensor.Replicate, api.tensor.Partial
+        local_mm = api.experimental.local_map(torch.mm, out_placements=[P()], in_placements=([S(1)], [S(0)]),
+                                              device_mesh=api.mesh, redistribute_inputs=True)
+        product = local_mm(w, x)  # x moves from Replicate to Shard(0)
+
+        def scale_rows(x_local, weight_local, factor):
+            scaled = x_local * weight_local[: x_local.shape[0], :1]
+            return scaled, scaled.sum(), factor * 2
+
+        rows = api.experimental.local_map(
+            scale_rows, out_placements=([S(0)], [P()], None), in_placements=([S(0)], [R()], None),
+            in_grad_placements=([S(0)], [P()], None), device_mesh=api.mesh, redistribute_inputs=True)
+        weight = api.tensor.distribute_tensor(torch.ones(6, 3, dtype=torch.float64) * 0.5, api.mesh, [R()]).requires_grad_()
+        scaled, total, doubled = rows(x, weight, 3)
+        loss = product.redistribute(api.mesh, [R()]).pow(2).sum() + scaled.pow(2).sum() + total
+        loss.backward()
+        return product, scaled, total, doubled, w.grad, x.grad, weight.grad
+
+    theirs, ours, their_counts, our_counts = _both(mesh, setup, step)
+    _same(theirs, ours, "local_map")
+    # Forward: the weight broadcast (distribute_tensor), the Partial product reduced; backward: x's two
+    # Shard(0) gradients gathered to its Replicate (the weight's stays Partial, as in_grad_placements says).
+    # Ours also learns the Shard(0) output's exact sizes (out_shard_sizes="infer").
+    _same_counts(_without(our_counts, _SIZE_AGREEMENT), their_counts,
+                 {"broadcast": 1, "all_reduce": 1, "all_gather_into_tensor": 2}, "local_map")
