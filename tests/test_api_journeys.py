@@ -4,10 +4,15 @@ oracle) and with shardtensor's. Outputs, gradients, placements and collectives (
 CommDebugMode, by c10d name) must agree. End-to-end training is in test_user_journeys*.py.
 
 Deliberate differences from torch, asserted where they show:
+- A leaf's gradient comes back in the leaf's placements (`gradients.py`): a Partial gradient of a
+  Replicate leaf is reduced when backward ends, in one all_reduce per bucket, and a Replicate or Shard(1)
+  gradient of a differently laid out leaf is moved; torch keeps the gradient as the last op made it.
 - A plan key that matches no submodule raises (torch warns and skips the entry).
 - A plain tensor a style reads as Shard(dim) along a dim the module does not define (a batch-sharded
   input of ColwiseParallel(input_layouts=Shard(0))) costs ours a size agreement (2 all_gathers), so that
-  uneven shards are exact; torch assumes every rank's shard has this rank's shape.
+  uneven shards are exact; torch assumes every rank's shard has this rank's shape. The same holds for
+  `DTensor.from_local` without `shape` (run_check or not) and local_map's Shard outputs
+  (`out_shard_sizes="chunk"` skips it, as torch does).
 """
 
 import copy
@@ -205,6 +210,15 @@ def test_wildcard_nested_and_parent_child_plans(mesh):
         theirs, ours, their_counts, our_counts = _both(mesh, setup, step)
         _same(theirs, ours)
         _same_counts(our_counts, their_counts, {"all_reduce": 8}, spelling)
+    misspelt = {"layers.*.attn.wq": None}
+    for api in _apis(mesh):
+        misspelt["layers.*.attn.wq"] = api.parallel.ColwiseParallel()
+        if api.name == "torch":
+            with pytest.warns(UserWarning, match="could not be resolved"):
+                api.parallel.parallelize_module(_stack(), api.mesh, misspelt)
+        else:
+            with pytest.raises(KeyError, match="matches no submodule"):
+                api.parallel.parallelize_module(_stack(), api.mesh, misspelt)
 
 
 
@@ -733,3 +747,64 @@ def test_local_map_programs(mesh):
     # Ours also learns the Shard(0) output's exact sizes (out_shard_sizes="infer").
     _same_counts(_without(our_counts, _SIZE_AGREEMENT), their_counts,
                  {"broadcast": 1, "all_reduce": 1, "all_gather_into_tensor": 2}, "local_map")
+
+
+@torch.library.custom_op("api_journeys::row_scale", mutates_args=())
+def _row_scale(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x * w.unsqueeze(-1)
+
+
+@torch.library.custom_op("api_journeys::row_dot", mutates_args=())
+def _row_dot(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return (g * x).sum(-1)
+
+
+_row_scale.register_fake(lambda x, w: torch.empty_like(x))
+_row_dot.register_fake(lambda g, x: g.new_empty(g.shape[:-1]))
+_row_scale.register_autograd(
+    lambda ctx, grad: (_row_scale(grad, ctx.saved_tensors[1]), _row_dot(grad, ctx.saved_tensors[0])),
+    setup_context=lambda ctx, inputs, output: ctx.save_for_backward(*inputs))
+
+
+def _register_row_rules(api: Api) -> None:
+    """The same user rules, registered with either library: row_scale (used in forward and backward)
+    shards rows with its row weights, or columns with the weights replicated; row_dot (backward) shards
+    rows, or contracts sharded columns into a Partial sum."""
+    S, R, P = api.tensor.Shard, api.tensor.Replicate, api.tensor.Partial
+
+    @api.experimental.register_sharding(torch.ops.api_journeys.row_scale.default)
+    def row_scale_strategies(x, w):
+        return [([R()], [R(), R()]), ([S(0)], [S(0), S(0)]), ([S(1)], [S(1), R()])]
+
+    @api.experimental.register_sharding(torch.ops.api_journeys.row_dot.default)
+    def row_dot_strategies(g, x):
+        return [([R()], [R(), R()]), ([S(0)], [S(0), S(0)]), ([P()], [S(1), S(1)])]
+
+
+@spmd(meshes=[(2,)])
+def test_register_sharding_rules_in_forward_and_backward(mesh):
+    """register_sharding for two custom ops, the forward one also called by its own backward: with rows
+    or columns sharded, torch's values, output placements, gradients and collectives (none: the rules
+    keep every op local)."""
+    generator = torch.Generator().manual_seed(18)
+    x_full, w_full = torch.randn(4, 6, dtype=torch.float64, generator=generator), torch.randn(4, dtype=torch.float64, generator=generator)
+    for x_dim, w_placement in ((0, "S(0)"), (1, "R")):
+        def setup(api):
+            _register_row_rules(api)
+            S, R = api.tensor.Shard, api.tensor.Replicate
+            x = api.tensor.distribute_tensor(x_full, api.mesh, [S(x_dim)]).requires_grad_()
+            w = api.tensor.distribute_tensor(w_full, api.mesh, [S(0) if w_placement == "S(0)" else R()]).requires_grad_()
+            return x, w
+
+        def step(api, state):
+            x, w = state
+            out = torch.ops.api_journeys.row_scale(x, w)
+            out.backward(out.detach() * 2)
+            return out, x.grad, w.grad
+
+        theirs, ours, their_counts, our_counts = _both(mesh, setup, step)
+        # Sharded columns: the row weights' gradient (leaf 2) is a Partial sum; ours reduces it to the
+        # weights' Replicate when backward ends (one all_reduce), torch keeps it Partial.
+        reduced = {2: (("P(sum)",), ("R",))} if x_dim == 1 else {}
+        _same(theirs, ours, f"x Shard({x_dim})", reduced)
+        _same_counts(_without(our_counts, {"all_reduce": len(reduced)}), their_counts, {}, f"x Shard({x_dim})")
