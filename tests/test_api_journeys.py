@@ -808,3 +808,35 @@ def test_register_sharding_rules_in_forward_and_backward(mesh):
         reduced = {2: (("P(sum)",), ("R",))} if x_dim == 1 else {}
         _same(theirs, ours, f"x Shard({x_dim})", reduced)
         _same_counts(_without(our_counts, {"all_reduce": len(reduced)}), their_counts, {}, f"x Shard({x_dim})")
+
+
+@spmd(meshes=[(2,), (2, 2)])
+def test_implicit_replication(mesh):
+    """implicit_replication: plain tensors mixed with DTensors (a bias, a scale, a mask) read as
+    replicated, along sharded dims too: torch's values, placements and gradients (of the DTensor and of a
+    plain tensor that requires grad: a DTensor in both libraries, with one device's value), and no
+    collectives."""
+    generator = torch.Generator().manual_seed(19)
+    full = torch.randn(4, 6, dtype=torch.float64, generator=generator)
+    bias, scale = torch.randn(6, dtype=torch.float64, generator=generator), torch.randn(4, 1, dtype=torch.float64, generator=generator)
+    for placements in ([0] * mesh.ndim, [1] * mesh.ndim, [0, 1][: mesh.ndim]):
+        def setup(api):
+            x = api.tensor.distribute_tensor(full, api.mesh, [api.tensor.Shard(dim) for dim in placements])
+            return x.requires_grad_(), bias.clone().requires_grad_()
+
+        def step(api, state):
+            x, plain_bias = state
+            with api.experimental.implicit_replication():
+                out = (x + plain_bias) * scale
+                out = torch.where(out > 0, out, torch.zeros(()))
+                out.sum().backward()
+            return out, x.grad, plain_bias.grad
+
+        theirs, ours, their_counts, our_counts = _both(mesh, setup, step)
+        _same(theirs, ours, f"Shard dims {placements}")
+        _same_counts(our_counts, their_counts, {}, f"Shard dims {placements}")
+        plain_bias = bias.clone().requires_grad_()
+        single = (full + plain_bias) * scale
+        torch.where(single > 0, single, torch.zeros(())).sum().backward()
+        # The plain bias's gradient is a DTensor (Partial or sharded) in both libraries; its value is one device's.
+        assert_close(_value(ours[2]), plain_bias.grad, rtol=1e-12, atol=1e-12)
