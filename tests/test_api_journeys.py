@@ -419,17 +419,19 @@ def test_prepare_module_input_output_with_kwargs(mesh):
 def test_loss_parallel_reductions_and_ignore_index(mesh):
     """loss_parallel over class-sharded logits from ColwiseParallel(use_local_output=False): cross_entropy
     with reduction none/sum/mean, with and without ignore_index (targets equal to it, and mean over the
-    rest), class weights, and backward inside the context as torch requires: torch's losses, placements
-    and gradients."""
+    rest), class weights, on rows (batch * sequence, classes) and on a sequence (batch, classes,
+    sequence), and backward inside the context as torch requires: torch's losses, placements, gradients
+    and collectives."""
     generator = torch.Generator().manual_seed(7)
-    features = torch.randn(6, DIM, dtype=torch.float64, generator=generator)
-    target = torch.randint(0, 10, (6,), generator=generator)
-    target[[1, 4]] = 3
+    features = torch.randn(2, 3, DIM, dtype=torch.float64, generator=generator)
+    target = torch.randint(0, 10, (2, 3), generator=generator)
+    target[0, 1] = target[1, 2] = 3
     weight = torch.rand(10, dtype=torch.float64, generator=generator) + 0.5
-    cases = [(reduction, ignore_index, weighted) for reduction in ("none", "sum", "mean")
+    cases = [(reduction, ignore_index, weighted, "rows") for reduction in ("none", "sum", "mean")
              for ignore_index, weighted in ((-100, False), (3, False), (3, True))]
-    for reduction, ignore_index, weighted in cases:
-        name = f"reduction={reduction} ignore_index={ignore_index} weighted={weighted}"
+    cases += [("none", -100, False, "sequence"), ("sum", 3, False, "sequence"), ("mean", 3, True, "sequence")]
+    for reduction, ignore_index, weighted, shape in cases:
+        name = f"reduction={reduction} ignore_index={ignore_index} weighted={weighted} {shape}"
 
         def setup(api):
             torch.manual_seed(8)
@@ -439,8 +441,12 @@ def test_loss_parallel_reductions_and_ignore_index(mesh):
         def step(api, head):
             x = features.clone().requires_grad_()
             with api.parallel.loss_parallel():
-                logits = head(x)
-                loss = F.cross_entropy(logits, target, weight=weight if weighted else None,
+                logits = head(x)  # (batch, sequence, classes)
+                if shape == "rows":
+                    logits, labels = logits.flatten(0, 1), target.flatten()
+                else:  # (batch, classes, sequence), as F.cross_entropy takes a sequence of classes
+                    logits, labels = logits.transpose(1, 2), target
+                loss = F.cross_entropy(logits, labels, weight=weight if weighted else None,
                                        reduction=reduction, ignore_index=ignore_index)
                 (loss.sum() if reduction == "none" else loss).backward()
             return loss, x.grad, _parameters_and_grads(head)

@@ -96,9 +96,11 @@ def test_probability_targets_and_the_module_form(mesh):
     reference = logits_full.clone().requires_grad_()
     with loss_parallel():
         loss = F.cross_entropy(logits, local_probabilities, label_smoothing=0.1)
+        whole_loss = F.cross_entropy(logits, probabilities, label_smoothing=0.1)  # every class: read as replicated
         module_loss = nn.CrossEntropyLoss(reduction="sum")(logits, torch.arange(ROWS) % CLASSES)
     expected = F.cross_entropy(reference, probabilities, label_smoothing=0.1)
     assert_close(loss.full_tensor(), expected)
+    assert_close(whole_loss.full_tensor(), expected)
     assert_close(module_loss.full_tensor(), F.cross_entropy(logits_full, torch.arange(ROWS) % CLASSES, reduction="sum"))
     loss.backward()
     expected.backward()

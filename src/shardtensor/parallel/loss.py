@@ -35,7 +35,8 @@ __all__ = ["loss_parallel"]
 
 def _like_logits(value, logits: DTensor, class_dim: int):
     """A plain target as the DTensor it stands for: class indices laid out like the logits' other
-    dims, class probabilities laid out like the logits; shapes from the logits (no collective)."""
+    dims, class probabilities laid out like the logits (or, holding every class, replicated along
+    the class dim); shapes from the logits (no collective)."""
     if not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
         return value
     probabilities = value.ndim == logits.ndim
@@ -44,7 +45,9 @@ def _like_logits(value, logits: DTensor, class_dim: int):
     placements: list[Placement] = []
     sizes = {}
     for mesh_dim, placement in enumerate(logits.placements):
-        if not isinstance(placement, Shard) or placement.dim == removed:
+        # Probabilities over every class (what a user holds) are replicated along the sharded classes.
+        whole_classes = probabilities and placement == Shard(class_dim) and value.size(class_dim) == logits.size(class_dim)
+        if not isinstance(placement, Shard) or placement.dim == removed or whole_classes:
             placements.append(Replicate())
             continue
         placements.append(Shard(placement.dim - (removed is not None and placement.dim > removed)))
@@ -60,12 +63,26 @@ def _replicated(value, logits: DTensor):
     return DTensor.from_local(value, mesh, [Replicate()] * mesh.ndim, shape=tuple(value.shape))
 
 
+def _as_rows(input: DTensor, target):
+    """Logits (N, C, d1, ...) sharded along classes only, with plain class-index targets (N, d1, ...), as
+    rows (N * d1 * ..., C) and flat targets, which take the class-sharded loss (aten would reshape them
+    for nll_loss2d, which has no class-sharded rule); None for anything else."""
+    plain_indices = isinstance(target, torch.Tensor) and not isinstance(target, DTensor) and target.ndim == input.ndim - 1
+    if not plain_indices or not all(p == Shard(1) or p.is_replicate() for p in input.placements):
+        return None
+    return input.movedim(1, -1).reshape(-1, input.shape[1]), target.reshape(-1)
+
+
 def _cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
                    reduction="mean", label_smoothing=0.0):
     """F.cross_entropy with plain target/weight read as laid out like the logits; Partial results reduced."""
     if not isinstance(input, DTensor):
         return F.cross_entropy(input, target, weight, size_average, ignore_index, reduce, reduction, label_smoothing)
     legacy = size_average is not None or reduce is not None
+    as_rows = _as_rows(input, target) if input.ndim > 2 else None
+    if as_rows is not None and takes_fast_path(*as_rows, weight, reduction, legacy):
+        loss = class_sharded_cross_entropy(*as_rows, weight, ignore_index, reduction, label_smoothing)
+        return loss.reshape(target.shape) if reduction == "none" else loss
     if takes_fast_path(input, target, weight, reduction, legacy):
         return class_sharded_cross_entropy(input, target, weight, ignore_index, reduction, label_smoothing)
     class_dim = 1 if input.ndim >= 2 else 0
