@@ -20,6 +20,7 @@ import typing
 
 import pytest
 import torch
+import torch.distributed._functional_collectives  # noqa: F401  (torch.ops.c10d_functional, read by a program)
 import torch.nn.functional as F
 from helpers import local_piece, torch_collectives, torch_mesh
 from spmd import spmd
@@ -564,12 +565,15 @@ def test_comm_debug_mode_reports(mesh):
     """CommDebugMode over a tensor-parallel block's forward and backward: total and per-kind counts,
     per-module counts by phase, sharding and parameter info, the tracing table at noise levels 0 and 1
     and the JSON dump's module tree read like torch's. Ours keys counts by kind ("all_reduce"), torch by
-    functional op (`c10d_functional.all_reduce`); the table's text is ours (with bytes)."""
+    functional op (`c10d_functional.all_reduce`), and ours answers torch's keys too; the table's text is
+    ours (with bytes)."""
     import json
     import os
     import tempfile
 
     x = torch.randn(3, DIM, dtype=torch.float64, generator=torch.Generator().manual_seed(14))
+    functional = torch.ops.c10d_functional  # defined by torch.distributed._functional_collectives
+    torch_ops = [functional.all_reduce, functional.all_gather_into_tensor, functional.reduce_scatter_tensor]
     reports = []
     for api in _apis(mesh):
         p = api.parallel
@@ -589,6 +593,9 @@ def test_comm_debug_mode_reports(mesh):
             "sharding": {name: tuple(map(str, placements)) for name, placements in mode.get_sharding_info().items()},
             "parameters": {module: sorted(names) for module, names in mode.get_parameter_info().items()},
             "tree": tree,
+            # Written for torch: counts read by torch's functional collective ops (0 for one that did not run).
+            "by_torch_ops": [mode.get_comm_counts()[op] for op in torch_ops]
+            + [mode.comm_module_counts["Stack.layers.0.mlp.down"]["forward"][op] for op in torch_ops],
         })
         for noise_level in (0, 1):
             table = mode.generate_comm_debug_tracing_table(noise_level=noise_level)
@@ -599,6 +606,7 @@ def test_comm_debug_mode_reports(mesh):
     theirs, ours = reports
     for key in theirs:
         assert ours[key] == theirs[key], f"{key}: ours {ours[key]}, torch {theirs[key]}"
+    assert ours["by_torch_ops"] == [4, 0, 0, 1, 0, 0], ours["by_torch_ops"]
     assert ours["kinds"] == {"all_reduce": 4}  # each block: down's output forward, up's input gradient backward
 
 
