@@ -15,7 +15,6 @@ Deliberate differences from torch, asserted where they show:
   (`out_shard_sizes="chunk"` skips it, as torch does).
 """
 
-import copy
 import typing
 
 import pytest
@@ -57,11 +56,14 @@ def _apis(mesh) -> tuple[Api, Api]:
     )
 
 
+def _c10d_name(api: Api, key) -> str:
+    """A key of either CommDebugMode's counts (our kind; torch's op or its name) as its c10d name."""
+    return C10D_NAMES[key] if api.name == "ours" else str(key).split(".")[-1].rstrip("_")
+
+
 def _kinds(api: Api, mode) -> dict[str, int]:
     """Collectives by c10d name (`all_reduce`, `all_gather_into_tensor`, ...) from either CommDebugMode."""
-    if api.name == "ours":
-        return {C10D_NAMES[kind]: count for kind, count in mode.get_comm_counts().items() if count}
-    return {str(op).split(".")[-1].rstrip("_"): count for op, count in mode.get_comm_counts().items() if count}
+    return {_c10d_name(api, key): count for key, count in mode.get_comm_counts().items() if count}
 
 
 def _both(mesh, setup, step) -> tuple:
@@ -166,12 +168,6 @@ def _stack() -> Stack:
     return Stack().to(torch.float64)
 
 
-def _forward_backward(module, x):
-    out = module(x)
-    out.pow(2).sum().backward()
-    return out
-
-
 @spmd(meshes=[(2,)])
 def test_wildcard_nested_and_parent_child_plans(mesh):
     """One model, three spellings of a Megatron plan: wildcard FQNs, a nested dict per block, and a plan
@@ -206,7 +202,9 @@ def test_wildcard_nested_and_parent_child_plans(mesh):
             return api.parallel.parallelize_module(_stack(), api.mesh, plan(api))
 
         def step(api, model):
-            return _forward_backward(model, x), _parameters_and_grads(model)
+            out = model(x)
+            out.pow(2).sum().backward()
+            return out, _parameters_and_grads(model)
 
         theirs, ours, their_counts, our_counts = _both(mesh, setup, step)
         _same(theirs, ours)
@@ -542,10 +540,6 @@ def test_distribute_module_hooks(mesh):
 # --- debug -----------------------------------------------------------------------------------------------
 
 
-def _c10d_name(api: Api, key) -> str:
-    return C10D_NAMES[key] if api.name == "ours" else str(key).split(".")[-1].rstrip("_")
-
-
 def _module_counts(api: Api, mode) -> dict:
     """{(module, phase): {c10d name: count}} of the modules that issued collectives."""
     return {(module, phase): {_c10d_name(api, kind): count for kind, count in counts.items()}
@@ -555,7 +549,7 @@ def _module_counts(api: Api, mode) -> dict:
 def _json_tree(api: Api, node: dict) -> list:
     """The JSON dump's module tree: (fqn, forward collectives, backward collectives, children)."""
     def collectives(pairs):
-        return sorted((_c10d_name(api, name.split(".")[-1] if api.name == "torch" else name), count) for name, count in pairs)
+        return sorted((_c10d_name(api, name), count) for name, count in pairs)
     return [node["fqn"], collectives(node["collectives_forward"]), collectives(node["collectives_backward"]),
             [_json_tree(api, child) for child in node["children"]]]
 
