@@ -64,11 +64,12 @@ def _replicated(value, logits: DTensor):
 
 
 def _as_rows(input: DTensor, target):
-    """Logits (N, C, d1, ...) sharded along classes only, with plain class-index targets (N, d1, ...), as
-    rows (N * d1 * ..., C) and flat targets, which take the class-sharded loss (aten would reshape them
-    for nll_loss2d, which has no class-sharded rule); None for anything else."""
+    """Logits (N, C, d1, ...) sharded along the batch or the classes, with plain class-index targets
+    (N, d1, ...), as rows (N * d1 * ..., C) and flat targets (no communication), which the 2-D loss
+    handles without gathering (aten would reshape them for nll_loss2d, which has no class-sharded
+    rule); None for anything else."""
     plain_indices = isinstance(target, torch.Tensor) and not isinstance(target, DTensor) and target.ndim == input.ndim - 1
-    if not plain_indices or not all(p == Shard(1) or p.is_replicate() for p in input.placements):
+    if not plain_indices or not all(p in (Shard(0), Shard(1)) or p.is_replicate() for p in input.placements):
         return None
     return input.movedim(1, -1).reshape(-1, input.shape[1]), target.reshape(-1)
 
@@ -79,10 +80,10 @@ def _cross_entropy(input, target, weight=None, size_average=None, ignore_index=-
     if not isinstance(input, DTensor):
         return F.cross_entropy(input, target, weight, size_average, ignore_index, reduce, reduction, label_smoothing)
     legacy = size_average is not None or reduce is not None
-    as_rows = _as_rows(input, target) if input.ndim > 2 else None
-    if as_rows is not None and takes_fast_path(*as_rows, weight, reduction, legacy):
-        loss = class_sharded_cross_entropy(*as_rows, weight, ignore_index, reduction, label_smoothing)
-        return loss.reshape(target.shape) if reduction == "none" else loss
+    as_rows = _as_rows(input, target) if input.ndim > 2 and not legacy else None
+    if as_rows is not None:
+        loss = _cross_entropy(*as_rows, weight, None, ignore_index, None, reduction, label_smoothing)
+        return loss.reshape(input.shape[0], *input.shape[2:]) if reduction == "none" else loss
     if takes_fast_path(input, target, weight, reduction, legacy):
         return class_sharded_cross_entropy(input, target, weight, ignore_index, reduction, label_smoothing)
     class_dim = 1 if input.ndim >= 2 else 0
