@@ -68,7 +68,7 @@ def test_cross_entropy_on_class_sharded_logits_matches_one_device(mesh):
 @spmd(meshes=MESHES)
 def test_a_sequence_of_classes_is_never_gathered(mesh):
     """Logits (batch, classes, sequence), as F.cross_entropy takes per-position classes, with targets
-    (batch, sequence): one device's loss and gradient, with all_reduces only (aten's nll_loss2d, which
+    (batch, sequence), and nll_loss of their log_softmax: one device's loss and gradient, with all_reduces only (aten's nll_loss2d, which
     has no class-sharded rule, is not reached)."""
     torch.manual_seed(5)
     logits_full = torch.randn(4, CLASSES, 3, dtype=torch.float64)
@@ -79,9 +79,12 @@ def test_a_sequence_of_classes_is_never_gathered(mesh):
         reference = logits_full.clone().requires_grad_()
         with loss_parallel(), comm.observe() as records:
             loss = F.cross_entropy(logits, _local_rows(mesh, target_full), reduction=reduction, ignore_index=ignore_index)
-            loss.sum().backward()
+            nll = F.nll_loss(F.log_softmax(logits, 1), _local_rows(mesh, target_full), reduction=reduction,
+                             ignore_index=ignore_index)
+            (loss.sum() + nll.sum()).backward()
         expected = F.cross_entropy(reference, target_full, reduction=reduction, ignore_index=ignore_index)
-        expected.sum().backward()
+        (2 * expected.sum()).backward()
+        assert_close(nll.full_tensor(), expected, msg=lambda m: f"{reduction} nll_loss: {m}")
         assert_close(loss.full_tensor(), expected, msg=lambda m: f"{reduction}: {m}")
         assert_close(logits.grad.full_tensor(), reference.grad, msg=lambda m: f"{reduction} grad: {m}")
         assert {record.kind for record in records} <= {"all_reduce"}, [record.kind for record in records]

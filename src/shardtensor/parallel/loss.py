@@ -7,10 +7,12 @@ all_reduce (the log-softmax gradient's row sums). The context adds PyTorch's cal
 for the vocab-parallel loss: the target and class weights may be plain tensors (read as laid out
 like the logits' batch dims, and replicated), and the loss comes back replicated; logits sharded
 along classes only, with class-index targets, take `vocab_loss`, whose backward communicates
-nothing. It intercepts `F.cross_entropy` (and so `nn.CrossEntropyLoss`) through a
-`TorchFunctionMode`, only while the block runs; backward needs no context. `F.nll_loss` (and
-`nn.NLLLoss`) of class-sharded log-probabilities takes plain targets and weights the same way, since
-users write `F.nll_loss(F.log_softmax(logits, -1), target)` for cross_entropy (PyTorch accepts it too).
+nothing. Logits (N, C, d1, ...) with targets (N, d1, ...) are taken as rows (N * d1 * ..., C), so
+that a sequence of classes is never gathered either. It intercepts `F.cross_entropy` (and so
+`nn.CrossEntropyLoss`) through a `TorchFunctionMode`, only while the block runs; backward needs no
+context. `F.nll_loss` (and `nn.NLLLoss`) of class-sharded log-probabilities takes plain targets
+and weights the same way, since users write `F.nll_loss(F.log_softmax(logits, -1), target)` for
+cross_entropy (PyTorch accepts it too).
 
     >>> with loss_parallel():  # doctest: +SKIP
     ...     loss = F.cross_entropy(logits, targets)  # logits: DTensor with Shard(1)
@@ -105,6 +107,10 @@ def _nll_loss(input, target, weight=None, size_average=None, ignore_index=-100, 
     write for cross_entropy), with plain target/weight read as `_cross_entropy` reads them."""
     if not isinstance(input, DTensor):
         return F.nll_loss(input, target, weight, size_average, ignore_index, reduce, reduction)
+    as_rows = _as_rows(input, target) if input.ndim > 2 and size_average is None and reduce is None else None
+    if as_rows is not None:
+        loss = _nll_loss(*as_rows, weight, None, ignore_index, None, reduction)
+        return loss.reshape(input.shape[0], *input.shape[2:]) if reduction == "none" else loss
     class_dim = 1 if input.ndim >= 2 else 0
     target = _like_logits(target, input, class_dim)
     loss = F.nll_loss(input, target, _replicated(weight, input), size_average, ignore_index, reduce, reduction)
