@@ -66,6 +66,31 @@ def test_cross_entropy_on_class_sharded_logits_matches_one_device(mesh):
 
 
 @spmd(meshes=MESHES)
+def test_a_sequence_of_classes_is_never_gathered(mesh):
+    """Logits (batch, classes, sequence), as F.cross_entropy takes per-position classes, with targets
+    (batch, sequence), and nll_loss of their log_softmax: one device's loss and gradient, with all_reduces only (aten's nll_loss2d, which
+    has no class-sharded rule, is not reached)."""
+    torch.manual_seed(5)
+    logits_full = torch.randn(4, CLASSES, 3, dtype=torch.float64)
+    target_full = torch.randint(0, CLASSES, (4, 3))
+    target_full[1, 2] = 3
+    for reduction, ignore_index in (("mean", -100), ("sum", 3), ("none", 3)):
+        logits = distribute_tensor(logits_full, mesh, _logits_placements(mesh)).requires_grad_()
+        reference = logits_full.clone().requires_grad_()
+        with loss_parallel(), comm.observe() as records:
+            loss = F.cross_entropy(logits, _local_rows(mesh, target_full), reduction=reduction, ignore_index=ignore_index)
+            nll = F.nll_loss(F.log_softmax(logits, 1), _local_rows(mesh, target_full), reduction=reduction,
+                             ignore_index=ignore_index)
+            (loss.sum() + nll.sum()).backward()
+        expected = F.cross_entropy(reference, target_full, reduction=reduction, ignore_index=ignore_index)
+        (2 * expected.sum()).backward()
+        assert_close(nll.full_tensor(), expected, msg=lambda m: f"{reduction} nll_loss: {m}")
+        assert_close(loss.full_tensor(), expected, msg=lambda m: f"{reduction}: {m}")
+        assert_close(logits.grad.full_tensor(), reference.grad, msg=lambda m: f"{reduction} grad: {m}")
+        assert {record.kind for record in records} <= {"all_reduce"}, [record.kind for record in records]
+
+
+@spmd(meshes=MESHES)
 def test_the_vocab_parallel_loss_costs_three_small_all_reduces(mesh):
     """max and sum of exponentials for the log-softmax, the picked values' sum; backward none on
     a 1-D mesh (one, the log-softmax gradient's row sums, when the batch is sharded too): all over
@@ -96,9 +121,11 @@ def test_probability_targets_and_the_module_form(mesh):
     reference = logits_full.clone().requires_grad_()
     with loss_parallel():
         loss = F.cross_entropy(logits, local_probabilities, label_smoothing=0.1)
+        whole_loss = F.cross_entropy(logits, probabilities, label_smoothing=0.1)  # every class: read as replicated
         module_loss = nn.CrossEntropyLoss(reduction="sum")(logits, torch.arange(ROWS) % CLASSES)
     expected = F.cross_entropy(reference, probabilities, label_smoothing=0.1)
     assert_close(loss.full_tensor(), expected)
+    assert_close(whole_loss.full_tensor(), expected)
     assert_close(module_loss.full_tensor(), F.cross_entropy(logits_full, torch.arange(ROWS) % CLASSES, reduction="sum"))
     loss.backward()
     expected.backward()

@@ -9,7 +9,9 @@ ran (with their explain text), and the ops that took the replicate fallback. Cou
 `shardtensor.comm.observe()` records, so they are true by construction: collectives issued in
 backward, inside sharding rules and in module hooks are all there.
 
-Counts are keyed by our collective kinds (strings). Their c10d counterparts (`C10D_NAMES`):
+Counts are keyed by our collective kinds (strings); torch's collective ops read them too
+(`counts[torch.ops.c10d_functional.all_reduce]`, 0 for one that did not run: `CommCounts`).
+Their c10d counterparts (`C10D_NAMES`):
 
 | kind | c10d / functional collective |
 |---|---|
@@ -45,7 +47,7 @@ from . import tracing_table
 from .module_tracker import FORWARD, GLOBAL, ModuleInfo, ModuleTracker
 from .tracing_table import C10D_NAMES, PHASES
 
-__all__ = ["CommDebugMode", "CommBytes", "Operation", "C10D_NAMES", "OUTSIDE_OPS"]
+__all__ = ["CommDebugMode", "CommBytes", "CommCounts", "Operation", "C10D_NAMES", "OUTSIDE_OPS"]
 
 # Collectives not issued inside a torch op: redistribute, full_tensor, distribute_tensor, from_local.
 OUTSIDE_OPS = "(no op: redistribute, full_tensor, distribute_tensor)"
@@ -57,6 +59,40 @@ class CommBytes:
 
     sent: int
     received: int
+
+
+# torch's op names (functional collectives and c10d ops, namespace and trailing "_" dropped) -> our kinds.
+_TORCH_OP_KINDS = {
+    **{c10d: kind for kind, c10d in C10D_NAMES.items()},
+    "allreduce": "all_reduce", "allgather": "all_gather", "_allgather_base": "all_gather",
+    "allgather_into_tensor_coalesced": "all_gather", "all_gather_into_tensor_coalesced": "all_gather",
+    "all_reduce_coalesced": "all_reduce", "allreduce_coalesced": "all_reduce",
+    "reduce_scatter": "reduce_scatter", "_reduce_scatter_base": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter", "alltoall": "all_to_all", "alltoall_base": "all_to_all",
+    "recv_any_source": "recv",
+}
+
+
+class CommCounts(dict):
+    """Collectives by our kind (`{'all_reduce': 1}`) that also answers PyTorch's keys, so that code
+    written for torch's CommDebugMode runs unchanged: `counts[torch.ops.c10d_functional.all_reduce]`
+    reads `counts['all_reduce']`, and a known kind or op that did not run counts 0 (torch returns a
+    defaultdict)."""
+
+    def __missing__(self, key):
+        kind = key if key in _TORCH_OP_KINDS.values() else _TORCH_OP_KINDS.get(_op_name(key))
+        if kind is None:
+            raise KeyError(f"{key!r} is not a collective that CommDebugMode counts; keys are our kinds "
+                           f"{sorted(C10D_NAMES)} or torch's collective ops (torch.ops.c10d_functional.all_reduce)")
+        return dict.get(self, kind, 0)
+
+
+def _op_name(key) -> str:
+    """`torch.ops._c10d_functional.all_gather_into_tensor(.default)` -> "all_gather_into_tensor",
+    `torch.ops.c10d.allreduce_` -> "allreduce"."""
+    if isinstance(key, torch._ops.OpOverload):
+        key = key.overloadpacket
+    return str(key).split(".")[-1].rstrip("_")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -200,15 +236,15 @@ class CommDebugMode:
         """How many collectives ran inside the block (one-rank groups issue none)."""
         return len(self.records)
 
-    def get_comm_counts(self) -> dict[str, int]:
-        """Collectives by kind, e.g. `{'all_gather': 2, 'all_reduce': 1}`."""
-        return dict(collections.Counter(record.kind for record in self.records))
+    def get_comm_counts(self) -> CommCounts:
+        """Collectives by kind, e.g. `{'all_gather': 2, 'all_reduce': 1}` (torch's op keys read them too)."""
+        return CommCounts(collections.Counter(record.kind for record in self.records))
 
-    def get_comm_module_counts(self) -> dict[str, dict[str, dict[str, int]]]:
+    def get_comm_module_counts(self) -> dict[str, dict[str, CommCounts]]:
         """Per module (`Global`, `MLP`, `MLP.net1`, ... in the order first run), per phase
         (`forward`, `backward`), collectives by kind; a module's counts include its submodules'."""
         counts = self._by_module(lambda records: collections.Counter(record.kind for record in records))
-        return {module: {phase: dict(counter) for phase, counter in phases.items()} for module, phases in counts.items()}
+        return {module: {phase: CommCounts(counter) for phase, counter in phases.items()} for module, phases in counts.items()}
 
     @property
     def comm_module_counts(self) -> dict[str, dict[str, dict[str, int]]]:

@@ -67,6 +67,9 @@ def _apply_plan(module: nn.Module, mesh: DeviceMesh, plan: Plan, prefix: str, sr
         full_path = f"{prefix}.{path}" if prefix else path
         if not isinstance(entry, (ParallelStyle, Mapping)):
             raise _plan_error(entry, full_path)
+        if path == "":  # the module itself, as torch reads the empty key
+            _apply_plan(module, mesh, entry, prefix, src_data_rank)
+            continue
         first, _, rest = path.partition(".")
         matched = [(name, child) for name, child in module.named_children() if fnmatchcase(name, first)]
         if not matched:
@@ -86,8 +89,8 @@ def parallelize_module(
     """Lay out `module` over a 1-D mesh by a plan; returns the module, changed in place.
 
     `parallelize_plan` is a style (applied to `module` itself) or a dict from submodule names
-    (`"layers.*.attention.wq"`, `*` matching within one name part) to styles or nested plans. An
-    entry that matches no submodule raises. `src_data_rank` is the coordinate whose parameter
+    (`"layers.*.attention.wq"`, `*` matching within one name part; `""` the module itself) to styles
+    or nested plans. An entry that matches no submodule raises. `src_data_rank` is the coordinate whose parameter
     values every rank receives (None: each rank slices its own, identical, copy; no communication).
 
     >>> parallelize_module(nn.Linear(8, 8), mesh, ColwiseParallel()).weight.placements  # doctest: +SKIP
