@@ -10,13 +10,10 @@ row of `bench_ops._workloads` runs with callgrind's instrumentation on around `S
 
 from __future__ import annotations
 
-import os
 import sys
 
-import torch
-
 import bench_ops
-from optimizer_instructions import _control, _instructions
+from optimizer_instructions import _control, _instructions, one_rank_world
 
 ROWS = ("add", "mul", "relu", "sum", "mm", "view", "reshape", "transpose", "10-op chain")
 SHORT, LONG = 20, 120
@@ -26,19 +23,7 @@ def main() -> None:
     import torch.distributed as dist
 
     library_name, out = sys.argv[1], sys.argv[2]
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 500))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    if library_name == "ours":
-        import shardtensor as library
-
-        mesh = library.init_device_mesh("cpu", (1,))
-    else:
-        from torch.distributed import tensor as library
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh("cpu", (1,))
+    library, mesh = one_rank_world(library_name)
     workloads = bench_ops._workloads(bench_ops._distributor(library, mesh))
     dumps = 0
     for name in ROWS:

@@ -36,12 +36,10 @@ def _instructions(dump: str) -> int:
         return next(int(line.split()[1]) for line in file if line.startswith("totals:"))
 
 
-def main() -> None:
+def one_rank_world(library_name: str):
+    """A one-rank gloo world and (the library, a 1-D mesh) for "ours" or "torch"; (None, None) for "plain"."""
     import torch.distributed as dist
 
-    import bench_optimizer
-
-    library_name, out = sys.argv[1], sys.argv[2]
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 500))
     torch.set_num_threads(1)
@@ -49,14 +47,22 @@ def main() -> None:
     if library_name == "ours":
         import shardtensor as library
 
-        mesh = library.init_device_mesh("cpu", (1,))
-    elif library_name == "torch":
+        return library, library.init_device_mesh("cpu", (1,))
+    if library_name == "torch":
         from torch.distributed import tensor as library
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh("cpu", (1,))
-    else:
-        library, mesh = None, None
+        return library, init_device_mesh("cpu", (1,))
+    return None, None
+
+
+def main() -> None:
+    import torch.distributed as dist
+
+    import bench_optimizer
+
+    library_name, out = sys.argv[1], sys.argv[2]
+    library, mesh = one_rank_world(library_name)
     placements = [None] if library is None else [library.Shard(0), library.Shard(1), library.Replicate()]
     workloads = bench_optimizer._workloads(library, mesh, placements)
     dumps = 0

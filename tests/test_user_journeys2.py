@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from spmd import spmd
+from test_parallel_styles import _LlamaRMSNorm as RMSNorm
 from torch import nn
 from torch.testing import assert_close
 
@@ -28,16 +29,6 @@ from shardtensor.parallel import (
 )
 
 VOCAB, DIM, HEADS, KV_HEADS, SEQUENCE, BATCH = 30, 16, 4, 2, 6, 4
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 
 def _rotary_frequencies(head_dim: int, sequence: int, theta: float = 10000.0) -> torch.Tensor:
