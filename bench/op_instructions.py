@@ -10,10 +10,11 @@ row of `bench_ops._workloads` runs with callgrind's instrumentation on around `S
 
 from __future__ import annotations
 
+import itertools
 import sys
 
 import bench_ops
-from optimizer_instructions import _control, _instructions, one_rank_world
+from optimizer_instructions import one_rank_world, per_call_instructions
 
 ROWS = ("add", "mul", "relu", "sum", "mm", "view", "reshape", "transpose", "10-op chain")
 SHORT, LONG = 20, 120
@@ -25,21 +26,10 @@ def main() -> None:
     library_name, out = sys.argv[1], sys.argv[2]
     library, mesh = one_rank_world(library_name)
     workloads = bench_ops._workloads(bench_ops._distributor(library, mesh))
-    dumps = 0
+    dumps = itertools.count(1)
     for name in ROWS:
         function, ops_per_call = workloads[name]
-        for _ in range(3):  # warm: decisions cached, public functions learnt
-            function()
-        counts = []
-        for calls in (SHORT, LONG):
-            _control("--instr=on")
-            for _ in range(calls):
-                function()
-            _control("--instr=off")
-            _control("--dump")
-            dumps += 1
-            counts.append(_instructions(f"{out}.{dumps}"))
-        per_op = (counts[1] - counts[0]) / (LONG - SHORT) / ops_per_call
+        per_op = per_call_instructions(function, SHORT, LONG, out, dumps) / ops_per_call
         print(f"{library_name} | {name} | {per_op / 1e3:.1f} K instructions per op")
     dist.destroy_process_group()
 

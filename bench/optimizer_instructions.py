@@ -13,6 +13,7 @@ out), but they show where a Python-level overhead goes and do not depend on the 
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -34,6 +35,22 @@ def _control(*options: str) -> None:
 def _instructions(dump: str) -> int:
     with open(dump) as file:
         return next(int(line.split()[1]) for line in file if line.startswith("totals:"))
+
+
+def per_call_instructions(function, short: int, long: int, out: str, dumps) -> float:
+    """Instructions per call of `function` (after 3 warm calls): callgrind on around `short`, then `long`
+    calls, each phase dumped to `OUT.N` (N from the counter `dumps`), the difference divided by the calls."""
+    for _ in range(3):  # warm: decisions cached, public functions learnt
+        function()
+    counts = []
+    for calls in (short, long):
+        _control("--instr=on")
+        for _ in range(calls):
+            function()
+        _control("--instr=off")
+        _control("--dump")
+        counts.append(_instructions(f"{out}.{next(dumps)}"))
+    return (counts[1] - counts[0]) / (long - short)
 
 
 def one_rank_world(library_name: str):
@@ -65,21 +82,10 @@ def main() -> None:
     library, mesh = one_rank_world(library_name)
     placements = [None] if library is None else [library.Shard(0), library.Shard(1), library.Replicate()]
     workloads = bench_optimizer._workloads(library, mesh, placements)
-    dumps = 0
+    dumps = itertools.count(1)
     for name in WORKLOADS:
-        step = workloads[name]
-        for _ in range(3):  # warm: decisions cached
-            step()
-        counts = []
-        for steps in (SHORT, LONG):
-            _control("--instr=on")
-            for _ in range(steps):
-                step()
-            _control("--instr=off")
-            _control("--dump")
-            dumps += 1
-            counts.append(_instructions(f"{out}.{dumps}"))
-        print(f"{library_name} | {name} | {(counts[1] - counts[0]) / (LONG - SHORT) / 1e6:.2f} M instructions per step")
+        per_step = per_call_instructions(workloads[name], SHORT, LONG, out, dumps)
+        print(f"{library_name} | {name} | {per_step / 1e6:.2f} M instructions per step")
     dist.destroy_process_group()
 
 
