@@ -6,7 +6,6 @@ optimizer runs with foreach=False, foreach=True and fused=True (where torch has 
 
 import math
 
-import pytest
 import torch
 from helpers import partial_of, torch_collectives, torch_mesh
 from spmd import spmd
