@@ -92,7 +92,7 @@ class FSDPModule:
     def set_reshard_after_forward(self, reshard_after_forward: bool | int, *, recurse: bool = True) -> None:
         """Whether forward frees the unsharded parameters (backward then gathers them again); an int k, as
         `fully_shard` takes (PyTorch's method takes a bool only), reshards to sub-groups of k ranks. Call it
-        on every rank: the first use of a sub-group creates its process group among its members."""
+        on every rank: the first use of a split makes every sub-group's process group, with every rank."""
         for module in self._fsdp_modules(recurse):
             module._fsdp_unit.set_reshard_after_forward(reshard_after_forward, "set_reshard_after_forward")
 
