@@ -18,7 +18,7 @@ from helpers import exact_full
 from spmd import spmd
 from torch.testing import assert_close
 
-from shardtensor import DTensor, Replicate, Shard, comm, distribute_tensor, explicit_communication, torch_function
+from shardtensor import DTensor, Replicate, Shard, comm, distribute_tensor, explicit_communication, torch_function, write_back
 
 # Placements of the base per mesh: the viewed dim (1) is sharded, so `y[:, 0]` moves it.
 PLACEMENTS = {1: [[Shard(1)]], 2: [[Shard(1), Shard(1)], [Shard(0), Shard(1)]]}
@@ -64,11 +64,13 @@ def test_reads_and_writes_of_views_alternating_with_writes_of_the_base(mesh):
 
 
 @spmd(meshes=[(2,), (2, 2)])
-def test_alternating_program_on_the_dispatcher_alone(mesh, monkeypatch):
-    """The same program with the public-function fast path off: cached aten plans serve every read."""
-    monkeypatch.setattr(torch_function, "fast_path_enabled", False)
-    for dtensor, plain in _bases(mesh):
-        _same(_alternating_program(dtensor), _alternating_program(plain))
+def test_alternating_program_on_the_dispatcher_alone(mesh):
+    """The same program with the public-function fast path off: cached aten plans serve every read.
+    (A context, not pytest's `monkeypatch` fixture: a fixture passed to the worker ranks is never undone there.)"""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setattr(torch_function, "fast_path_enabled", False)
+        for dtensor, plain in _bases(mesh):
+            _same(_alternating_program(dtensor), _alternating_program(plain))
 
 
 @spmd(meshes=[(2,), (2, 2)])
@@ -241,3 +243,20 @@ def test_printing_a_stale_view_on_one_rank_communicates_nothing(mesh):
         assert mesh.get_rank() != 0 or "stale" in text
         assert_close(column.full_tensor(), plain[:, 0])  # every rank: refreshed by the next read
         assert "stale" not in repr(column)
+
+
+@spmd(meshes=[(2,), (4,)])
+def test_the_first_write_into_a_view_stores_its_copy_once(mesh):
+    """On the miss path the plan built for the write stores the copy into the base; the miss path must
+    not store it a second time."""
+    stores = []
+    store = write_back._store
+    y = distribute_tensor(torch.zeros(4, 6), mesh, [Shard(1)])
+    plain = torch.zeros(4, 6)
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setattr(write_back, "_store", lambda *args: (stores.append(args[0]), store(*args))[1])
+        for view in (y[:, 0], plain[:, 0]):
+            view.mul_(3.0)
+            view.add_(1.0)
+    assert len(stores) == 2, stores  # one per write
+    assert torch.equal(y.full_tensor(), plain)

@@ -190,9 +190,12 @@ def _dispatch_slowly(dtensor_class: type, op, args: tuple, kwargs: dict, key: tu
     if torch.Tag.inplace_view in op.tags:
         return inplace_view(op, args, kwargs)
     sources = written_copy_sources(dtensor_class, op, args, kwargs) if writes(op) else ()
+    generations = [source.generation for source in sources]
     result = _decide_and_run(dtensor_class, op, args, kwargs, key)
-    if sources:
-        write_through(op, sources)
+    # A plan built and run here has stored its copies already (their generation moved): not twice.
+    unstored = [source for source, generation in zip(sources, generations) if source.generation == generation]
+    if unstored:
+        write_through(op, unstored)
     return result
 
 
