@@ -91,6 +91,9 @@ def spmd(meshes=DEFAULT_MESHES, *, timeout: float = DEFAULT_TIMEOUT):
     def decorate(body):
         reference = launch.register(body)
         body_parameters = [name for name in inspect.signature(body).parameters if name != "mesh"]
+        if "monkeypatch" in body_parameters:  # pickled to the ranks, where nothing would ever undo its patches
+            raise TypeError(f"{body.__name__}: an spmd body runs on the worker ranks, where pytest's monkeypatch "
+                            "fixture is never undone; patch inside the body with pytest.MonkeyPatch.context()")
 
         def test(mesh, spmd_pools, **params):
             pool = spmd_pools.get(math.prod(mesh))
