@@ -115,6 +115,34 @@ def test_replicate_leaf_read_as_partial_through_to_local_is_reduced_with_the_oth
     assert records == [_all_reduce_record(_every_mesh_dim(mesh), mesh.size(), w_full.numel() + v_full.numel())]
 
 
+@spmd(meshes=[(2,), (2, 2)])
+def test_to_local_gradients_accumulate_over_two_backward_passes(mesh):
+    """Two backward passes without zeroing, a Replicate weight read as Partial through `to_local` in each:
+    the Replicate `.grad` goes back to a Partial operand locally, takes the second gradient, and is reduced
+    once more when that backward ends: `.grad` is the single-device sum of both, one all_reduce per
+    backward. Torch: none, and `.grad` stays Partial(sum)."""
+    batch, w_full = exact_full((2 * mesh.size(), 4), 10), exact_full((4, 3), 11)
+    reference = w_full.clone().requires_grad_()
+    for scale in (1.0, 0.5):
+        (batch * scale @ reference).pow(2).sum().backward()
+    for lib in _libraries(mesh):
+        W = lib.tensor.distribute_tensor(w_full, lib.mesh, _placements(lib, "R", mesh.ndim)).requires_grad_()
+        counts = []
+        for scale in (1.0, 0.5):
+            product = _rows_of_rank(batch, mesh) * scale @ W.to_local(grad_placements=_placements(lib, "P", mesh.ndim))
+            with lib.CommDebugMode() as backward:
+                product.pow(2).sum().backward()
+            counts.append(collective_kinds(backward))
+        if lib.name == "ours":
+            assert W.grad.placements == (shardtensor.Replicate(),) * mesh.ndim, W.grad.placements
+            assert_close(W.grad.to_local(), reference.grad, rtol=0, atol=0)
+            assert counts == [{"all_reduce": 1}] * 2, counts
+        else:
+            assert all(placement.is_partial() for placement in W.grad.placements), W.grad.placements
+            assert_close(W.grad.full_tensor(), reference.grad, rtol=0, atol=0)
+            assert counts == [{}] * 2, counts
+
+
 @spmd(meshes=[(2, 2)])
 def test_replicate_shard_leaf_read_as_partial_shard_through_to_local(mesh):
     """A [Replicate(), Shard(0)] weight read with `grad_placements=[Partial(), Shard(0)]` (each row of
