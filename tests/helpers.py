@@ -130,6 +130,20 @@ def torch_collectives(function):
     return result, mode.get_total_counts()
 
 
+def collective_kinds(mode) -> dict[str, int]:
+    """The collectives either library's CommDebugMode counted, by our kind (`all_reduce`, `all_gather`,
+    `all_to_all`, ...): torch's keys are its functional ops, read by their c10d names."""
+    from shardtensor.debug.tracing_table import C10D_NAMES
+
+    kind_of_c10d = {c10d: kind for kind, c10d in C10D_NAMES.items()}
+    kinds: dict[str, int] = {}
+    for key, count in mode.get_comm_counts().items():
+        if count:
+            kind = key if isinstance(key, str) else kind_of_c10d[str(key).split(".")[-1].rstrip("_")]
+            kinds[kind] = kinds.get(kind, 0) + count
+    return kinds
+
+
 def _agreement(mesh, mesh_dims, int64s: int) -> list:
     """The record of one all_reduce(max) of `int64s` int64 values over `mesh_dims` (default: every mesh
     dim), or nothing on a one-rank group."""

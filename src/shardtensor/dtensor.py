@@ -21,6 +21,7 @@ from .autograd import FromLocal, Redistribute, ToLocal
 from .checkpoint import CheckpointableMixin
 from .dispatch import dispatch
 from .from_local import from_local_layout
+from .gradients import watch_leaf
 from .layout import Layout
 from .mesh import DeviceMesh, current_mesh
 from .placement import Partial, Placement, Replicate
@@ -217,12 +218,15 @@ class DTensor(FastTensorMethods, CheckpointableMixin, torch.Tensor):
     def to_local(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
         """This rank's shard as a plain tensor (differentiable).
 
-        The gradient of the result is read with `grad_placements` (default: this DTensor's).
+        The gradient of the result is read with `grad_placements` (default: this DTensor's). A leaf's
+        `.grad` still ends backward in the leaf's placements (`gradients.py`): a Replicate weight read
+        with `grad_placements=[Partial()]` gets its Partial gradient reduced when backward ends.
 
         >>> x.to_local()  # doctest: +SKIP
         """
         if not torch.is_grad_enabled():
             return self._local_tensor
+        watch_leaf(self)  # no torch function sees this leaf if it is used only here
         return ToLocal.apply(self, None if grad_placements is None else tuple(grad_placements))
 
     def full_tensor(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:

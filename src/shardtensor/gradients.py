@@ -7,9 +7,11 @@ PyTorch's DTensor stores such a gradient as it comes, so every rank may hold a f
 gradient of a sharded weight and the optimizer step reduces each parameter separately.
 
 Our decision: **gradients are reduced during backward, together.** Every leaf DTensor that a torch
-function records autograd history for gets a post-accumulate-grad hook (`watch_leaves`). A
-gradient whose layout differs from its leaf's is set aside, and when the backward pass ends (an
-autograd engine callback) all of them are re-laid at once:
+function records autograd history for (`watch_leaves`), or that `to_local()` is called on with grad
+enabled (`watch_leaf`: a Replicate weight read with `grad_placements=[Partial()]` gets a Partial
+gradient, and no torch function may ever see it), gets a post-accumulate-grad hook. A gradient
+whose layout differs from its leaf's is set aside, and when the backward pass ends (an autograd
+engine callback) all of them are re-laid at once:
 
 - gradients that differ from their leaf only by Partial mesh dims (Replicate leaf, Partial
   gradient) are reduced in one all_reduce per (mesh, mesh dims, reduce ops, dtype), flattened into
@@ -40,7 +42,7 @@ from .redistribute import is_relabel, redistribute_local_tensor
 from .redistribute.buckets import reduce_in_buckets, reduction_only
 from .spec import DTensorSpec, contiguous_stride
 
-__all__ = ["watch_leaves"]
+__all__ = ["watch_leaves", "watch_leaf"]
 
 _grad_enabled = torch.is_grad_enabled
 
@@ -57,17 +59,18 @@ def watch_leaves(dtensor_class: type, args: tuple, kwargs: dict) -> None:
         return
     for value in args:
         if type(value) is dtensor_class:
-            _watch(value)
+            watch_leaf(value)
         elif type(value) in (list, tuple):
             for item in value:
                 if type(item) is dtensor_class:
-                    _watch(item)
+                    watch_leaf(item)
     for value in kwargs.values():
         if type(value) is dtensor_class:
-            _watch(value)
+            watch_leaf(value)
 
 
-def _watch(dtensor) -> None:
+def watch_leaf(dtensor) -> None:
+    """Hook `dtensor` (once) if it is a leaf that requires grad, so its gradient is re-laid to its layout."""
     if dtensor.requires_grad and dtensor.is_leaf and not dtensor.__dict__.get("_gradient_watched"):
         dtensor._gradient_watched = True
         with torch._C.DisableTorchFunctionSubclass():  # registering is itself a torch function
