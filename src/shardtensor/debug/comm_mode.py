@@ -71,6 +71,10 @@ class CommBytes:
     received: int
 
 
+# Our kinds: comm's and those of collectives called directly (gather and reduce).
+_KINDS = frozenset(C10D_NAMES) | frozenset(TORCH_KEY_KINDS.values())
+
+
 class CommCounts(dict):
     """Collectives by our kind (`{'all_reduce': 1}`) that also answers PyTorch's keys, so that code
     written for torch's CommDebugMode runs unchanged, with torch's counts: a torch op (or its key as
@@ -78,7 +82,8 @@ class CommCounts(dict):
     own collective of that kind has (`torch.ops.c10d_functional.all_reduce` for an all_reduce,
     `torch.ops.c10d.broadcast_` for distribute_tensor's broadcast: `KIND_TORCH_KEYS`); a collective
     the program called directly counts under its own op (`dist.all_reduce`: `torch.ops.c10d.allreduce_`).
-    A known kind or collective op that did not run counts 0 (torch returns a defaultdict)."""
+    A known kind or collective op that did not run counts 0 (torch returns a defaultdict);
+    `by_torch_key` holds the counts by torch key as text (`{"c10d.allreduce_": 1}`)."""
 
     def __init__(self, by_kind=(), by_torch_key=None):
         super().__init__(by_kind)
@@ -101,9 +106,6 @@ class CommCounts(dict):
                            f"{sorted(_KINDS)} or torch's collective ops (torch.ops.c10d_functional.all_reduce, "
                            f"torch.ops.c10d.allreduce_, or that key as text: 'c10d.allreduce_')")
         return self.by_torch_key.get(torch_key, 0)
-
-
-_KINDS = frozenset(C10D_NAMES) | frozenset(TORCH_KEY_KINDS.values())
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
