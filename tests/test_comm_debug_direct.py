@@ -284,3 +284,26 @@ def test_keys_read_by_op_overload_and_text():
     for key in (torch.ops.aten.add, torch.ops.c10d.barrier, "allreduce"):
         with pytest.raises(KeyError, match="torch's collective ops"):
             counts[key]
+
+
+@spmd(meshes=[(1,), (2,)])
+def test_direct_calls_in_backward_count_as_torch(mesh):
+    """A gradient hook that all-reduces directly (hand-written data parallelism) counts in backward."""
+    def step(make_mode):
+        weight = torch.arange(4.0, requires_grad=True)
+        weight.register_hook(lambda grad: dist.all_reduce(grad) or grad)
+        with make_mode() as mode:
+            (weight * (mesh.get_rank() + 1.0)).sum().backward()
+        return mode, weight.grad
+
+    (theirs, their_grad), (ours, our_grad) = step(_torch_mode), step(CommDebugMode)
+    ranks = mesh.size()
+    assert torch.equal(our_grad, their_grad), (our_grad, their_grad)
+    assert torch.equal(our_grad, torch.full((4,), ranks * (ranks + 1) / 2)), our_grad
+    _assert_counts_agree(ours, theirs, {"c10d.allreduce_": 1})
+    # No module ran. torch counts the hook's all_reduce under Global backward; ours, as for our own
+    # collectives, under Global forward (backward work before the gradient reaches a module: docs/debug.md).
+    their_phases = {phase: _by_key(counts) for phase, counts in theirs.comm_module_counts["Global"].items()}
+    our_phases = {phase: dict(counts) for phase, counts in ours.get_comm_module_counts()["Global"].items()}
+    assert their_phases == {"forward": {}, "backward": {"c10d.allreduce_": 1}}, their_phases
+    assert our_phases == {"forward": {"all_reduce": 1}, "backward": {}}, our_phases
