@@ -1,16 +1,24 @@
-"""CommDebugMode: the collectives (and their bytes) a block of DTensor code issues, per module and op.
+"""CommDebugMode: the collectives (and their bytes) a block of code issues, per module and op.
 
 Mirrors `torch.distributed.tensor.debug.CommDebugMode`: `get_total_counts`, `get_comm_counts`,
 per-module tracing (`generate_comm_debug_tracing_table(noise_level)`, `generate_json_dump`,
 `log_comm_debug_tracing_table_to_file`, forward and backward apart), `get_parameter_info`,
 `get_sharding_info`, `comm_module_counts`. It adds what PyTorch lacks: the bytes this rank sent and
 received per kind and per module, the collectives each torch op caused, the redistribute plans that
-ran (with their explain text), and the ops that took the replicate fallback. Counts are read from
-`shardtensor.comm.observe()` records, so they are true by construction: collectives issued in
-backward, inside sharding rules and in module hooks are all there.
+ran (with their explain text), and the ops that took the replicate fallback.
 
-Counts are keyed by our collective kinds (strings); torch's collective ops read them too
-(`counts[torch.ops.c10d_functional.all_reduce]`, 0 for one that did not run: `CommCounts`).
+What it counts, as torch's mode does for the same program: every collective of `shardtensor.comm`
+(read from `comm.observe()` records, so collectives issued in backward, inside sharding rules and in
+module hooks are all there; none on a one-rank group), and every collective the program calls directly
+through `torch.distributed` (`dist.all_reduce`, `all_gather_into_tensor`, `broadcast`, `gather`,
+`all_gather_object`'s two all_gathers, ...) or torch's functional collectives (`funcol.all_reduce`, ...),
+seen as c10d ops by a dispatch mode pushed only while the mode is entered (`DirectRecord`, keyed like
+torch: `direct_collectives`; counted on one-rank groups too, bytes not measured). Like torch's, it does
+not count `dist.barrier`, `dist.send` or `dist.recv` (`comm`'s send, recv and batch_p2p do count). c10d
+calls that `comm` makes itself count once, as its record.
+
+Counts are keyed by our collective kinds (strings); torch's collective ops read them too, with torch's
+counts (`counts[torch.ops.c10d_functional.all_reduce]`, 0 for one that did not run: `CommCounts`).
 Their c10d counterparts (`C10D_NAMES`):
 
 | kind | c10d / functional collective |
@@ -22,6 +30,7 @@ Their c10d counterparts (`C10D_NAMES`):
 | broadcast | broadcast |
 | scatter | scatter |
 | send, recv, batch_p2p | send, recv, batch_isend_irecv |
+| gather, reduce | gather, reduce (called directly only) |
 
     >>> with CommDebugMode() as mode:  # doctest: +SKIP
     ...     model(x).sum().backward()
@@ -43,11 +52,12 @@ from .. import comm, dispatch
 from ..dtensor import DTensor
 from ..redistribute.executor import observe_plans
 from ..redistribute.planner import Plan
-from . import tracing_table
+from . import direct_collectives, tracing_table
+from .direct_collectives import KIND_TORCH_KEYS, TORCH_KEY_KINDS, DirectRecord
 from .module_tracker import FORWARD, GLOBAL, ModuleInfo, ModuleTracker
 from .tracing_table import C10D_NAMES, PHASES
 
-__all__ = ["CommDebugMode", "CommBytes", "CommCounts", "Operation", "C10D_NAMES", "OUTSIDE_OPS"]
+__all__ = ["CommDebugMode", "CommBytes", "CommCounts", "DirectRecord", "Operation", "C10D_NAMES", "OUTSIDE_OPS"]
 
 # Collectives not issued inside a torch op: redistribute, full_tensor, distribute_tensor, from_local.
 OUTSIDE_OPS = "(no op: redistribute, full_tensor, distribute_tensor)"
@@ -61,38 +71,41 @@ class CommBytes:
     received: int
 
 
-# torch's op names (functional collectives and c10d ops, namespace and trailing "_" dropped) -> our kinds.
-_TORCH_OP_KINDS = {
-    **{c10d: kind for kind, c10d in C10D_NAMES.items()},
-    "allreduce": "all_reduce", "allgather": "all_gather", "_allgather_base": "all_gather",
-    "allgather_into_tensor_coalesced": "all_gather", "all_gather_into_tensor_coalesced": "all_gather",
-    "all_reduce_coalesced": "all_reduce", "allreduce_coalesced": "all_reduce",
-    "reduce_scatter": "reduce_scatter", "_reduce_scatter_base": "reduce_scatter",
-    "reduce_scatter_tensor_coalesced": "reduce_scatter", "alltoall": "all_to_all", "alltoall_base": "all_to_all",
-    "recv_any_source": "recv",
-}
+# Our kinds: comm's and those of collectives called directly (gather and reduce).
+_KINDS = frozenset(C10D_NAMES) | frozenset(TORCH_KEY_KINDS.values())
 
 
 class CommCounts(dict):
     """Collectives by our kind (`{'all_reduce': 1}`) that also answers PyTorch's keys, so that code
-    written for torch's CommDebugMode runs unchanged: `counts[torch.ops.c10d_functional.all_reduce]`
-    reads `counts['all_reduce']`, and a known kind or op that did not run counts 0 (torch returns a
-    defaultdict)."""
+    written for torch's CommDebugMode runs unchanged, with torch's counts: a torch op (or its key as
+    text) reads the collectives torch would count under it. Ours count under the key torch DTensor's
+    own collective of that kind has (`torch.ops.c10d_functional.all_reduce` for an all_reduce,
+    `torch.ops.c10d.broadcast_` for distribute_tensor's broadcast: `KIND_TORCH_KEYS`); a collective
+    the program called directly counts under its own op (`dist.all_reduce`: `torch.ops.c10d.allreduce_`).
+    A known kind or collective op that did not run counts 0 (torch returns a defaultdict);
+    `by_torch_key` holds the counts by torch key as text (`{"c10d.allreduce_": 1}`)."""
+
+    def __init__(self, by_kind=(), by_torch_key=None):
+        super().__init__(by_kind)
+        self.by_torch_key: dict[str, int] = dict(by_torch_key or {})
+
+    @classmethod
+    def of(cls, records) -> CommCounts:
+        """The counts of `records` (ours and `DirectRecord`s)."""
+        by_kind = collections.Counter(record.kind for record in records)
+        keys = (record.torch_key if isinstance(record, DirectRecord) else KIND_TORCH_KEYS.get(record.kind)
+                for record in records)
+        return cls(by_kind, collections.Counter(key for key in keys if key is not None))
 
     def __missing__(self, key):
-        kind = key if key in _TORCH_OP_KINDS.values() else _TORCH_OP_KINDS.get(_op_name(key))
-        if kind is None:
+        if isinstance(key, str) and key in _KINDS:
+            return 0
+        torch_key = direct_collectives.torch_key(key)
+        if torch_key is None:
             raise KeyError(f"{key!r} is not a collective that CommDebugMode counts; keys are our kinds "
-                           f"{sorted(C10D_NAMES)} or torch's collective ops (torch.ops.c10d_functional.all_reduce)")
-        return dict.get(self, kind, 0)
-
-
-def _op_name(key) -> str:
-    """`torch.ops._c10d_functional.all_gather_into_tensor(.default)` -> "all_gather_into_tensor",
-    `torch.ops.c10d.allreduce_` -> "allreduce"."""
-    if isinstance(key, torch._ops.OpOverload):
-        key = key.overloadpacket
-    return str(key).split(".")[-1].rstrip("_")
+                           f"{sorted(_KINDS)} or torch's collective ops (torch.ops.c10d_functional.all_reduce, "
+                           f"torch.ops.c10d.allreduce_, or that key as text: 'c10d.allreduce_')")
+        return self.by_torch_key.get(torch_key, 0)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -139,9 +152,9 @@ class _LocalOps(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         tensors = _tensor_arguments(args)
-        if not any(tensor.is_meta for tensor in tensors):
-            self.mode._note_operation(func, "local", tensors, range(0))
-        return func(*args, **(kwargs or {}))
+        if any(tensor.is_meta for tensor in tensors):
+            return func(*args, **(kwargs or {}))
+        return self.mode._run_plain(func, "local", tensors, args, kwargs or {})
 
 
 class _Operations(TorchDispatchMode):
@@ -156,8 +169,7 @@ class _Operations(TorchDispatchMode):
         kwargs = kwargs or {}
         tensors = _tensor_arguments(args) + _tensor_arguments(kwargs.values())
         if not any(issubclass(kind, DTensor) for kind in types):
-            self.mode._note_operation(func, "plain", tensors, range(0))
-            return func(*args, **kwargs)
+            return self.mode._run_plain(func, "plain", tensors, args, kwargs)
         start = len(self.mode.records)
         index = self.mode._note_operation(func, "dtensor", tensors, range(start, start))  # before its local ops
         with self.local_ops:
@@ -168,10 +180,12 @@ class _Operations(TorchDispatchMode):
 
 
 class CommDebugMode:
-    """A context manager that records every collective this rank issues inside it, with the module
-    (forward or backward) and the torch op that issued it.
+    """A context manager that records every collective this rank issues inside it, through
+    `shardtensor.comm` or directly through torch.distributed and its functional collectives, with the
+    module (forward or backward) and the torch op that issued it.
 
-    The mode is reusable: entering it again starts a fresh recording.
+    The mode is reusable: entering it again starts a fresh recording. Modes nest: each counts the
+    collectives run inside it. Outside a mode nothing is watched (no dispatch mode is pushed).
     """
 
     def __init__(self):
@@ -221,6 +235,18 @@ class CommDebugMode:
         self.operations.append(Operation(str(func), kind, module, phase, shapes, placements, mesh, records))
         return len(self.operations) - 1
 
+    def _run_plain(self, func, kind: str, tensors: list[torch.Tensor], args, kwargs):
+        """Run an op on plain tensors, noted as `kind`; a collective the program called directly (not
+        through `shardtensor.comm`, which records its own) is recorded as issued by that op."""
+        index = self._note_operation(func, kind, tensors, range(0))
+        result = func(*args, **kwargs)
+        record = direct_collectives.direct_record(func, args, kwargs)
+        if record is not None:
+            self.records.append(record)
+            records = range(len(self.records) - 1, len(self.records))
+            self.operations[index] = dataclasses.replace(self.operations[index], records=records)
+        return result
+
     def _contexts_for(self, count: int, field: str) -> list[_Context]:
         """The context of each of the first `count` collectives (field "first_record") or plans ("first_plan")."""
         starts = [getattr(context, field) for context in self._contexts]
@@ -233,18 +259,19 @@ class CommDebugMode:
 
     # --- PyTorch's API ---------------------------------------------------------------------------------
     def get_total_counts(self) -> int:
-        """How many collectives ran inside the block (one-rank groups issue none)."""
+        """How many collectives ran inside the block: ours (none on one-rank groups) and those called
+        directly (counted as torch counts them)."""
         return len(self.records)
 
     def get_comm_counts(self) -> CommCounts:
-        """Collectives by kind, e.g. `{'all_gather': 2, 'all_reduce': 1}` (torch's op keys read them too)."""
-        return CommCounts(collections.Counter(record.kind for record in self.records))
+        """Collectives by kind, e.g. `{'all_gather': 2, 'all_reduce': 1}`, direct calls included; torch's
+        op keys read torch's counts (`counts[torch.ops.c10d.allreduce_]`: the direct `dist.all_reduce`s)."""
+        return CommCounts.of(self.records)
 
     def get_comm_module_counts(self) -> dict[str, dict[str, CommCounts]]:
         """Per module (`Global`, `MLP`, `MLP.net1`, ... in the order first run), per phase
         (`forward`, `backward`), collectives by kind; a module's counts include its submodules'."""
-        counts = self._by_module(lambda records: collections.Counter(record.kind for record in records))
-        return {module: {phase: CommCounts(counter) for phase, counter in phases.items()} for module, phases in counts.items()}
+        return self._by_module(CommCounts.of)
 
     @property
     def comm_module_counts(self) -> dict[str, dict[str, dict[str, int]]]:
@@ -280,11 +307,12 @@ class CommDebugMode:
 
     # --- what PyTorch lacks ----------------------------------------------------------------------------
     def get_comm_bytes(self) -> dict[str, CommBytes]:
-        """Bytes this rank sent and received, by collective kind."""
+        """Bytes this rank sent and received, by collective kind (collectives called directly add 0:
+        their bytes are not measured)."""
         return _bytes_by_kind(self.records)
 
     def get_total_bytes(self) -> CommBytes:
-        """Bytes this rank sent and received over all collectives."""
+        """Bytes this rank sent and received over all collectives (direct calls: see `get_comm_bytes`)."""
         return CommBytes(sum(r.bytes_sent for r in self.records), sum(r.bytes_received for r in self.records))
 
     def get_comm_module_bytes(self) -> dict[str, dict[str, dict[str, CommBytes]]]:
@@ -308,7 +336,8 @@ class CommDebugMode:
         return dict(collections.Counter(dispatch.fallback_counts) - self._fallbacks_before)
 
     def get_comm_counts_by_op(self) -> dict[str, dict[str, int]]:
-        """Collectives by the torch op that issued them; `OUTSIDE_OPS` holds the rest."""
+        """Collectives by the torch op that issued them (a direct call: its c10d op); `OUTSIDE_OPS` holds
+        the rest."""
         by_op: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
         inside = set()
         for operation in self.operations:

@@ -13,6 +13,7 @@ import dataclasses
 import json
 
 from ..dtensor import DTensor
+from .direct_collectives import DirectRecord
 from .module_tracker import BACKWARD, FORWARD, GLOBAL
 
 __all__ = ["table", "write_json", "TRIVIAL_OPS", "C10D_NAMES"]
@@ -29,6 +30,8 @@ C10D_NAMES = {
     "send": "send",
     "recv": "recv",
     "batch_p2p": "batch_isend_irecv",
+    "gather": "gather",  # gather and reduce: only collectives called directly through torch.distributed
+    "reduce": "reduce",
 }
 # Ops that only relabel or view data; shown from noise level 3 (PyTorch's list).
 TRIVIAL_OPS = frozenset({
@@ -127,10 +130,15 @@ def _summary_lines(mode) -> list[str]:
     lines = [f"Totals: {mode.get_total_counts()} collectives, {_bytes_text(mode.get_total_bytes())}"]
     for kind, count in sorted(mode.get_comm_counts().items()):
         lines.append(f"  {kind} (c10d {C10D_NAMES.get(kind, kind)}): {count}, {_bytes_text(mode.get_comm_bytes()[kind])}")
-    by_mesh_dim = collections.Counter((record.kind, record.mesh_dim) for record in mode.records)
+    ours = [record for record in mode.records if not isinstance(record, DirectRecord)]
+    by_mesh_dim = collections.Counter((record.kind, record.mesh_dim) for record in ours)
     if by_mesh_dim:
         lines.append("By mesh dim:")
         lines += [f"  {kind} on mesh dim {mesh_dim}: {count}" for (kind, mesh_dim), count in sorted(by_mesh_dim.items(), key=str)]
+    direct = collections.Counter(record.torch_key for record in mode.records if isinstance(record, DirectRecord))
+    if direct:
+        lines.append("Called directly through torch.distributed (bytes not measured):")
+        lines += [f"  {key}: {count}" for key, count in sorted(direct.items())]
     fallbacks = mode.get_fallback_counts()
     if fallbacks:
         lines.append("Replicate fallback (no sharding rule):")
