@@ -307,3 +307,21 @@ def test_direct_calls_in_backward_count_as_torch(mesh):
     our_phases = {phase: dict(counts) for phase, counts in ours.get_comm_module_counts()["Global"].items()}
     assert their_phases == {"forward": {}, "backward": {"c10d.allreduce_": 1}}, their_phases
     assert our_phases == {"forward": {"all_reduce": 1}, "backward": {}}, our_phases
+
+
+@spmd(meshes=ONE_D)
+def test_entering_an_active_mode_again_raises_and_leaves_it_recording(mesh):
+    """`with m: ... with m:` raises on every rank (it would replace the outer block's recording and leave
+    its observer attached forever); the outer block keeps counting, and after it nothing is attached."""
+    from shardtensor import comm
+
+    x = shardtensor.distribute_tensor(torch.arange(4.0 * mesh.size()), mesh, [shardtensor.Shard(0)])
+    mode = CommDebugMode()
+    with mode:
+        with pytest.raises(RuntimeError, match="already active"):
+            with mode:
+                pass
+        assert torch.equal(x.full_tensor(), torch.arange(4.0 * mesh.size()))
+    expected = 1 if mesh.size() > 1 else 0
+    assert mode.get_total_counts() == expected
+    assert not comm.records._observers

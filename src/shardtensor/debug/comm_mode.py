@@ -185,7 +185,9 @@ class CommDebugMode:
     module (forward or backward) and the torch op that issued it.
 
     The mode is reusable: entering it again starts a fresh recording. Modes nest: each counts the
-    collectives run inside it. Outside a mode nothing is watched (no dispatch mode is pushed).
+    collectives run inside it; entering a mode that is already active raises (its recording would be
+    replaced mid-block; torch's restarts its counts there). Outside a mode nothing is watched (no
+    dispatch mode is pushed).
     """
 
     def __init__(self):
@@ -200,6 +202,11 @@ class CommDebugMode:
         self._fallbacks: collections.Counter[str] | None = None
 
     def __enter__(self) -> CommDebugMode:
+        if self._observers:
+            raise RuntimeError(
+                "this CommDebugMode is already active: entering it again inside its own block would replace "
+                "its recording; nest a second CommDebugMode() instead"
+            )
         self._observers = [comm.observe(), observe_plans()]
         self.records = self._observers[0].__enter__()
         self.plans = self._observers[1].__enter__()
@@ -217,6 +224,7 @@ class CommDebugMode:
         self._tracker.__exit__(*exc_info)
         for observer in reversed(self._observers):
             observer.__exit__(*exc_info)
+        self._observers = []
 
     def __repr__(self) -> str:
         return f"CommDebugMode(get_total_counts()={self.get_total_counts()})"
