@@ -1,18 +1,24 @@
-"""Activation checkpointing with random DTensors: `shardtensor.random.checkpoint`'s recomputation draws
-what the forward drew (the gradients of the program without checkpointing, and of one device), and a
-plain `torch.utils.checkpoint.checkpoint` whose recomputation would draw other numbers raises."""
+"""Activation checkpointing with random DTensors: `shardtensor.random.checkpoint`'s recomputation, and that
+of torch's checkpoints (composable `checkpoint(module)`, `torch.utils.checkpoint.checkpoint`,
+`checkpoint_wrapper`) given `context_fn=shardtensor.random.checkpoint_contexts`, draws what the forward
+drew (the gradients of the program without checkpointing, and of one device); a plain torch checkpoint
+whose recomputation would draw other numbers raises, naming what to use instead."""
+
+import functools
 
 import pytest
 import torch
 import torch.nn.functional as F
 from helpers import documented_random
 from spmd import spmd
+from torch.distributed._composable import checkpoint as composable_checkpoint
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 import shardtensor
 from shardtensor import DeviceMesh, Replicate, Shard, distribute_tensor
-from shardtensor.random import checkpoint
+from shardtensor.random import checkpoint, checkpoint_contexts
 
 SHAPE = (8, 6)
 SEED = 5
@@ -20,6 +26,33 @@ SEED = 5
 
 def _no_checkpoint(function, *args, use_reentrant):
     return function(*args)
+
+
+class _Function(torch.nn.Module):
+    """`function` as a module, for the checkpoints that wrap modules."""
+
+    def __init__(self, function):
+        super().__init__()
+        self.function = function
+
+    def forward(self, *args):
+        return self.function(*args)
+
+
+def _composable(function, *args, use_reentrant, **kwargs):
+    """torch's composable `checkpoint(module)` around `function` (it has no reentrant mode)."""
+    assert not use_reentrant
+    return composable_checkpoint(_Function(function), **kwargs)(*args)
+
+
+# Checkpoints whose recomputation replays our draws, and the use_reentrant modes each takes.
+REPLAYING_CHECKPOINTS = {
+    "shardtensor.random.checkpoint": (checkpoint, (False, True)),
+    "composable checkpoint(module, context_fn=checkpoint_contexts)": (
+        functools.partial(_composable, context_fn=checkpoint_contexts), (False,)),
+    "torch checkpoint(context_fn=checkpoint_contexts)": (
+        functools.partial(torch_checkpoint, context_fn=checkpoint_contexts), (False,)),
+}
 
 
 def _block(x, w):
@@ -55,15 +88,18 @@ def _reference(x, w, nested: bool):
     return h * (next(draws) < 0.5) * 2.0 + x if nested else h
 
 
-def _run(mesh, placements, program):
-    """(output, x.grad, w.grad) as full tensors, and the values of the random call after the step."""
+def _run(mesh, placements, program, backwards=1):
+    """(output, x.grad, w.grad) as full tensors after `backwards` backwards through the graph, and the
+    values of the random call after the step."""
     shardtensor.manual_seed(SEED)
     torch.manual_seed(0)
     x_full, w_full = torch.randn(SHAPE, dtype=torch.float64), torch.randn(SHAPE, dtype=torch.float64)
     x = distribute_tensor(x_full, mesh, placements).requires_grad_()
     w = distribute_tensor(w_full, mesh, placements).requires_grad_()
     output = program(x, w)
-    (output * output).sum().backward()
+    loss = (output * output).sum()
+    for _ in range(backwards):
+        loss.backward(retain_graph=True)
     after = shardtensor.rand(*SHAPE, device_mesh=mesh, dtype=torch.float64).full_tensor()
     return [output.full_tensor(), x.grad.full_tensor(), w.grad.full_tensor()], after, (x_full, w_full)
 
@@ -72,15 +108,19 @@ def _placement_lists(mesh):
     return [[Shard(0)] + [Shard(1)] * (mesh.ndim - 1), [Replicate()] * mesh.ndim]
 
 
+def _checkpoints_and_modes():
+    return [(item, mode) for item in REPLAYING_CHECKPOINTS.items() for mode in item[1][1]]
+
+
 @spmd()
 def test_checkpoint_recomputes_the_forward_draws(mesh):
     for placements in _placement_lists(mesh):
         for nested in (False, True):
-            for use_reentrant in (False, True):
-                note = (placements, nested, use_reentrant)
+            for (name, (checkpoint_function, modes)), use_reentrant in _checkpoints_and_modes():
+                note = (placements, nested, name, use_reentrant)
                 without = _program(_no_checkpoint, nested, use_reentrant)
                 plain, plain_after, (x_full, w_full) = _run(mesh, placements, without)
-                checkpointed, after, _ = _run(mesh, placements, _program(checkpoint, nested, use_reentrant))
+                checkpointed, after, _ = _run(mesh, placements, _program(checkpoint_function, nested, use_reentrant))
                 assert all(torch.equal(ours, theirs) for ours, theirs in zip(checkpointed, plain)), note
                 # the recomputation leaves the counter where the forward left it
                 calls = 5 if nested else 3
@@ -93,23 +133,35 @@ def test_checkpoint_recomputes_the_forward_draws(mesh):
                     torch.testing.assert_close(ours, reference.detach(), rtol=1e-12, atol=1e-12, msg=str(note))
 
 
-@spmd(meshes=[(1,), (2,), (2, 2)])
+# torch's checkpoints without our context_fn: their recomputation would draw other numbers.
+PLAIN_CHECKPOINTS = {
+    "torch checkpoint, use_reentrant=False": functools.partial(torch_checkpoint, use_reentrant=False),
+    "torch checkpoint, use_reentrant=True": functools.partial(torch_checkpoint, use_reentrant=True),
+    "composable checkpoint(module)": functools.partial(_composable, use_reentrant=False),
+}
+WHAT_TO_USE = (r"ran during backward(.|\n)*Pass context_fn=shardtensor\.random\.checkpoint_contexts to checkpoint\(module, "
+               r"\.\.\.\), to torch\.utils\.checkpoint\.checkpoint\(\.\.\., use_reentrant=False\) or to checkpoint_wrapper"
+               r"(.|\n)*shardtensor\.random\.checkpoint\(function, \*args, use_reentrant=\.\.\., \.\.\.\)")
+
+
+@spmd()
 def test_plain_torch_checkpoint_raises_instead_of_drawing_another_mask(mesh):
+    """On every rank, the message names what to use instead, for each of torch's checkpoints."""
     placements = _placement_lists(mesh)[0]
-    for use_reentrant in (False, True):
+    for name, plain_checkpoint in PLAIN_CHECKPOINTS.items():
         shardtensor.manual_seed(SEED)
         x = distribute_tensor(torch.randn(SHAPE), mesh, placements).requires_grad_()
-        output = torch_checkpoint(lambda x: F.dropout(x, 0.5), x, use_reentrant=use_reentrant)
-        with pytest.raises(RuntimeError, match=r"ran during backward(.|\n)*shardtensor\.random\.checkpoint"):
+        output = plain_checkpoint(lambda x: F.dropout(x, 0.5), x)
+        with pytest.raises(RuntimeError, match=WHAT_TO_USE):
             output.sum().backward()
         # the failed recomputation took no number: the next call is call 1
         after = shardtensor.rand(*SHAPE, device_mesh=mesh, dtype=torch.float64).full_tensor()
-        assert torch.equal(after, documented_random("rand", SHAPE, seed=SEED, counter=1)), use_reentrant
+        assert torch.equal(after, documented_random("rand", SHAPE, seed=SEED, counter=1)), name
         # a plain checkpoint without random ops, between random ops, is fine
         x.grad = None
-        output = F.dropout(torch_checkpoint(torch.tanh, F.dropout(x, 0.5), use_reentrant=use_reentrant), 0.5)
+        output = F.dropout(plain_checkpoint(torch.tanh, F.dropout(x, 0.5)), 0.5)
         output.sum().backward()
-        assert torch.equal(x.grad.full_tensor() != 0, output.full_tensor() != 0), use_reentrant
+        assert torch.equal(x.grad.full_tensor() != 0, output.full_tensor() != 0), name
 
 
 @spmd(meshes=[(2,), (2, 2)])
@@ -157,13 +209,16 @@ class _Block(torch.nn.Module):
 
 
 @spmd(meshes=[(2,)])
-def test_torch_checkpoint_wrapper_with_our_checkpoint_function(mesh):
+def test_torch_checkpoint_wrapper_with_our_checkpoint_function_or_context_fn(mesh):
     plain, _, _ = _run(mesh, [Shard(0)], _Block())
     for use_reentrant in (False, True):
         wrapped = checkpoint_wrapper(_Block(), checkpoint_impl=CheckpointImpl.NO_REENTRANT, checkpoint_fn=checkpoint,
                                      use_reentrant=use_reentrant)
         checkpointed, _, _ = _run(mesh, [Shard(0)], wrapped)
         assert all(torch.equal(ours, theirs) for ours, theirs in zip(checkpointed, plain)), use_reentrant
+    wrapped = checkpoint_wrapper(_Block(), checkpoint_impl=CheckpointImpl.NO_REENTRANT, context_fn=checkpoint_contexts)
+    checkpointed, _, _ = _run(mesh, [Shard(0)], wrapped)
+    assert all(torch.equal(ours, theirs) for ours, theirs in zip(checkpointed, plain))
 
 
 @spmd(meshes=[(2,), (2, 2)])
@@ -235,3 +290,117 @@ def test_checkpoint_sequential_replays_each_segment_s_draws(mesh):
         checkpoint_sequential(_sequential(mesh, placements), 6, distribute_tensor(torch.ones(SHAPE), mesh, placements))
     with pytest.raises(RuntimeError, match="shardtensor.random.checkpoint_sequential"):
         run(lambda model, x: torch.utils.checkpoint.checkpoint_sequential(model, 2, x, use_reentrant=False))
+
+
+class _Layer(torch.nn.Module):
+    """A transformer-block stand-in with three random calls: dropout, randn_like, normal_."""
+
+    def __init__(self, weight):
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight)
+        self.dropout = torch.nn.Dropout(0.25)
+
+    def forward(self, x):
+        h = self.dropout((x * self.weight).tanh())
+        h = h + 0.1 * torch.randn_like(h)
+        return h * torch.empty_like(h).normal_(1.0, 0.5)
+
+
+def _reference_layer(x, weight, draw):
+    """`_Layer` on one device, with the values of the next three random calls: `draw(kind, parameters)`."""
+    h = (x * weight).tanh() * (draw("rand") < 0.75) * (1 / 0.75)
+    h = h + 0.1 * draw("randn")
+    return h * draw("normal_", parameters=(1.0, 0.5))
+
+
+def _save_tanh(context, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.tanh.default else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _checkpoint_every_layer(model, **kwargs):
+    for layer in model:
+        composable_checkpoint(layer, **kwargs)
+
+
+# How a model of `_Layer`s is checkpointed, torchtitan style: every block, or the model too (nested).
+MODEL_CHECKPOINTS = {
+    "none": lambda model: None,
+    "composable, every layer": lambda model: _checkpoint_every_layer(model, context_fn=checkpoint_contexts),
+    "composable, every layer and the model": lambda model: (
+        _checkpoint_every_layer(model, context_fn=checkpoint_contexts),
+        composable_checkpoint(model, context_fn=checkpoint_contexts)),
+    "composable, selective (tanh saved)": lambda model: _checkpoint_every_layer(model, context_fn=functools.partial(
+        checkpoint_contexts, functools.partial(create_selective_checkpoint_contexts, _save_tanh))),
+}
+LAYERS, STEPS, LEARNING_RATE = 3, 2, 0.1
+
+
+def _train_reference(x, weights):
+    """The training run on one device: random call k after manual_seed(SEED) has the documented values."""
+    counters = iter(range(LAYERS * 3 * STEPS))
+
+    def draw(kind, parameters=()):
+        return documented_random(kind, SHAPE, seed=SEED, counter=next(counters), parameters=parameters)
+
+    weights = [weight.clone().requires_grad_() for weight in weights]
+    losses = []
+    for _ in range(STEPS):
+        h = x
+        for weight in weights:
+            h = _reference_layer(h, weight, draw)
+        loss = (h * h).sum()
+        loss.backward()
+        losses.append(loss.detach())
+        with torch.no_grad():
+            for weight in weights:
+                weight -= LEARNING_RATE * weight.grad
+                weight.grad = None
+    return losses, [weight.detach() for weight in weights]
+
+
+@spmd()
+def test_composable_checkpoint_with_our_context_fn_trains_as_one_device(mesh):
+    """torch's composable `checkpoint(module, context_fn=shardtensor.random.checkpoint_contexts)` on every
+    block (nested in a checkpointed model, or combined with selective checkpointing): the losses and
+    parameters of two SGD steps equal the run without checkpointing exactly
+    and the single-device run."""
+    placements = _placement_lists(mesh)[0]
+    torch.manual_seed(3)
+    x_full = torch.randn(SHAPE, dtype=torch.float64)
+    weights_full = [torch.randn(SHAPE, dtype=torch.float64) for _ in range(LAYERS)]
+    reference = _train_reference(x_full, weights_full)
+    x = distribute_tensor(x_full, mesh, placements)
+    runs = {}
+    for name, apply_checkpoint in MODEL_CHECKPOINTS.items():
+        shardtensor.manual_seed(SEED)
+        model = torch.nn.Sequential(*(_Layer(distribute_tensor(weight, mesh, placements)) for weight in weights_full))
+        apply_checkpoint(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
+        losses = []
+        for _ in range(STEPS):
+            output = model(x)
+            loss = (output * output).sum()
+            loss.backward()
+            losses.append(loss.full_tensor())
+            optimizer.step()
+            optimizer.zero_grad()
+        runs[name] = losses, [parameter.full_tensor() for parameter in model.parameters()]
+        for ours, theirs in zip([*runs[name][0], *runs[name][1]], [*runs["none"][0], *runs["none"][1]]):
+            assert torch.equal(ours, theirs), name
+        for ours, expected in zip([*runs[name][0], *runs[name][1]], [*reference[0], *reference[1]]):
+            torch.testing.assert_close(ours, expected, rtol=1e-12, atol=1e-12, msg=name)
+
+
+@spmd(meshes=[(1,), (2,), (2, 2)])
+def test_every_backward_through_a_region_recomputes_the_forward_draws(mesh):
+    """A second backward through a retained graph recomputes each region again, from the same counter:
+    the gradients are twice those of one backward (torch's composable checkpoint cannot backward twice
+    itself: its recomputation context `_no_hook` is entered once only, so torch's function checkpoint)."""
+    placements = _placement_lists(mesh)[0]
+    torch_with_our_contexts = REPLAYING_CHECKPOINTS["torch checkpoint(context_fn=checkpoint_contexts)"][0]
+    for nested in (False, True):
+        program = _program(torch_with_our_contexts, nested, use_reentrant=False)
+        once, after_once, _ = _run(mesh, placements, program)
+        twice, after, _ = _run(mesh, placements, program, backwards=2)
+        assert torch.equal(twice[1], 2 * once[1]) and torch.equal(twice[2], 2 * once[2]), nested
+        assert torch.equal(after, after_once), nested
