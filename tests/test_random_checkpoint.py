@@ -5,6 +5,8 @@ drew (the gradients of the program without checkpointing, and of one device); a 
 whose recomputation would draw other numbers raises, naming what to use instead."""
 
 import functools
+import itertools
+import re
 
 import pytest
 import torch
@@ -139,9 +141,10 @@ PLAIN_CHECKPOINTS = {
     "torch checkpoint, use_reentrant=True": functools.partial(torch_checkpoint, use_reentrant=True),
     "composable checkpoint(module)": functools.partial(_composable, use_reentrant=False),
 }
-WHAT_TO_USE = (r"ran during backward(.|\n)*Pass context_fn=shardtensor\.random\.checkpoint_contexts to checkpoint\(module, "
-               r"\.\.\.\), to torch\.utils\.checkpoint\.checkpoint\(\.\.\., use_reentrant=False\) or to checkpoint_wrapper"
-               r"(.|\n)*shardtensor\.random\.checkpoint\(function, \*args, use_reentrant=\.\.\., \.\.\.\)")
+WHAT_TO_USE = ("ran during backward(.|\n)*" + re.escape(
+    "Pass context_fn=shardtensor.random.checkpoint_contexts to checkpoint(module, ...), to "
+    "torch.utils.checkpoint.checkpoint(..., use_reentrant=False) or to checkpoint_wrapper") + "(.|\n)*" + re.escape(
+    "shardtensor.random.checkpoint(function, *args, use_reentrant=..., ...)"))
 
 
 @spmd()
@@ -292,6 +295,23 @@ def test_checkpoint_sequential_replays_each_segment_s_draws(mesh):
         run(lambda model, x: torch.utils.checkpoint.checkpoint_sequential(model, 2, x, use_reentrant=False))
 
 
+LAYERS, STEPS, LEARNING_RATE = 3, 2, 0.1
+
+
+def _train_steps(model, x):
+    """The losses of `STEPS` SGD steps of `model` on `x`, the loss the sum of squares of its output."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
+    losses = []
+    for _ in range(STEPS):
+        output = model(x)
+        loss = (output * output).sum()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.detach())
+    return losses
+
+
 class _Layer(torch.nn.Module):
     """A transformer-block stand-in with three random calls: dropout, randn_like, normal_."""
 
@@ -306,11 +326,17 @@ class _Layer(torch.nn.Module):
         return h * torch.empty_like(h).normal_(1.0, 0.5)
 
 
-def _reference_layer(x, weight, draw):
-    """`_Layer` on one device, with the values of the next three random calls: `draw(kind, parameters)`."""
-    h = (x * weight).tanh() * (draw("rand") < 0.75) * (1 / 0.75)
-    h = h + 0.1 * draw("randn")
-    return h * draw("normal_", parameters=(1.0, 0.5))
+class _ReferenceLayer(_Layer):
+    """`_Layer` on one device, its random calls' values those documented (`_documented_draws`)."""
+
+    def __init__(self, weight, draw):
+        super().__init__(weight)
+        self.draw = draw
+
+    def forward(self, x):
+        h = (x * self.weight).tanh() * (self.draw("rand") < 0.75) * (1 / 0.75)
+        h = h + 0.1 * self.draw("randn")
+        return h * self.draw("normal_", parameters=(1.0, 0.5))
 
 
 def _save_tanh(context, op, *args, **kwargs):
@@ -332,75 +358,93 @@ MODEL_CHECKPOINTS = {
     "composable, selective (tanh saved)": lambda model: _checkpoint_every_layer(model, context_fn=functools.partial(
         checkpoint_contexts, functools.partial(create_selective_checkpoint_contexts, _save_tanh))),
 }
-LAYERS, STEPS, LEARNING_RATE = 3, 2, 0.1
+def _documented_draws():
+    """`draw(kind, shape, parameters)`: the values of random call 0, 1, ... after `manual_seed(SEED)`."""
+    counters = itertools.count()
 
+    def draw(kind, shape=SHAPE, parameters=()):
+        return documented_random(kind, shape, seed=SEED, counter=next(counters), parameters=parameters)
 
-def _train_reference(x, weights):
-    """The training run on one device: random call k after manual_seed(SEED) has the documented values."""
-    counters = iter(range(LAYERS * 3 * STEPS))
-
-    def draw(kind, parameters=()):
-        return documented_random(kind, SHAPE, seed=SEED, counter=next(counters), parameters=parameters)
-
-    weights = [weight.clone().requires_grad_() for weight in weights]
-    losses = []
-    for _ in range(STEPS):
-        h = x
-        for weight in weights:
-            h = _reference_layer(h, weight, draw)
-        loss = (h * h).sum()
-        loss.backward()
-        losses.append(loss.detach())
-        with torch.no_grad():
-            for weight in weights:
-                weight -= LEARNING_RATE * weight.grad
-                weight.grad = None
-    return losses, [weight.detach() for weight in weights]
+    return draw
 
 
 @spmd()
 def test_composable_checkpoint_with_our_context_fn_trains_as_one_device(mesh):
     """torch's composable `checkpoint(module, context_fn=shardtensor.random.checkpoint_contexts)` on every
     block (nested in a checkpointed model, or combined with selective checkpointing): the losses and
-    parameters of two SGD steps equal the run without checkpointing exactly
-    and the single-device run."""
+    parameters of two SGD steps equal the run without checkpointing exactly and the single-device run."""
     placements = _placement_lists(mesh)[0]
     torch.manual_seed(3)
     x_full = torch.randn(SHAPE, dtype=torch.float64)
     weights_full = [torch.randn(SHAPE, dtype=torch.float64) for _ in range(LAYERS)]
-    reference = _train_reference(x_full, weights_full)
+    draw = _documented_draws()
+    reference_model = torch.nn.Sequential(*(_ReferenceLayer(weight.clone(), draw) for weight in weights_full))
+    reference = _train_steps(reference_model, x_full)
+    reference += [parameter.detach() for parameter in reference_model.parameters()]
     x = distribute_tensor(x_full, mesh, placements)
     runs = {}
     for name, apply_checkpoint in MODEL_CHECKPOINTS.items():
         shardtensor.manual_seed(SEED)
         model = torch.nn.Sequential(*(_Layer(distribute_tensor(weight, mesh, placements)) for weight in weights_full))
         apply_checkpoint(model)
-        optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
-        losses = []
-        for _ in range(STEPS):
-            output = model(x)
-            loss = (output * output).sum()
-            loss.backward()
-            losses.append(loss.full_tensor())
-            optimizer.step()
-            optimizer.zero_grad()
-        runs[name] = losses, [parameter.full_tensor() for parameter in model.parameters()]
-        for ours, theirs in zip([*runs[name][0], *runs[name][1]], [*runs["none"][0], *runs["none"][1]]):
-            assert torch.equal(ours, theirs), name
-        for ours, expected in zip([*runs[name][0], *runs[name][1]], [*reference[0], *reference[1]]):
+        losses = _train_steps(model, x)
+        runs[name] = [tensor.full_tensor() for tensor in [*losses, *model.parameters()]]
+        assert all(torch.equal(ours, theirs) for ours, theirs in zip(runs[name], runs["none"])), name
+        for ours, expected in zip(runs[name], reference):
             torch.testing.assert_close(ours, expected, rtol=1e-12, atol=1e-12, msg=name)
 
 
 @spmd(meshes=[(1,), (2,), (2, 2)])
 def test_every_backward_through_a_region_recomputes_the_forward_draws(mesh):
     """A second backward through a retained graph recomputes each region again, from the same counter:
-    the gradients are twice those of one backward (torch's composable checkpoint cannot backward twice
+    the gradients are those of the program without checkpointing (torch's composable checkpoint cannot backward twice
     itself: its recomputation context `_no_hook` is entered once only, so torch's function checkpoint)."""
     placements = _placement_lists(mesh)[0]
     torch_with_our_contexts = REPLAYING_CHECKPOINTS["torch checkpoint(context_fn=checkpoint_contexts)"][0]
     for nested in (False, True):
-        program = _program(torch_with_our_contexts, nested, use_reentrant=False)
-        once, after_once, _ = _run(mesh, placements, program)
-        twice, after, _ = _run(mesh, placements, program, backwards=2)
-        assert torch.equal(twice[1], 2 * once[1]) and torch.equal(twice[2], 2 * once[2]), nested
-        assert torch.equal(after, after_once), nested
+        plain, plain_after, _ = _run(mesh, placements, _program(_no_checkpoint, nested, False), backwards=2)
+        twice, after, _ = _run(mesh, placements, _program(torch_with_our_contexts, nested, False), backwards=2)
+        assert all(torch.equal(ours, theirs) for ours, theirs in zip(twice, plain)), nested
+        assert torch.equal(after, plain_after), nested
+
+
+class _MLPBlock(torch.nn.Module):
+    """A tensor-parallel MLP block with dropout on its sharded hidden activations and on its output."""
+
+    def __init__(self, dropout=torch.nn.functional.dropout):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(6, 8, dtype=torch.float64), torch.nn.Linear(8, 6, dtype=torch.float64)
+        self.dropout = dropout
+
+    def forward(self, x):
+        return x + self.dropout(self.down(self.dropout(self.up(x).relu(), 0.5)), 0.25)
+
+
+@spmd(meshes=[(1,), (2,), (4,)])
+def test_tensor_parallel_blocks_under_composable_checkpoint_train_as_one_device(mesh):
+    """torchtitan's layout: ColwiseParallel/RowwiseParallel blocks keeping DTensor activations, each block
+    under torch's composable `checkpoint(block, context_fn=checkpoint_contexts)`: two SGD steps give the
+    single-device model's losses and parameters, its dropout masks those of the documented random calls."""
+    from shardtensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    draw = _documented_draws()
+
+    def documented_dropout(h, p):
+        return h * (draw("rand", h.shape) < 1 - p) / (1 - p)
+
+    torch.manual_seed(4)
+    reference = torch.nn.Sequential(_MLPBlock(documented_dropout), _MLPBlock(documented_dropout))
+    model = torch.nn.Sequential(_MLPBlock(), _MLPBlock())
+    model.load_state_dict(reference.state_dict())
+    plan = {"up": ColwiseParallel(use_local_output=False), "down": RowwiseParallel(use_local_output=False)}
+    for block in model:
+        parallelize_module(block, mesh, plan)
+        composable_checkpoint(block, context_fn=checkpoint_contexts)
+    x = torch.randn(5, 6, dtype=torch.float64)
+    shardtensor.manual_seed(SEED)
+    losses = _train_steps(model, distribute_tensor(x, mesh, [Replicate()]))
+    for ours, expected in zip(losses, _train_steps(reference, x)):
+        torch.testing.assert_close(ours.full_tensor(), expected, rtol=1e-12, atol=1e-12)
+    for (name, ours), theirs in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(ours.full_tensor(), theirs.detach(), rtol=1e-12, atol=1e-12, msg=name)
+

@@ -27,12 +27,17 @@ other's numbers.) A program that calls a random op only on the ranks of its mesh
 `if mesh.get_coordinate() is not None:`) is not SPMD and leaves the counter out of step. Random ops on
 plain tensors use torch's own generator and neither read nor advance this counter.
 
-Activation checkpointing: `torch.utils.checkpoint.checkpoint` makes its recomputation draw what the
-forward drew by restoring torch's generators, which hold no part of this counter, so a plain
-checkpoint would recompute dropout with another mask and give wrong gradients. `checkpoint` (and
-`checkpoint_sequential`) here take torch's arguments and also replay the counter; a random call during backward anywhere else
-raises (`next_random_call`) instead of drawing numbers the forward did not draw. Keeping the counter
-where torch's checkpoint would restore it is not sound: on a CPU mesh that is only torch's default
+Activation checkpointing: torch's checkpoints make their recomputation draw what the forward drew by
+restoring torch's generators, which hold no part of this counter, so a plain checkpoint would
+recompute dropout with another mask and give wrong gradients. Torch's non-reentrant checkpoints (the
+composable `checkpoint(module)`, `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`,
+`checkpoint_wrapper`) run the forward and each recomputation inside the pair of contexts their documented
+`context_fn` argument returns: `context_fn=checkpoint_contexts` replays the counter there. `checkpoint`
+(and `checkpoint_sequential`) here take torch's arguments, either `use_reentrant` mode, and replay the
+counter with the same contexts. A random call during backward anywhere else raises (`next_random_call`)
+instead of drawing numbers the forward did not draw: torch's recomputation is not recognised without
+our contexts, since nothing it exposes but private closures tells which region it recomputes. Keeping
+the counter where torch's checkpoint would restore it is not sound: on a CPU mesh that is only torch's default
 CPU generator, whose mt19937 state has no field to spare, so each call would have to draw from it
 (changing the numbers of plain random ops) and look the draw up in a table of past calls that grows
 without bound and that `torch.manual_seed` on some ranks and not others would send out of step.
@@ -58,8 +63,8 @@ from . import comm
 from .mesh import DeviceMesh, world_mesh
 
 __all__ = [
-    "BLOCK_SIZE", "FILLS", "checkpoint", "checkpoint_contexts", "checkpoint_sequential", "draws_in_backward", "manual_seed", "random_shard", "next_random_call",
-    "same_draws_on_every_rank", "skip_random_calls", "tile_shape",
+    "BLOCK_SIZE", "FILLS", "checkpoint", "checkpoint_contexts", "checkpoint_sequential", "draws_in_backward",
+    "manual_seed", "random_shard", "next_random_call", "same_draws_on_every_rank", "skip_random_calls", "tile_shape",
 ]
 
 BLOCK_SIZE = 2**16
@@ -72,7 +77,7 @@ _ALIASES = {"rand": "uniform_", "randn": "normal_"}
 
 _seed: int | None = None
 _counter = 0
-_replays = 0  # `checkpoint` recomputations and `draws_in_backward` blocks running: random calls in backward are theirs
+_replays = 0  # `checkpoint_contexts` recomputations and `draws_in_backward` blocks running (may draw in backward)
 _lock = threading.Lock()  # guards _seed, _counter and _replays
 
 
@@ -95,8 +100,8 @@ def next_random_call(mesh: DeviceMesh) -> tuple[int, int]:
     Without `manual_seed`, the seed is drawn from torch's default generator on global rank 0 and
     shared with every rank of the world at the first random call, which every rank reaches (ranks
     outside `mesh` too): the counter is world-wide, so the seed must be as well. During backward
-    (autograd's graph task), only `checkpoint`'s recomputation may draw: anything else is most
-    likely a plain torch checkpoint recomputing, which would draw numbers the forward did not.
+    (autograd's graph task), only a recomputation replayed by `checkpoint_contexts` may draw: anything
+    else is most likely a plain torch checkpoint recomputing, which would draw numbers the forward did not.
     """
     global _seed, _counter
     if not _replays and torch._C._current_graph_task_id() != -1:  # the test FSDP2 uses for "in backward"
@@ -189,8 +194,9 @@ def checkpoint_contexts(context_fn=None) -> tuple:
     `context_fn` of your own (selective checkpointing), pass it: its contexts are entered inside ours.
 
     >>> checkpoint(block, context_fn=shardtensor.random.checkpoint_contexts)  # doctest: +SKIP
-    >>> checkpoint(block, context_fn=functools.partial(shardtensor.random.checkpoint_contexts,
-    ...                                                functools.partial(create_selective_checkpoint_contexts, policy)))  # doctest: +SKIP
+    >>> selective = functools.partial(create_selective_checkpoint_contexts, policy)  # doctest: +SKIP
+    >>> contexts = functools.partial(shardtensor.random.checkpoint_contexts, selective)  # doctest: +SKIP
+    >>> checkpoint(block, context_fn=contexts)  # doctest: +SKIP
     """
     forward = _RegionForward()
     recompute = _RegionRecompute(forward)
