@@ -191,7 +191,9 @@ def checkpoint_contexts(context_fn=None) -> tuple:
     the recomputation draw the random DTensors (dropout masks...) the forward drew. For torch's composable
     `checkpoint(module)` (the one FSDP2 and torchtitan apply per block), `torch.utils.checkpoint.checkpoint`
     with `use_reentrant=False` and `checkpoint_wrapper`, whose recomputation otherwise raises. To keep a
-    `context_fn` of your own (selective checkpointing), pass it: its contexts are entered inside ours.
+    `context_fn` of your own (selective checkpointing), pass it: its contexts are entered inside ours. A
+    selective policy must not save a random op: the recomputation would skip its draw and shift those after
+    it, as torch's own selective checkpointing shifts its generators' draws for plain tensors.
 
     >>> checkpoint(block, context_fn=shardtensor.random.checkpoint_contexts)  # doctest: +SKIP
     >>> selective = functools.partial(create_selective_checkpoint_contexts, policy)  # doctest: +SKIP
