@@ -118,7 +118,7 @@ def _checkpoints_and_modes():
 def test_checkpoint_recomputes_the_forward_draws(mesh):
     for placements in _placement_lists(mesh):
         for nested in (False, True):
-            for (name, (checkpoint_function, modes)), use_reentrant in _checkpoints_and_modes():
+            for (name, (checkpoint_function, _)), use_reentrant in _checkpoints_and_modes():
                 note = (placements, nested, name, use_reentrant)
                 without = _program(_no_checkpoint, nested, use_reentrant)
                 plain, plain_after, (x_full, w_full) = _run(mesh, placements, without)
