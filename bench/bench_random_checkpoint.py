@@ -10,8 +10,11 @@ ops (`(x * w).tanh()`, 64x64 float32, Shard(0), ours) forward and backward, chec
 cost; a dropout block (`dropout(x * w).tanh() * rand_like`), ours (A) and torch's DTensor (B), without
 checkpointing and checkpointed (ours by `shardtensor.random.checkpoint`, torch's by
 `torch.utils.checkpoint.checkpoint`: on a CPU mesh torch's random ops run without its RNG tracker, so
-its masks are not replayed; a timing reference only), all `use_reentrant=False`. Rank 0's CPU time per
-call (`bench_ops._time_per_call`), min and median over the repeats.
+its masks are not replayed; a timing reference only), all `use_reentrant=False`; the same two blocks
+under torch's composable `checkpoint(module)` applied once: the block without random ops with
+`context_fn=shardtensor.random.checkpoint_contexts` (A) and without (B), the dropout block ours with it (A)
+and torch's DTensor without (B). Rank 0's CPU time per call (`bench_ops._time_per_call`), min and median
+over the repeats.
 """
 
 from __future__ import annotations
@@ -48,12 +51,30 @@ def _step(library, checkpoint_function, block=_block):
     return step
 
 
+class _Module(torch.nn.Module):
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, *args):
+        return self.block(*args)
+
+
+def _composable(block, **kwargs):
+    """A checkpoint function, as `_step` calls it, running `block` as a module under torch's composable
+    `checkpoint(module, **kwargs)`, applied once."""
+    from torch.distributed._composable import checkpoint
+
+    module = checkpoint(_Module(block), **kwargs)
+    return lambda block, *args, use_reentrant: module(*args)
+
+
 def _rank_body(repeats: int):
     from torch.distributed import tensor as torch_tensor
     from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
     import shardtensor
-    from shardtensor.random import checkpoint, next_random_call
+    from shardtensor.random import checkpoint, checkpoint_contexts, next_random_call
 
     warnings.simplefilter("ignore")  # torch's DTensor warns that its random ops are incomplete on CPU
     torch.manual_seed(0)
@@ -69,6 +90,14 @@ def _rank_body(repeats: int):
         "dropout block fwd+bwd: ours (A) vs torch DTensor (B)": (_step(shardtensor, None), _step(torch_tensor, None)),
         "dropout block fwd+bwd, checkpointed: ours (A) vs torch DTensor (B)": (
             _step(shardtensor, checkpoint), _step(torch_tensor, torch_checkpoint),
+        ),
+        "block without random ops fwd+bwd, composable checkpoint(module): context_fn=checkpoint_contexts (A) vs none (B), ours": (
+            _step(shardtensor, _composable(_deterministic_block, context_fn=checkpoint_contexts), _deterministic_block),
+            _step(shardtensor, _composable(_deterministic_block), _deterministic_block),
+        ),
+        "dropout block fwd+bwd, composable checkpoint(module): ours with checkpoint_contexts (A) vs torch DTensor (B)": (
+            _step(shardtensor, _composable(_block, context_fn=checkpoint_contexts)),
+            _step(torch_tensor, _composable(_block)),
         ),
     }
     results = {}

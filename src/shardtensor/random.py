@@ -27,12 +27,17 @@ other's numbers.) A program that calls a random op only on the ranks of its mesh
 `if mesh.get_coordinate() is not None:`) is not SPMD and leaves the counter out of step. Random ops on
 plain tensors use torch's own generator and neither read nor advance this counter.
 
-Activation checkpointing: `torch.utils.checkpoint.checkpoint` makes its recomputation draw what the
-forward drew by restoring torch's generators, which hold no part of this counter, so a plain
-checkpoint would recompute dropout with another mask and give wrong gradients. `checkpoint` (and
-`checkpoint_sequential`) here take torch's arguments and also replay the counter; a random call during backward anywhere else
-raises (`next_random_call`) instead of drawing numbers the forward did not draw. Keeping the counter
-where torch's checkpoint would restore it is not sound: on a CPU mesh that is only torch's default
+Activation checkpointing: torch's checkpoints make their recomputation draw what the forward drew by
+restoring torch's generators, which hold no part of this counter, so a plain checkpoint would
+recompute dropout with another mask and give wrong gradients. Torch's non-reentrant checkpoints (the
+composable `checkpoint(module)`, `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`,
+`checkpoint_wrapper`) run the forward and each recomputation inside the pair of contexts their documented
+`context_fn` argument returns: `context_fn=checkpoint_contexts` replays the counter there. `checkpoint`
+(and `checkpoint_sequential`) here take torch's arguments, either `use_reentrant` mode, and replay the
+counter with the same contexts. A random call during backward anywhere else raises (`next_random_call`)
+instead of drawing numbers the forward did not draw: torch's recomputation is not recognised without
+our contexts, since nothing it exposes but private closures tells which region it recomputes. Keeping
+the counter where torch's checkpoint would restore it is not sound: on a CPU mesh that is only torch's default
 CPU generator, whose mt19937 state has no field to spare, so each call would have to draw from it
 (changing the numbers of plain random ops) and look the draw up in a table of past calls that grows
 without bound and that `torch.manual_seed` on some ranks and not others would send out of step.
@@ -58,8 +63,8 @@ from . import comm
 from .mesh import DeviceMesh, world_mesh
 
 __all__ = [
-    "BLOCK_SIZE", "FILLS", "checkpoint", "checkpoint_sequential", "draws_in_backward", "manual_seed", "random_shard", "next_random_call",
-    "same_draws_on_every_rank", "skip_random_calls", "tile_shape",
+    "BLOCK_SIZE", "FILLS", "checkpoint", "checkpoint_contexts", "checkpoint_sequential", "draws_in_backward",
+    "manual_seed", "random_shard", "next_random_call", "same_draws_on_every_rank", "skip_random_calls", "tile_shape",
 ]
 
 BLOCK_SIZE = 2**16
@@ -72,7 +77,7 @@ _ALIASES = {"rand": "uniform_", "randn": "normal_"}
 
 _seed: int | None = None
 _counter = 0
-_replays = 0  # `checkpoint` recomputations and `draws_in_backward` blocks running: random calls in backward are theirs
+_replays = 0  # `checkpoint_contexts` recomputations and `draws_in_backward` blocks running (may draw in backward)
 _lock = threading.Lock()  # guards _seed, _counter and _replays
 
 
@@ -95,8 +100,8 @@ def next_random_call(mesh: DeviceMesh) -> tuple[int, int]:
     Without `manual_seed`, the seed is drawn from torch's default generator on global rank 0 and
     shared with every rank of the world at the first random call, which every rank reaches (ranks
     outside `mesh` too): the counter is world-wide, so the seed must be as well. During backward
-    (autograd's graph task), only `checkpoint`'s recomputation may draw: anything else is most
-    likely a plain torch checkpoint recomputing, which would draw numbers the forward did not.
+    (autograd's graph task), only a recomputation replayed by `checkpoint_contexts` may draw: anything
+    else is most likely a plain torch checkpoint recomputing, which would draw numbers the forward did not.
     """
     global _seed, _counter
     if not _replays and torch._C._current_graph_task_id() != -1:  # the test FSDP2 uses for "in backward"
@@ -113,42 +118,109 @@ def next_random_call(mesh: DeviceMesh) -> tuple[int, int]:
 def _random_in_backward_error() -> RuntimeError:
     return RuntimeError(
         "A random op on DTensors (dropout, rand_like, bernoulli_...) ran during backward. This is most "
-        "likely the recomputation of torch.utils.checkpoint.checkpoint (or checkpoint_sequential): it "
+        "likely the recomputation of an activation checkpoint of torch (torch.distributed._composable."
+        "checkpoint(module), torch.utils.checkpoint.checkpoint, checkpoint_wrapper or checkpoint_sequential): it "
         "restores torch's generators but not shardtensor's random counter, so the recomputed forward would "
         "draw other numbers (another dropout mask) than the forward did, and the gradients would be wrong. "
-        "Checkpoint with shardtensor.random.checkpoint(function, *args, use_reentrant=..., ...) instead: it "
-        "takes torch's arguments and replays the forward's draws (with torch's checkpoint_wrapper, pass "
-        "checkpoint_fn=shardtensor.random.checkpoint; for checkpoint_sequential, "
+        "Pass context_fn=shardtensor.random.checkpoint_contexts to checkpoint(module, ...), to "
+        "torch.utils.checkpoint.checkpoint(..., use_reentrant=False) or to checkpoint_wrapper (with a "
+        "context_fn of your own: functools.partial(shardtensor.random.checkpoint_contexts, your_context_fn)); "
+        "or checkpoint with shardtensor.random.checkpoint(function, *args, use_reentrant=..., ...), which "
+        "takes torch's arguments in either use_reentrant mode (with checkpoint_wrapper: "
+        "checkpoint_fn=shardtensor.random.checkpoint; for checkpoint_sequential: "
         "shardtensor.random.checkpoint_sequential). "
         "If the draw belongs in backward (noise added to a gradient in a hook), run it inside "
         "shardtensor.random.draws_in_backward()."
     )
 
 
-class _Replay:
-    """`function` as `checkpoint` hands it to torch: the first call (the forward) notes the seed and
-    the counter it starts from; every later call (a recomputation) runs from that same point, and
-    leaves the seed and the counter as it found them, as `torch.random.fork_rng` does for torch's."""
+class _RegionForward:
+    """The forward of one checkpointed region, as a context: notes in `start` the seed and the counter
+    the region starts from (the seed its first random call drew, if none was set)."""
+
+    def __init__(self):
+        self.start = None
+
+    def __enter__(self):
+        with _lock:
+            self._entered = (_seed, _counter)
+
+    def __exit__(self, *exception):
+        seed, counter = self._entered
+        self.start = (_seed if seed is None else seed, counter)
+
+
+class _RegionRecompute:
+    """A recomputation of that region, as a context: runs from the seed and counter its forward started
+    from and leaves them as it found them, as `torch.random.fork_rng` does for torch's generators.
+    Re-enterable: torch recomputes once per backward through the region."""
+
+    def __init__(self, forward: _RegionForward):
+        self.forward = forward
+
+    def __enter__(self):
+        global _seed, _counter, _replays
+        with _lock:
+            self._outer = (_seed, _counter)
+            (_seed, _counter), _replays = self.forward.start, _replays + 1
+
+    def __exit__(self, *exception):
+        global _seed, _counter, _replays
+        with _lock:
+            (_seed, _counter), _replays = self._outer, _replays - 1
+
+
+class _Contexts:
+    """Several contexts entered in order as one, re-enterable (a user's `context_fn` pair with ours)."""
+
+    def __init__(self, *contexts):
+        self.contexts = contexts
+
+    def __enter__(self):
+        with contextlib.ExitStack() as stack:
+            for context in self.contexts:
+                stack.enter_context(context)
+            self._stack = stack.pop_all()
+
+    def __exit__(self, *exception):
+        return self._stack.__exit__(*exception)
+
+
+def checkpoint_contexts(context_fn=None) -> tuple:
+    """A `context_fn` for torch's non-reentrant checkpoints: the (forward, recomputation) contexts that make
+    the recomputation draw the random DTensors (dropout masks...) the forward drew. For torch's composable
+    `checkpoint(module)` (the one FSDP2 and torchtitan apply per block), `torch.utils.checkpoint.checkpoint`
+    with `use_reentrant=False` and `checkpoint_wrapper`, whose recomputation otherwise raises. To keep a
+    `context_fn` of your own (selective checkpointing), pass it: its contexts are entered inside ours. A
+    selective policy must not save a random op: the recomputation would skip its draw and shift those after
+    it, as torch's own selective checkpointing shifts its generators' draws for plain tensors.
+
+    >>> checkpoint(block, context_fn=shardtensor.random.checkpoint_contexts)  # doctest: +SKIP
+    >>> selective = functools.partial(create_selective_checkpoint_contexts, policy)  # doctest: +SKIP
+    >>> contexts = functools.partial(shardtensor.random.checkpoint_contexts, selective)  # doctest: +SKIP
+    >>> checkpoint(block, context_fn=contexts)  # doctest: +SKIP
+    """
+    forward = _RegionForward()
+    recompute = _RegionRecompute(forward)
+    if context_fn is None:
+        return forward, recompute
+    their_forward, their_recompute = context_fn()
+    return _Contexts(forward, their_forward), _Contexts(recompute, their_recompute)
+
+
+class _Replayed:
+    """`function` as `checkpoint` hands it to torch: its first call (the forward) runs in the forward
+    context of `checkpoint_contexts`, every later call (a recomputation) in the recomputation context."""
 
     def __init__(self, function):
-        self.function, self.start = function, None
+        self.function, self.ran = function, False
+        self.forward, self.recompute = checkpoint_contexts()
 
     def __call__(self, *args, **kwargs):
-        global _seed, _counter, _replays
-        if self.start is None:
-            with _lock:
-                seed, counter = _seed, _counter
-            result = self.function(*args, **kwargs)
-            self.start = (_seed if seed is None else seed, counter)  # None: the seed its first random call drew
-            return result
-        with _lock:
-            outer = (_seed, _counter)
-            (_seed, _counter), _replays = self.start, _replays + 1
-        try:
+        context = self.recompute if self.ran else self.forward
+        self.ran = True
+        with context:
             return self.function(*args, **kwargs)
-        finally:
-            with _lock:
-                (_seed, _counter), _replays = outer, _replays - 1
 
 
 @contextlib.contextmanager
@@ -174,7 +246,7 @@ def checkpoint(function, *args, **kwargs):
 
     >>> y = shardtensor.random.checkpoint(lambda x: F.dropout(x, 0.1), x, use_reentrant=False)  # doctest: +SKIP
     """
-    return torch.utils.checkpoint.checkpoint(_Replay(function), *args, **kwargs)
+    return torch.utils.checkpoint.checkpoint(_Replayed(function), *args, **kwargs)
 
 
 def checkpoint_sequential(functions, segments: int, input, use_reentrant: bool | None = None, **kwargs):
