@@ -433,3 +433,21 @@ def test_nested_shards_gather_in_one_collective_on_dtensors_and_async(mesh):
     assert torch.equal(replicated.to_local(), full) and torch.equal(waited, full)
     assert isinstance(replicated, DTensor) and replicated.placements == (R,) * mesh.ndim
 
+
+
+@pytest.mark.parametrize(
+    "shape, reduction, mesh_dims",
+    [((8, 4), "reduce_scatter", (1, 2, 0)), ((7, 5), "all_reduce", (1, 2))],  # the new split of dim 0 is innermost
+    ids=str,
+)
+@spmd(meshes=[(2, 2, 2)], timeout=300.0)
+def test_a_reduction_then_one_flattened_gather(mesh, shape, reduction, mesh_dims):
+    """(P, S0, S0) -> (R, R, R): the Partial mesh dim reduces (scattering dim 0 as the innermost split
+    when that is cheapest), then all of dim 0's splits gather in one all_gather, over all 8 ranks in
+    the order (1, 2, 0) that makes their pieces consecutive."""
+    full = _full(shape, seed=23)
+    source = Layout.create(mesh.shape, [Partial(), S0, S0], shape)
+    with CommDebugMode() as comm_mode:
+        records = _redistribute_and_check(mesh, source, source.with_placements([R, R, R]), full)
+    assert comm_mode.get_comm_counts() == {reduction: 1, "all_gather": 1}
+    assert [(record.kind, record.mesh_dim) for record in records] == [(reduction, 0), ("all_gather", mesh_dims)]
