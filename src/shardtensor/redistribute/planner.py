@@ -337,8 +337,8 @@ def _flattened_reductions(state: Layout, target: Layout):
 
 
 def _flattened_gathers(state: Layout):
-    """(mesh dims, layout after) for one all_gather over two or more mesh dims (of size > 1) that
-    shard one tensor dim innermost: a suffix of its shard order, all made Replicate.
+    """(mesh dims, layout after) for one all_gather over the mesh dims that shard one tensor dim
+    innermost (a suffix of its shard order, with two or more of size > 1), all made Replicate.
 
     The mesh dims are given in shard order (outermost first): row-major over them, peer i holds
     piece i of the pieces being merged, consecutive on the tensor dim, so the collective's
