@@ -392,11 +392,15 @@ FLATTENED_GATHERS = {
         ([S0, S0, S0], None, [S0, R, R], (1, 2)),  # the inner two of three splits
         ([S0, S0, S0], [(2, 0, 1), ()], [R, R, R], (2, 0, 1)),
     ],
+    (2, 1, 2): [
+        ([S0, S0, S0], None, [R, R, R], (0, 1, 2)),  # the mesh dim of size 1 between moves with them
+        ([S0, S0, S0], [(2, 1, 0), ()], [R, R, R], (2, 1, 0)),
+    ],
 }
 
 
 @pytest.mark.parametrize("shape", [(8, 4), (7, 5), (1, 3), (0, 2)], ids=str)
-@spmd(meshes=[(2, 2), (2, 2, 2)], timeout=300.0)
+@spmd(meshes=[(2, 2), (2, 2, 2), (2, 1, 2)], timeout=300.0)
 def test_flattened_gathers_are_exact_single_collectives(mesh, shape):
     """Nested shards of one tensor dim gather in one all_gather over their mesh dims, uneven and empty
     pieces included; each rank receives exactly the target elements it lacks."""
