@@ -413,6 +413,8 @@ def _compare_metadata(dtensor, plain) -> None:
         assert value is reference or value == reference, name
         if name in ("shape", "dtype", "layout", "ndim", "requires_grad", "is_leaf", "itemsize", "is_cpu"):
             assert value == getattr(plain, name), name
+    for name, value in tensor_methods.DENSE_CONSTANTS.items():  # class constants: torch agrees
+        assert getattr(dtensor, name) is value is _through_torch_function(dtensor, name) is getattr(plain, name), name
     assert (dtensor.grad is None) == (plain.grad is None) and (dtensor.grad_fn is None) == (plain.grad_fn is None)
     for name in tensor_methods.METADATA_METHODS:
         assert getattr(dtensor, name)() == _through_torch_function(dtensor, name), name
