@@ -4,12 +4,15 @@ one (torch names such a group by hashing its ranks with the number of groups eac
 so each runs as one collective per mesh dim on the mesh's own groups, as torch's DTensor does; the
 planner plans and prices those steps. A flattened group made by `_flatten` is used when it exists."""
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 from helpers import exact_full, local_piece
 from spmd import spmd
 
 from shardtensor import DTensor, Partial, Replicate, Shard, comm
+from shardtensor.collective_check import check_collectives
 from shardtensor.debug import CommDebugMode
 from shardtensor.layout import Layout
 from shardtensor.mesh import DeviceMesh
@@ -129,58 +132,76 @@ def _in_flattened_order(stage: DeviceMesh, mesh_dims) -> list[int]:
 @spmd(meshes=[(2, 2, 2)], timeout=120.0)
 def test_comm_over_both_mesh_dims_of_a_slice(mesh):
     """Every collective over a tuple of a stage's mesh dims, in both orders (row-major in the order given),
-    with uneven pieces, against the values computed here; one collective per mesh dim, each over one."""
+    with uneven pieces, against the values computed here; one collective per mesh dim, each over one.
+    Checked collectives (each rank's fingerprint gathered first) fingerprint each over one mesh dim."""
     stage = _stage(STAGES)
+    for mesh_dims, checked in [(("dp", "tp"), False), (("tp", "dp"), False), (("dp", "tp"), True)]:
+        with check_collectives() if checked else contextlib.nullcontext():
+            _all_collectives_over(stage, mesh_dims)
+
+
+def _all_collectives_over(stage: DeviceMesh, mesh_dims) -> None:
+    """Each collective over `mesh_dims` of `stage`, its value and the kinds and mesh dims of its records."""
     rank = dist.get_rank()
-    for mesh_dims in [("dp", "tp"), ("tp", "dp")]:
-        order = _in_flattened_order(stage, mesh_dims)
-        me = order.index(rank)
-        with comm.observe() as records:
-            total = comm.all_reduce(torch.tensor([float(rank)]), stage, mesh_dims, reduce_op="sum")
-            assert total.item() == sum(order)
+    order = _in_flattened_order(stage, mesh_dims)
+    me = order.index(rank)
+    with comm.observe() as records:
+        total = comm.all_reduce(torch.tensor([float(rank)]), stage, mesh_dims, reduce_op="sum", async_op=True)
+        assert total.wait().item() == sum(order)
 
-            sizes = [1, 2, 0, 3]
-            gathered = comm.all_gather(torch.full((sizes[me], 2), rank), stage, mesh_dims, dim=0, sizes=sizes)
-            assert torch.equal(gathered, torch.cat([torch.full((size, 2), peer) for size, peer in zip(sizes, order)]))
+        sizes = [1, 2, 0, 3]
+        gathered = comm.all_gather(torch.full((sizes[me], 2), rank), stage, mesh_dims, dim=0, sizes=sizes)
+        assert torch.equal(gathered, torch.cat([torch.full((size, 2), peer) for size, peer in zip(sizes, order)]))
 
-            operand = lambda peer: torch.arange(12).view(6, 2) * (peer + 1)  # noqa: E731
-            scattered = comm.reduce_scatter(operand(rank), stage, mesh_dims, reduce_op="sum", dim=0, sizes=[2, 0, 3, 1])
-            assert torch.equal(scattered, sum(operand(peer) for peer in order).split([2, 0, 3, 1])[me])
+        def operand(peer):
+            return torch.arange(12).view(6, 2) * (peer + 1)
 
-            split_sizes, concat_sizes = [1, 0, 2, 1], [2, 1, 0, 3]  # Shard(0) with concat_sizes -> Shard(1)
-            held = lambda peer: torch.arange(concat_sizes[order.index(peer)] * 4).view(-1, 4) + 100 * peer  # noqa: E731
-            moved = comm.all_to_all(held(rank), stage, mesh_dims, split_dim=1, split_sizes=split_sizes,
-                                    concat_dim=0, concat_sizes=concat_sizes)
-            assert torch.equal(moved, torch.cat([held(peer).split(split_sizes, 1)[me] for peer in order]))
+        scattered = comm.reduce_scatter(operand(rank), stage, mesh_dims, reduce_op="sum", dim=0, sizes=[2, 0, 3, 1])
+        assert torch.equal(scattered, sum(operand(peer) for peer in order).split([2, 0, 3, 1])[me])
 
-            pieces = [[(source + 2 * target) % 3 for target in range(4)] for source in range(4)]  # a re-split
-            rows = lambda peer: torch.arange(sum(pieces[order.index(peer)])) + 100 * peer  # noqa: E731
-            resplit = comm.all_to_all(rows(rank), stage, mesh_dims, split_dim=0, split_sizes=pieces[me], concat_dim=0,
-                                      concat_sizes=[pieces[source][me] for source in range(4)])
-            expected = [rows(peer).split(pieces[source])[me] for source, peer in enumerate(order)]
-            assert torch.equal(resplit, torch.cat(expected))
+        split_sizes, concat_sizes = [1, 0, 2, 1], [2, 1, 0, 3]  # Shard(0) with concat_sizes -> Shard(1)
 
-            broadcast = comm.broadcast(torch.tensor([rank, rank]), stage, mesh_dims, src=2)
-            assert broadcast.tolist() == [order[2]] * 2
+        def held(peer):
+            return torch.arange(concat_sizes[order.index(peer)] * 4).view(-1, 4) + 100 * peer
 
-            output = torch.empty(8, dtype=torch.int64)
-            comm.all_gather_into(output, torch.full((2,), rank), stage, mesh_dims, sizes=[2] * 4)
-            assert output.tolist() == [peer for peer in order for _ in range(2)]
-        kinds = [record.kind for record in records]
-        assert kinds == ["all_reduce"] * 2 + ["all_gather"] * 2 + ["reduce_scatter"] * 2 + ["all_to_all"] * 2 \
-            + ["all_gather"] * 2 + ["all_to_all"] * 2 + ["broadcast"] * kinds.count("broadcast") + ["all_gather"]
-        # the outer broadcast runs only where the inner coordinate is src's (0)
-        assert kinds.count("broadcast") == (2 if me % 2 == 0 else 1)
-        assert all(isinstance(record.mesh_dim, int) for record in records[:-1])  # all_gather_into: one batch of sends
-        assert records[-1].mesh_dim == tuple(stage._mesh_dim_index(name) for name in mesh_dims)
+        moved = comm.all_to_all(held(rank), stage, mesh_dims, split_dim=1, split_sizes=split_sizes,
+                                concat_dim=0, concat_sizes=concat_sizes)
+        assert torch.equal(moved, torch.cat([held(peer).split(split_sizes, 1)[me] for peer in order]))
+
+        pieces = [[(source + 2 * target) % 3 for target in range(4)] for source in range(4)]  # a re-split
+
+        def rows(peer):
+            return torch.arange(sum(pieces[order.index(peer)])) + 100 * peer
+
+        resplit = comm.all_to_all(rows(rank), stage, mesh_dims, split_dim=0, split_sizes=pieces[me], concat_dim=0,
+                                  concat_sizes=[pieces[source][me] for source in range(4)])
+        expected = [rows(peer).split(pieces[source])[me] for source, peer in enumerate(order)]
+        assert torch.equal(resplit, torch.cat(expected))
+
+        broadcast = comm.broadcast(torch.tensor([rank, rank]), stage, mesh_dims, src=2)
+        assert broadcast.tolist() == [order[2]] * 2
+
+        output = torch.empty(8, dtype=torch.int64)
+        comm.all_gather_into(output, torch.full((2,), rank), stage, mesh_dims, sizes=[2] * 4)
+        assert output.tolist() == [peer for peer in order for _ in range(2)]
+    kinds = [record.kind for record in records]
+    assert kinds == ["all_reduce"] * 2 + ["all_gather"] * 2 + ["reduce_scatter"] * 2 + ["all_to_all"] * 2 \
+        + ["all_gather"] * 2 + ["all_to_all"] * 2 + ["broadcast"] * kinds.count("broadcast") + ["all_gather"]
+    # the outer broadcast runs only where the inner coordinate is src's (0)
+    assert kinds.count("broadcast") == (2 if me % 2 == 0 else 1)
+    assert all(isinstance(record.mesh_dim, int) for record in records[:-1])  # all_gather_into: one batch of sends
+    assert records[-1].mesh_dim == tuple(stage._mesh_dim_index(name) for name in mesh_dims)
 
 
 @spmd(meshes=[(2, 2, 2)])
 def test_a_flattened_stage_reduces_in_one_collective(mesh):
     """After `_flatten` (collective: every rank makes every stage's group), the flattened group is used."""
-    stage = DeviceMesh("cpu", FLATTENED_STAGES, mesh_dim_names=NAMES)["dp", "tp"]
-    stage._flatten("dp_tp")
-    with CommDebugMode() as comm_mode:
-        total = comm.all_reduce(torch.tensor([float(dist.get_rank())]), stage, ("dp", "tp"), reduce_op="sum")
-    assert total.item() == sum(stage.mesh.flatten().tolist())
-    assert comm_mode.get_comm_counts() == {"all_reduce": 1}
+    stage = _stage(FLATTENED_STAGES)
+    operand = torch.tensor([float(dist.get_rank())])
+    for flattened, counts in [(False, {"all_reduce": 2}), (True, {"all_reduce": 1})]:  # the first call is before it
+        if flattened:
+            stage._flatten("dp_tp")
+        with CommDebugMode() as comm_mode:
+            total = comm.all_reduce(operand, stage, ("dp", "tp"), reduce_op="sum")
+        assert total.item() == sum(stage.mesh.flatten().tolist())
+        assert comm_mode.get_comm_counts() == counts

@@ -56,7 +56,8 @@ def _peers(mesh: DeviceMesh, mesh_dim: MeshDims, *tensors: torch.Tensor) -> _Pee
             raise _device_error(tensor, mesh)
     key = (mesh, mesh_dim)
     peers = _peers_cache.get(key)
-    if peers is None:
+    # peers without a flattened group use one made since (`_flatten`) from then on
+    if peers is None or peers.parts and has_group(tuple(sorted(peers.ranks))):
         if isinstance(mesh_dim, tuple) and len(mesh_dim) > 1:
             peers = _flattened_peers(mesh, mesh_dim)
         else:

@@ -14,7 +14,9 @@ States are `Layout`s (placements, shard order and exact pieces). A step changes 
     P..P -> R..R        all_reduce        several Partial mesh dims at once, over their flattened
     P..P -> S..S(b)     reduce_scatter    sub-mesh: reaches the lower bound where a reduction per mesh
                                           dim moves more (e.g. 1.5x for (P,P)->(R,R)); a P(sum)/P(avg)
-                                          mix sums and divides by the avg mesh dims' ranks
+                                          mix sums and divides by the avg mesh dims' ranks. Not on a
+                                          slice of the world (`CostModel.flattened_groups`): it would
+                                          run as one collective per mesh dim, so those steps are planned
     all mesh dims       batch_p2p         straight to the target, no Partial on either side: every
                                           rank receives exactly the target elements it lacks
 
