@@ -8,7 +8,7 @@ import contextlib
 
 import torch
 import torch.distributed as dist
-from helpers import exact_full, local_piece
+from helpers import exact_full, local_piece, torch_collectives
 from spmd import spmd
 
 from shardtensor import DTensor, Partial, Replicate, Shard, comm
@@ -91,10 +91,38 @@ def test_stages_whose_members_were_in_different_groups(mesh):
 
 @spmd(meshes=[(2, 2, 2)], timeout=120.0)
 def test_redistribute_on_a_slice(mesh):
-    """Values against one device and the exact collectives, per case, on a stage's 2x2 mesh."""
+    """Values against one device and the exact collectives, per case, on a stage's 2x2 mesh; torch's
+    DTensor on the same slice of its own mesh issues as many collectives."""
     stage = _stage(STAGES)
     for source, target, counts in REDISTRIBUTIONS:
         assert _redistribute_on(stage, source, target) == counts, (source, target)
+        assert _torch_collectives_on_a_stage(source, target) == sum(counts.values()), (source, target)
+
+
+def _torch_collectives_on_a_stage(source, target) -> int:
+    """How many collectives torch's DTensor issues for the redistribute on this rank's stage of a torch
+    DeviceMesh over `STAGES` (the oracle of counts only: torch 2.13 all_gathers a mesh dim whose ranks
+    descend, as [4, 1] here, in global-rank order, so its values are not those of one device)."""
+    from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
+    from torch.distributed.tensor import DTensor as TorchDTensor
+    from torch.distributed.tensor import Partial as TorchPartial
+    from torch.distributed.tensor import Replicate as TorchReplicate
+    from torch.distributed.tensor import Shard as TorchShard
+
+    def to_torch(placements):
+        return [TorchShard(placement.dim) if isinstance(placement, Shard) else
+                TorchPartial() if isinstance(placement, Partial) else TorchReplicate() for placement in placements]
+
+    if "stage" not in _torch_stages:
+        _torch_stages["stage"] = TorchDeviceMesh("cpu", STAGES, mesh_dim_names=NAMES)["dp", "tp"]
+    torch_stage, stage = _torch_stages["stage"], _stage(STAGES)
+    full = exact_full((8, 12))
+    moved = TorchDTensor.from_local(_operand(full, stage, source), torch_stage, to_torch(source))
+    _, count = torch_collectives(lambda: moved.redistribute(torch_stage, to_torch(target)))
+    return count
+
+
+_torch_stages: dict = {}  # torch's mesh over STAGES, made once per worker (collective)
 
 
 @spmd(meshes=[(2, 2)])
