@@ -391,8 +391,8 @@ def _all_to_all_per_mesh_dim(tensor, mesh, peers: _Peers, split_dim: int, split_
     peer's split sizes (one all_gather per mesh dim)."""
     rest = math.prod(_with_size(_with_size(tensor.shape, split_dim, 1), concat_dim, 1))
     if split_dim == concat_dim:
-        mine = torch.tensor(split_sizes, dtype=torch.int64, device=tensor.device)
-        matrix = all_gather(mine, mesh, peers.mesh_dim, dim=0, sizes=[peers.size] * peers.size).view(peers.size, -1)
+        own_sizes = torch.tensor(split_sizes, dtype=torch.int64, device=tensor.device)
+        matrix = all_gather(own_sizes, mesh, peers.mesh_dim, dim=0, sizes=[peers.size] * peers.size).view(peers.size, -1)
         numel = matrix.mul(rest).tolist()
     else:
         numel = [[rest * split_sizes[target] * concat_sizes[source] for target in range(peers.size)]
@@ -418,7 +418,8 @@ def _all_to_all_per_mesh_dim(tensor, mesh, peers: _Peers, split_dim: int, split_
             ]
             receive[position] = [sum(numel[source][target] for source, target in expected[position])]
         if collective_check.enabled:
-            collective_check.agree("all_to_all", part, local, (split_dim, concat_dim, peers.mesh_dim))
+            others = _with_size(_with_size(tensor.shape, split_dim, 0), concat_dim, 0)
+            collective_check.agree("all_to_all", part, local, (split_dim, concat_dim, tuple(others)))
         _, received, sent_bytes, received_bytes = _exchange(send, receive, local, part, False)
         _record_on("all_to_all", part, sent_bytes, received_bytes)
         for position, message in enumerate(received()):
