@@ -5,9 +5,10 @@ on the other mesh dims, and pieces are indexed by the peer's coordinate along `m
 orders a group by global rank, which may differ; this package hides that). Sizes are lists in
 coordinate order; uneven and empty pieces move exactly, with no padding bytes. `mesh_dim` may
 also be a tuple of mesh dims: the peers are then the flattened sub-mesh through this rank,
-row-major in the order given (one collective instead of one per mesh dim; on first use its group is
-made by every rank for every such plane when the mesh spans the world, else by its members alone, so
-that ranks outside a slice need not call).
+row-major in the order given: one collective over a group of those ranks when the mesh spans the world
+(on first use every rank makes the group of every such plane) or when one exists (`DeviceMesh._flatten`);
+on a slice without one (a pipeline stage's mesh, whose siblings may run other ops), one collective per
+mesh dim with the same result (its members alone cannot make a group: see `peers`).
 
 Observability: every call with more than one rank adds 1 to `call_counts[kind]` and appends a
 `CommRecord` to every list yielded by an active `observe()`. Bytes are this rank's, for an ideal
