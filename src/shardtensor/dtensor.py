@@ -23,7 +23,7 @@ from .dispatch import dispatch
 from .from_local import from_local_layout
 from .layout import Layout
 from .mesh import DeviceMesh, current_mesh
-from .placement import Partial, Placement, Replicate
+from .placement import Partial, Placement, Replicate, check_partial_dtype
 from .spec import DTensorSpec, global_stride, interned_spec
 from .tensor_methods import FastTensorMethods
 
@@ -278,6 +278,8 @@ class DTensor(FastTensorMethods, CheckpointableMixin, torch.Tensor):
                     f"result of an op, not a layout one can move data into). Given placements "
                     f"{tuple(placements)!r} from {self.placements!r}"
                 )
+        if forward_dtype is not None:
+            check_partial_dtype(target.placements, forward_dtype, "DTensor.redistribute(forward_dtype=...)")
         if target == self.sharding:
             target = self.sharding  # keep exact pieces and shard order: no communication
         return Redistribute.apply(self, mesh, target, async_op, forward_dtype, backward_dtype)

@@ -16,7 +16,7 @@ import torch
 
 from . import comm
 from .layout import Layout
-from .placement import Shard
+from .placement import Shard, check_partial_dtype
 
 __all__ = ["from_local_layout"]
 
@@ -43,6 +43,7 @@ def _not_dense_error(tensor, function: str) -> str:
 def from_local_layout(local, mesh, placements, shape, shard_sizes, run_check: bool) -> Layout:
     """The layout of the DTensor made from this rank's `local` tensor (see `DTensor.from_local`)."""
     check_dense(local, "DTensor.from_local")
+    check_partial_dtype(placements, local.dtype, "DTensor.from_local")
     mesh_shape = tuple(mesh.shape)
     if len(placements) != len(mesh_shape):
         # Layout.create raises the full message; do it before any collective so that every rank fails alike.
