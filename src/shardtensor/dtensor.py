@@ -188,8 +188,8 @@ class DTensor(FastTensorMethods, CheckpointableMixin, torch.Tensor):
 
         Shard sizes: with `shape`, the shards are the `torch.chunk` split of `shape` (or
         `shard_sizes={mesh_dim: sizes}` if given too) and this rank's shape is checked against it.
-        Without `shape`, a Shard placement makes every rank share its local shape once
-        (`all_gather_object`), so uneven shards are exact (`shard_sizes="infer"`, the default);
+        Without `shape`, a Shard placement makes every rank share its local shape once (one
+        fixed-size all_gather), so uneven shards are exact (`shard_sizes="infer"`, the default);
         `shard_sizes="chunk"` skips that and assumes equal local shapes, as PyTorch does;
         `shard_sizes={mesh_dim: sizes}` gives them explicitly. `run_check=True` checks shapes,
         dtypes and placements on all ranks (raising the same error everywhere) and broadcasts
