@@ -86,18 +86,21 @@ def test_partial_avg_of_integers_or_bools_is_refused_on_every_rank_without_commu
     rank = mesh.get_rank()
     avg_last = [Shard(0)] * (mesh.ndim - 1) + [Partial("avg")]
     floating, floating_value = partial_and_value(mesh, (4, 2), "avg")
+    integers, bools = torch.ones(2, dtype=torch.int32), torch.ones(2, dtype=torch.bool)
+    integer_spec = DTensorSpec(mesh, floating.sharding, (2, 1), torch.int64)
     calls = [
         ("DTensor.from_local", lambda: DTensor.from_local(torch.arange(4) + rank, mesh, avg_last)),
-        ("DTensor.from_local", lambda: DTensor.from_local(torch.ones(2, dtype=torch.int32), mesh, avg_last, run_check=True)),
-        ("DTensor.from_local", lambda: DTensor.from_local(torch.ones(2, dtype=torch.bool), mesh, avg_last, shape=(2 * mesh.size(0),))),
+        ("DTensor.from_local", lambda: DTensor.from_local(integers, mesh, avg_last, run_check=True)),
+        ("DTensor.from_local", lambda: DTensor.from_local(bools, mesh, avg_last, shape=(2 * mesh.size(0),))),
         ("distribute_tensor", lambda: distribute_tensor(torch.arange(4, dtype=torch.int16), mesh, avg_last)),
         (r"DTensor.redistribute\(forward_dtype=...\)", lambda: floating.redistribute(forward_dtype=torch.int64)),
         ("all_reduce", lambda: comm.all_reduce(torch.arange(3), mesh, 0, reduce_op="avg")),
-        ("DTensor", lambda: DTensor(torch.zeros(4, 2, dtype=torch.int64), DTensorSpec(mesh, floating.sharding, (2, 1), torch.int64))),
+        ("DTensor", lambda: DTensor(torch.zeros(4, 2, dtype=torch.int64), integer_spec)),
     ]
     with comm.observe() as records:
         for function, call in calls:
-            with pytest.raises(ValueError, match=rf"^{function}: .*'avg'.* needs a floating or complex .*got torch\.(int|bool)"):
+            message = rf"^{function}: .*'avg'.* needs a floating or complex .*got torch\.(int|bool)"
+            with pytest.raises(ValueError, match=message):
                 call()
     assert records == []
     # floating and complex P(avg) are the mean; integers reduce as P(sum); a cast of a P(avg) casts the mean

@@ -90,9 +90,8 @@ def _exchange(local, mesh, placements) -> dict:
     differ (another dtype or placements somewhere: the message names them) or a tensor has more than
     _RECORD_DIMS dims, every rank, having seen the same records, exchanges the whole entries as objects.
     """
-    digest = int.from_bytes(
-        hashlib.blake2b(repr((str(local.dtype), tuple(placements))).encode(), digest_size=8).digest(), "little", signed=True
-    )
+    described = repr((str(local.dtype), tuple(placements))).encode()
+    digest = int.from_bytes(hashlib.blake2b(described, digest_size=8).digest(), "little", signed=True)
     sizes = list(local.shape[:_RECORD_DIMS])
     record = torch.tensor([local.ndim, digest, *sizes] + [0] * (_RECORD_DIMS - len(sizes)), device=mesh.device_type)
     rows = comm.all_gather_over_mesh(record, mesh).tolist()

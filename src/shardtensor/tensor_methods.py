@@ -79,8 +79,9 @@ _function_mode_enabled = torch._C._is_torch_function_mode_enabled
 def _only_dtensors(values, cls: type) -> bool:
     """Whether every tensor among `values` is a DTensor or a 0-d plain tensor (read as a scalar)."""
     for value in values:
-        if isinstance(value, torch.Tensor) and type(value) is not cls and (type(value) is not torch.Tensor or value.ndim):
-            return False
+        if isinstance(value, torch.Tensor) and type(value) is not cls:
+            if type(value) is not torch.Tensor or value.ndim:
+                return False
     return True
 
 
