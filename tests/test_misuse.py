@@ -14,7 +14,7 @@ from hypothesis import given, settings, strategies as st
 
 from shardtensor import DTensor, Partial, Replicate, Shard, comm, distribute_tensor
 from shardtensor.spec import DTensorSpec
-from helpers import partial_and_value
+from helpers import partial_and_value, torch_mesh
 from spmd import spmd
 
 
@@ -103,6 +103,12 @@ def test_partial_avg_of_integers_or_bools_is_refused_on_every_rank_without_commu
             with pytest.raises(ValueError, match=message):
                 call()
     assert records == []
+    # PyTorch's DTensor accepts the layout and fails at its first reduction, inside the all_reduce
+    from torch.distributed.tensor import DTensor as TorchDTensor, Partial as TorchPartial
+
+    theirs = TorchDTensor.from_local(torch.arange(4) + rank, torch_mesh(mesh), [TorchPartial("avg")] * mesh.ndim)
+    with pytest.raises(RuntimeError, match="can't be cast to the desired output type Long"):
+        theirs.full_tensor()
     # floating and complex P(avg) are the mean; integers reduce as P(sum); a cast of a P(avg) casts the mean
     complex_avg, complex_value = partial_and_value(mesh, (3,), "avg", dtype=torch.complex64)
     torch.testing.assert_close(complex_avg.full_tensor(), complex_value)
