@@ -67,7 +67,7 @@ def _method(name: str):
 
 
 # Common methods and operators, functional and in place (an optimizer's per-parameter updates):
-# when every tensor argument is a DTensor and no torch function mode is on, they call
+# when every tensor argument is a DTensor (or a 0-d plain tensor) and no torch function mode is on, they call
 # `torch_function` directly with what torch's `__torch_function__` protocol would pass (an operator
 # passes its method: `x + y` passes `Tensor.add`, and a TypeError becomes NotImplemented), without
 # the protocol's C++ round trip (about 0.5-1 us).
@@ -81,9 +81,11 @@ _function_mode_enabled = torch._C._is_torch_function_mode_enabled
 
 
 def _only_dtensors(values, cls: type) -> bool:
+    """Whether every tensor among `values` is a DTensor or a 0-d plain tensor (read as a scalar)."""
     for value in values:
         if isinstance(value, torch.Tensor) and type(value) is not cls:
-            return False
+            if type(value) is not torch.Tensor or value.ndim:
+                return False
     return True
 
 

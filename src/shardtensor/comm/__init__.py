@@ -21,7 +21,7 @@ returns its input as is (collectives over one rank are identities).
 
 The package's modules, one job each: `records` (observe, call counts), `handles` (async results),
 `peers` (coordinate versus c10d group order, size checks), `wire` (how tensors travel, the uneven
-exchange), `collectives` (the collectives along mesh dims), `objects` (Python objects) and
+exchange), `collectives` (the collectives along mesh dims), `objects` (Python objects, a gather over a whole mesh) and
 `point_to_point` (global-rank send/recv/batch). Names with a leading underscore are shared inside
 the package only.
 """
@@ -30,12 +30,12 @@ from __future__ import annotations
 
 from .collectives import all_gather, all_gather_into, all_reduce, all_to_all, broadcast, reduce_scatter, scatter
 from .handles import CommHandle
-from .objects import all_gather_object, broadcast_object, share_object
+from .objects import all_gather_object, all_gather_over_mesh, broadcast_object, share_object
 from .point_to_point import PointToPoint, batch_p2p, recv, send
 from .records import CommRecord, call_counts, observe
 
 __all__ = [
     "CommRecord", "CommHandle", "PointToPoint", "observe", "call_counts",
     "all_gather", "all_gather_into", "all_to_all", "all_reduce", "reduce_scatter", "broadcast", "scatter",
-    "all_gather_object", "broadcast_object", "share_object", "send", "recv", "batch_p2p",
+    "all_gather_object", "all_gather_over_mesh", "broadcast_object", "share_object", "send", "recv", "batch_p2p",
 ]
