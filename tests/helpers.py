@@ -110,6 +110,20 @@ def partial_of(full: torch.Tensor, mesh, *, seed: int = 0):
 _torch_meshes: dict = {}
 
 
+def counting_dispatch(monkeypatch) -> list:
+    """The aten ops that reach `DTensor.__torch_dispatch__` while `monkeypatch` holds (the function fast
+    path of `torch_function` skips it): a list that fills as they come."""
+    calls = []
+    original = DTensor.__torch_dispatch__
+
+    def counting(cls, op, types, args=(), kwargs=None):
+        calls.append(op)
+        return original(op, types, args, kwargs)
+
+    monkeypatch.setattr(DTensor, "__torch_dispatch__", classmethod(counting))
+    return calls
+
+
 def torch_mesh(mesh):
     """torch's own DeviceMesh over the ranks of `mesh` (made once per worker and mesh), for tests that
     run the same program on torch DTensor as an oracle of values and collective counts."""

@@ -9,7 +9,7 @@ Deliberate differences from torch, asserted where they show:
   gradient of a differently laid out leaf is moved; torch keeps the gradient as the last op made it.
 - A plan key that matches no submodule raises (torch warns and skips the entry).
 - A plain tensor a style reads as Shard(dim) along a dim the module does not define (a batch-sharded
-  input of ColwiseParallel(input_layouts=Shard(0))) costs ours a size agreement (2 all_gathers), so that
+  input of ColwiseParallel(input_layouts=Shard(0))) costs ours a size agreement (1 all_gather), so that
   uneven shards are exact; torch assumes every rank's shard has this rank's shape. The same holds for
   `DTensor.from_local` without `shape` (run_check or not) and local_map's Shard outputs
   (`out_shard_sizes="chunk"` skips it, as torch does).
@@ -227,8 +227,8 @@ def _chunk(x: torch.Tensor, mesh, dim: int) -> torch.Tensor:
 
 
 # A plain input read as Shard(dim) along a dim the module does not define: our style learns the exact
-# global size from every rank's local shape (`all_gather_object`: lengths, then bytes), torch assumes even shards.
-_SIZE_AGREEMENT = {"all_gather_into_tensor": 2}
+# global size from every rank's local shape (one all_gather of fixed-size records), torch assumes even shards.
+_SIZE_AGREEMENT = {"all_gather_into_tensor": 1}
 
 # The vocabulary-sharded embedding's weight gradient: ours keeps the weight's Shard(0) (each rank's rows,
 # no collective), torch's comes out Replicate (every rank holds the whole gradient, the optimizer step then

@@ -219,6 +219,15 @@ def test_all_gather_object(mesh):
 
 
 @spmd()
+def test_all_gather_over_mesh(mesh):
+    """Every rank's row in row-major coordinate order, in one all_gather (these meshes span the world)."""
+    with comm.observe() as records:
+        rows = comm.all_gather_over_mesh(torch.tensor([mesh.get_rank(), 7]), mesh)
+    assert rows.tolist() == [[rank, 7] for rank in mesh.mesh.flatten().tolist()]
+    assert [record.kind for record in records] == (["all_gather"] if mesh.size() > 1 else [])
+
+
+@spmd()
 def test_broadcast_object(mesh):
     """Every peer gets the source coordinate's object; two broadcasts (length, then bytes), recorded."""
     for mesh_dim in range(mesh.ndim):
@@ -263,6 +272,7 @@ def test_unsorted_mesh_coordinates(mesh):
     gathered = comm.all_gather(torch.tensor([rank]), unsorted, 1, dim=0, sizes=[1, 1])
     assert gathered.tolist() == unsorted.mesh[coordinate[0]].tolist()
     assert comm.all_gather_object(rank, unsorted) == [3, 1, 2, 0]
+    assert comm.all_gather_over_mesh(torch.tensor(rank), unsorted).tolist() == [3, 1, 2, 0]
 
 
 @spmd(meshes=[(2,)])

@@ -1,11 +1,14 @@
 """DTensor conversions (from_local, to_local, full_tensor, redistribute), forward and backward."""
 
+import math
+
 import pytest
 import torch
 from helpers import layout_box
 from spmd import spmd
 
 from shardtensor import DTensor, DeviceMesh, Partial, Replicate, Shard, comm, distribute_tensor
+from shardtensor.debug import CommDebugMode
 from shardtensor.layout import Layout
 
 
@@ -47,6 +50,28 @@ def test_from_local_uneven_sizes_are_inferred_exactly(mesh):
     assert torch.equal(dtensor.full_tensor(), full)
     if mesh.shape[0] > 1:
         assert "shard_sizes" in repr(dtensor)
+
+
+@spmd(meshes=[(2,), (4,), (2, 2)])
+def test_from_local_learns_the_local_shapes_in_one_all_gather(mesh):
+    """Inferring uneven shards takes one all_gather of fixed-size records over the whole mesh (it spans the
+    world), with run_check too; only a tensor of more than 8 dims, or ranks that disagree (all raise),
+    exchange the whole entries after it: two all_gathers per mesh dim of more than one rank."""
+    rows = mesh.get_coordinate()[0] + 1  # 1, 2, 3, ... rows: not torch.chunk's split
+    total, start = sum(range(1, mesh.shape[0] + 1)), sum(range(1, rows))
+    placements = [Shard(0)] + [Replicate()] * (mesh.ndim - 1)
+    whole_entries = 2 * sum(size > 1 for size in mesh.shape)
+    for trailing, run_check in (((3,), False), ((3,), True), ((2,) + (1,) * 6, False), ((2,) + (1,) * 7, False)):
+        full = torch.arange(total * 2 * 3.0)[: total * math.prod(trailing)].reshape(total, *trailing)
+        with CommDebugMode() as mode:
+            dtensor = DTensor.from_local(full[start : start + rows], mesh, placements, run_check=run_check)
+        expected = 1 + (whole_entries if full.ndim > 8 else 0)
+        assert mode.get_comm_counts().get("all_gather") == expected, (full.ndim, run_check, mode.get_comm_counts())
+        assert dtensor.shape == full.shape and torch.equal(dtensor.full_tensor(), full)
+    dtype = torch.float64 if _rank() == 1 else torch.float32
+    with CommDebugMode() as mode, pytest.raises(ValueError, match="ranks disagree"):
+        DTensor.from_local(torch.ones(rows, 3, dtype=dtype), mesh, placements)
+    assert mode.get_comm_counts() == {"all_gather": 1 + whole_entries}
 
 
 @spmd(meshes=[(2, 2)])

@@ -14,7 +14,8 @@ from helpers import documented_random, exact_full, local_piece
 from spmd import spmd
 
 import shardtensor
-from shardtensor import DeviceMesh, DTensor, Partial, Replicate, Shard, distribute_tensor
+from shardtensor import DeviceMesh, DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
+from shardtensor.debug import CommDebugMode
 
 R = Replicate()
 EIGHT = [(8,), (2, 2, 2), (2, 4), (4, 2)]
@@ -150,3 +151,20 @@ def test_random_ops_match_the_single_device_tensor(mesh):
     target = distribute_tensor(torch.zeros(shape), mesh, [Shard(0)] + [Shard(1)] * (mesh.ndim - 1))
     target.uniform_()
     _check(target, documented_random("rand", shape, seed=21, counter=3, dtype=torch.float32), "uniform_ in place")
+
+
+@spmd(meshes=[(2, 2, 2)], timeout=SLOW_MACHINE_TIMEOUT)
+def test_from_local_on_a_sliced_mesh_learns_shapes_in_one_all_gather_per_mesh_dim(mesh):
+    """A 2x2 slice of the 2x2x2 world does not span the world: the fixed-size records of the local shapes
+    are gathered along each of its mesh dims (no group over the slice is made), in row-major order."""
+    plane = init_device_mesh("cpu", mesh.shape, mesh_dim_names=("a", "b", "c"))["b", "c"]
+    row, column = plane.get_coordinate()
+    sizes = [[1, 3], [0, 2]]  # rows per coordinate: neither torch.chunk's split nor equal along any mesh dim
+    flat = [size for line in sizes for size in line]
+    full = exact_full((sum(flat), 4), seed=mesh.get_coordinate()[0])  # each plane its own tensor
+    start = sum(flat[: 2 * row + column])
+    with CommDebugMode() as mode:
+        dtensor = DTensor.from_local(full[start : start + sizes[row][column]], plane, [Shard(0), Shard(0)])
+    assert mode.get_comm_counts() == {"all_gather": 2}
+    assert dtensor.sharding.pieces[0] == tuple(flat)
+    assert torch.equal(dtensor.full_tensor(), full)

@@ -13,7 +13,7 @@ import warnings
 
 import pytest
 import torch
-from helpers import partial_and_value
+from helpers import counting_dispatch, partial_and_value
 from spmd import spmd
 
 import shardtensor
@@ -185,25 +185,16 @@ FUNCTION_CALLS = {
     "cast": (lambda x, y, w: x.to(torch.float64), True),
     "partial times scalar": (lambda x, y, w: x.sum() * 3, True),
     "partial plus scalar": (lambda x, y, w: x.sum() + 1, True),
+    "0-d tensor": (lambda x, y, w: x * torch.tensor(2.5), True),
+    "partial times 0-d tensor": (lambda x, y, w: x.sum() / torch.tensor(-3.0), True),
+    "where with a 0-d tensor": (lambda x, y, w: torch.where(y > 0, x, torch.tensor(0.5)), True),
+    "in place with a 0-d tensor": (lambda x, y, w: x.clone().sub_(torch.tensor(0.5)), True),
     "view": (lambda x, y, w: x.view(-1), False),
     "transpose": (lambda x, y, w: x.t(), False),
     "in place": (lambda x, y, w: x.clone().add_(y), True),
     "out=": (lambda x, y, w: torch.add(x, y, out=torch.empty_like(x)), False),
     "dropout": (lambda x, y, w: torch.nn.functional.dropout(x, 0.5), False),
 }
-
-
-def _counting_dispatch(monkeypatch) -> list:
-    """Counts the aten ops that reach `DTensor.__torch_dispatch__` (the fast path skips it)."""
-    calls = []
-    original = DTensor.__torch_dispatch__
-
-    def counting(cls, op, types, args=(), kwargs=None):
-        calls.append(op)
-        return original(op, types, args, kwargs)
-
-    monkeypatch.setattr(DTensor, "__torch_dispatch__", classmethod(counting))
-    return calls
 
 
 def _same_dtensor(result, reference) -> None:
@@ -244,7 +235,7 @@ def test_function_fast_path_gives_exactly_the_aten_path_result(mesh):
             for _ in range(3):
                 torch.manual_seed(1)
                 with pytest.MonkeyPatch.context() as monkeypatch:
-                    dispatched = _counting_dispatch(monkeypatch)
+                    dispatched = counting_dispatch(monkeypatch)
                     result = function(x, y, weight)
                 if name != "dropout":  # random: each call draws new values
                     _same_dtensor(result, reference)
@@ -264,13 +255,13 @@ def test_function_fast_path_leaves_autograd_calls_to_the_aten_path(mesh):
         x + x  # learnt and served without grad
     leaf = distribute_tensor(full, mesh, [Shard(0)]).requires_grad_(True)
     with pytest.MonkeyPatch.context() as monkeypatch:
-        dispatched = _counting_dispatch(monkeypatch)
+        dispatched = counting_dispatch(monkeypatch)
         result = leaf + x
     assert dispatched and result.requires_grad and result.grad_fn is not None
     result.sum().backward()
     assert torch.equal(leaf.grad.full_tensor(), torch.ones(4, 3))
     with torch.no_grad(), pytest.MonkeyPatch.context() as monkeypatch:
-        dispatched = _counting_dispatch(monkeypatch)
+        dispatched = counting_dispatch(monkeypatch)
         result = leaf + x
     assert not dispatched and not result.requires_grad
     assert torch.equal(result.full_tensor(), full + full)
@@ -318,7 +309,7 @@ def test_in_place_calls_are_served_where_the_tensor_lies(mesh, placement):
         for scale in (0.5, 1.5, 2.5):
             version = dtensors[0]._version
             with pytest.MonkeyPatch.context() as monkeypatch, comm.observe() as records:
-                dispatched = _counting_dispatch(monkeypatch)
+                dispatched = counting_dispatch(monkeypatch)
                 result = call(*dtensors, scale)
             call(*fulls, scale)
             assert result is dtensors[0] and dtensors[0]._version == version + 1, name
@@ -340,7 +331,7 @@ def test_other_call_patterns_of_a_function_do_not_key_its_calls_on_their_scalars
     for step in range(4):
         alpha = 0.5 + step
         with pytest.MonkeyPatch.context() as monkeypatch:
-            dispatched = _counting_dispatch(monkeypatch)
+            dispatched = counting_dispatch(monkeypatch)
             x.add_(y, alpha=alpha)
         full.add_(other, alpha=alpha)
         if step >= 2:  # learnt at the first call on cached plans; every later alpha is served
@@ -413,6 +404,8 @@ def _compare_metadata(dtensor, plain) -> None:
         assert value is reference or value == reference, name
         if name in ("shape", "dtype", "layout", "ndim", "requires_grad", "is_leaf", "itemsize", "is_cpu"):
             assert value == getattr(plain, name), name
+    for name, value in tensor_methods.DENSE_CONSTANTS.items():  # class constants: torch agrees
+        assert getattr(dtensor, name) is value is _through_torch_function(dtensor, name) is getattr(plain, name), name
     assert (dtensor.grad is None) == (plain.grad is None) and (dtensor.grad_fn is None) == (plain.grad_fn is None)
     for name in tensor_methods.METADATA_METHODS:
         assert getattr(dtensor, name)() == _through_torch_function(dtensor, name), name

@@ -13,6 +13,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from shardtensor import DTensor, Partial, Replicate, Shard, comm, distribute_tensor
+from shardtensor.spec import DTensorSpec
+from helpers import partial_and_value, torch_mesh
 from spmd import spmd
 
 
@@ -75,6 +77,45 @@ def test_from_local_with_rank_dependent_dtype_or_rank_raises_on_every_rank(mesh)
         DTensor.from_local(torch.ones(2, 3, dtype=dtype), mesh, [Shard(0)], run_check=True)
     with pytest.raises(ValueError, match="ranks disagree"):
         DTensor.from_local(torch.ones((2,) * (2 + (rank == 0))), mesh, [Shard(0)], run_check=True)
+
+
+@spmd(meshes=[(2,), (2, 2)])
+def test_partial_avg_of_integers_or_bools_is_refused_on_every_rank_without_communication(mesh):
+    """The mean of integer operands is no integer: P(avg) needs a floating or complex dtype, and every
+    way of making such a layout says so before any collective (PyTorch fails inside its all_reduce)."""
+    rank = mesh.get_rank()
+    avg_last = [Shard(0)] * (mesh.ndim - 1) + [Partial("avg")]
+    floating, floating_value = partial_and_value(mesh, (4, 2), "avg")
+    integers, bools = torch.ones(2, dtype=torch.int32), torch.ones(2, dtype=torch.bool)
+    integer_spec = DTensorSpec(mesh, floating.sharding, (2, 1), torch.int64)
+    calls = [
+        ("DTensor.from_local", lambda: DTensor.from_local(torch.arange(4) + rank, mesh, avg_last)),
+        ("DTensor.from_local", lambda: DTensor.from_local(integers, mesh, avg_last, run_check=True)),
+        ("DTensor.from_local", lambda: DTensor.from_local(bools, mesh, avg_last, shape=(2 * mesh.size(0),))),
+        ("distribute_tensor", lambda: distribute_tensor(torch.arange(4, dtype=torch.int16), mesh, avg_last)),
+        (r"DTensor.redistribute\(forward_dtype=...\)", lambda: floating.redistribute(forward_dtype=torch.int64)),
+        ("all_reduce", lambda: comm.all_reduce(torch.arange(3), mesh, 0, reduce_op="avg")),
+        ("DTensor", lambda: DTensor(torch.zeros(4, 2, dtype=torch.int64), integer_spec)),
+    ]
+    with comm.observe() as records:
+        for function, call in calls:
+            message = rf"^{function}: .*'avg'.* needs a floating or complex .*got torch\.(int|bool)"
+            with pytest.raises(ValueError, match=message):
+                call()
+    assert records == []
+    # PyTorch's DTensor accepts the layout and fails at its first reduction, inside the all_reduce
+    from torch.distributed.tensor import DTensor as TorchDTensor, Partial as TorchPartial
+
+    theirs = TorchDTensor.from_local(torch.arange(4) + rank, torch_mesh(mesh), [TorchPartial("avg")] * mesh.ndim)
+    with pytest.raises(RuntimeError, match="can't be cast to the desired output type Long"):
+        theirs.full_tensor()
+    # floating and complex P(avg) are the mean; integers reduce as P(sum); a cast of a P(avg) casts the mean
+    complex_avg, complex_value = partial_and_value(mesh, (3,), "avg", dtype=torch.complex64)
+    torch.testing.assert_close(complex_avg.full_tensor(), complex_value)
+    torch.testing.assert_close(floating.full_tensor(), floating_value)
+    assert torch.equal(floating.long().full_tensor(), floating_value.long())
+    summed = DTensor.from_local(torch.arange(4) + rank, mesh, [Partial("sum")] * mesh.ndim)
+    assert torch.equal(summed.full_tensor(), mesh.size() * torch.arange(4) + sum(range(mesh.size())))
 
 
 _PLACEMENTS = st.sampled_from([Shard(0), Shard(1), Shard(2), Shard(-4), Replicate(), Partial()])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import counting_dispatch, partial_and_value
 from spmd import spmd
 
 from shardtensor import DTensor, Partial, Replicate, Shard, distribute_tensor, plan_cache, propagation
@@ -74,6 +75,10 @@ def test_values_that_decide_stay_in_the_key(mesh):
     for scalar in (2, 2.0, True, 3, 0.5, False):
         assert (integers * scalar).dtype == (torch.arange(8) * scalar).dtype
         assert (integers + scalar).dtype == (torch.arange(8) + scalar).dtype
+        for _ in range(3):  # learnt, then served: a 0-d tensor's dtype stays in the key
+            product = integers * torch.tensor(scalar)
+            assert product.dtype == (torch.arange(8) * torch.tensor(scalar)).dtype
+        assert torch.equal(product.full_tensor(), torch.arange(8).reshape(4, 2) * torch.tensor(scalar))
     full = torch.randn(4, 6)
     x = distribute_tensor(full, mesh, [Shard(1)] * mesh.ndim)
     for shape in ((24,), (2, 12), (8, 3)):
@@ -118,3 +123,67 @@ def test_replicate_inputs_of_a_scaled_sum_keep_their_values(mesh):
     x = distribute_tensor(full, mesh, [Replicate()])
     results = [(x * (step + 0.5)).full_tensor() for step in range(4)]
     assert all(torch.equal(result, full * (step + 0.5)) for step, result in enumerate(results))
+
+
+# name -> (aten op, call of `x` (a DTensor or its single-device value) and a 0-d plain tensor `t`)
+ZERO_DIM_CALLS = {
+    "x * t": (aten.mul.Tensor, lambda x, t: x * t),
+    "t * x": (aten.mul.Tensor, lambda x, t: t * x),
+    "torch.mul(x, t)": (aten.mul.Tensor, lambda x, t: torch.mul(x, t)),
+    "x + t": (aten.add.Tensor, lambda x, t: x + t),
+    "x - t": (aten.sub.Tensor, lambda x, t: x - t),
+    "x / t": (aten.div.Tensor, lambda x, t: x / t),
+    "x.mul_(t)": (aten.mul_.Tensor, lambda x, t: x.mul_(t)),
+    "x.add_(t)": (aten.add_.Tensor, lambda x, t: x.add_(t)),
+    "x.sub_(t)": (aten.sub_.Tensor, lambda x, t: x.sub_(t)),
+    "x.div_(t)": (aten.div_.Tensor, lambda x, t: x.div_(t)),
+}
+_SCALINGS = {"x * t", "t * x", "torch.mul(x, t)", "x / t", "x.mul_(t)", "x.div_(t)"}
+
+
+def _expected_path(name: str, placement: str, scale: float) -> str:
+    """How a call runs once learnt: "served" above the dispatcher (its result is computed where the input
+    lies), "plan" (a cached aten plan that reduces a Partial input first: a scalar added to P(sum) or
+    P(max) is not linear) or "slow" (every call misses: an in-place write into a Partial that must be
+    reduced first, which a plan cannot write back; P(max) scaled by a negative is P(min), not P(max))."""
+    if placement in ("S(0)", "R", "P(avg)"):
+        return "served"
+    in_place = name.endswith("_(t)")
+    if name in _SCALINGS and (not in_place or scale > 0 or placement == "P(sum)"):
+        return "served"
+    return "slow" if in_place else "plan"
+
+
+def _zero_dim_input(mesh, placement: str):
+    """A fresh DTensor in `placement` ("S(0)", "R", "P(sum)"...) and its single-device value: fresh, so
+    that no reduction of an earlier call is kept on a Partial input."""
+    if placement.startswith("P"):
+        return partial_and_value(mesh, (7, 4), placement[2:-1])
+    full = torch.randn(7, 4, dtype=torch.float64)  # 7 rows: uneven over 2 and 4 ranks
+    return distribute_tensor(full.clone(), mesh, [Shard(0) if placement == "S(0)" else Replicate()] * mesh.ndim), full
+
+
+@pytest.mark.parametrize("name", sorted(ZERO_DIM_CALLS))
+@spmd(meshes=[(2,), (2, 2)])
+def test_a_zero_dim_tensor_operand_whose_value_changes_hits_its_plan(mesh, name):
+    """`x * torch.tensor(s)` with a new `s` every call (a scheduled scale), in each layout: the values
+    of one device; once both signs were seen (learnt), no plan-cache miss, and the calls whose result
+    is computed where the input lies are served above the dispatcher."""
+    op, call = ZERO_DIM_CALLS[name]
+    warm_up, loop = (1.0, -1.0, 1.0, -1.0), (0.5, -2.5, 3.5, -4.5, 5.5)
+    for placement in ("S(0)", "R", "P(sum)", "P(max)", "P(avg)"):
+        for step, scale in enumerate(warm_up + loop):
+            dtensor, value = _zero_dim_input(mesh, placement)
+            scale_tensor = torch.tensor(scale, dtype=torch.float64)
+            before = _counts(op)
+            with pytest.MonkeyPatch.context() as monkeypatch:
+                dispatched = counting_dispatch(monkeypatch)
+                result = call(dtensor, scale_tensor)
+            expected = call(value, scale_tensor)
+            torch.testing.assert_close(result.full_tensor(), expected, msg=lambda text: f"{placement} {scale}: {text}")
+            if step < len(warm_up):
+                continue
+            path, context = _expected_path(name, placement, scale), (placement, scale)
+            hits, misses = _counts(op).hits - before.hits, _counts(op).misses - before.misses
+            assert (hits, misses) == ((0, 1) if path == "slow" else (1, 0)), context
+            assert (dispatched == []) == (path == "served"), (context, dispatched)

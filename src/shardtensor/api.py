@@ -19,7 +19,7 @@ from .dtensor import DTensor
 from .from_local import check_dense
 from .layout import Layout
 from .mesh import DeviceMesh, current_mesh
-from .placement import Placement, Replicate, Shard
+from .placement import Placement, Replicate, Shard, check_partial_dtype
 from .random import next_random_call, random_shard
 from .spec import DTensorSpec, contiguous_stride
 
@@ -138,6 +138,7 @@ def distribute_tensor(
     check_dense(tensor, "distribute_tensor")
     mesh, placements = _mesh_and_placements(device_mesh, placements)
     layout = Layout.create(mesh.shape, placements, tensor.shape)
+    check_partial_dtype(layout.placements, tensor.dtype, "distribute_tensor")
     coordinate = mesh.get_coordinate()
     data = tensor.detach()
     if data.device.type != mesh.device_type and not data.is_meta:

@@ -24,7 +24,7 @@ from .from_local import from_local_layout
 from .gradients import watch_leaf
 from .layout import Layout
 from .mesh import DeviceMesh, current_mesh
-from .placement import Partial, Placement, Replicate
+from .placement import Partial, Placement, Replicate, check_partial_dtype
 from .spec import DTensorSpec, global_stride, interned_spec
 from .tensor_methods import FastTensorMethods
 
@@ -189,8 +189,8 @@ class DTensor(FastTensorMethods, CheckpointableMixin, torch.Tensor):
 
         Shard sizes: with `shape`, the shards are the `torch.chunk` split of `shape` (or
         `shard_sizes={mesh_dim: sizes}` if given too) and this rank's shape is checked against it.
-        Without `shape`, a Shard placement makes every rank share its local shape once
-        (`all_gather_object`), so uneven shards are exact (`shard_sizes="infer"`, the default);
+        Without `shape`, a Shard placement makes every rank share its local shape once (one
+        fixed-size all_gather), so uneven shards are exact (`shard_sizes="infer"`, the default);
         `shard_sizes="chunk"` skips that and assumes equal local shapes, as PyTorch does;
         `shard_sizes={mesh_dim: sizes}` gives them explicitly. `run_check=True` checks shapes,
         dtypes and placements on all ranks (raising the same error everywhere) and broadcasts
@@ -282,6 +282,8 @@ class DTensor(FastTensorMethods, CheckpointableMixin, torch.Tensor):
                     f"result of an op, not a layout one can move data into). Given placements "
                     f"{tuple(placements)!r} from {self.placements!r}"
                 )
+        if forward_dtype is not None:
+            check_partial_dtype(target.placements, forward_dtype, "DTensor.redistribute(forward_dtype=...)")
         if target == self.sharding:
             target = self.sharding  # keep exact pieces and shard order: no communication
         return Redistribute.apply(self, mesh, target, async_op, forward_dtype, backward_dtype)

@@ -1,14 +1,15 @@
 """`from_local`'s layout: the global shape and exact shard sizes from every rank's local tensor.
 
 Given a global `shape`, the shards follow `torch.chunk` (or explicit `shard_sizes`) and this rank's
-shape is checked. Without one, a Shard placement makes every rank share its local shape once
-(`all_gather_object`), so uneven shards are exact; `shard_sizes="chunk"` assumes equal local shapes
+shape is checked. Without one, a Shard placement makes every rank share its local shape once (one
+fixed-size all_gather, `_exchange`), so uneven shards are exact; `shard_sizes="chunk"` assumes equal local shapes
 as PyTorch does, and `shard_sizes={mesh_dim: sizes}` gives them. Every rank sees the same gathered
 data, so a mismatch raises the same error on every rank.
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 from collections.abc import Mapping, Sequence
 
@@ -16,7 +17,7 @@ import torch
 
 from . import comm
 from .layout import Layout
-from .placement import Shard
+from .placement import Shard, check_partial_dtype
 
 __all__ = ["from_local_layout"]
 
@@ -43,6 +44,7 @@ def _not_dense_error(tensor, function: str) -> str:
 def from_local_layout(local, mesh, placements, shape, shard_sizes, run_check: bool) -> Layout:
     """The layout of the DTensor made from this rank's `local` tensor (see `DTensor.from_local`)."""
     check_dense(local, "DTensor.from_local")
+    check_partial_dtype(placements, local.dtype, "DTensor.from_local")
     mesh_shape = tuple(mesh.shape)
     if len(placements) != len(mesh_shape):
         # Layout.create raises the full message; do it before any collective so that every rank fails alike.
@@ -52,8 +54,7 @@ def from_local_layout(local, mesh, placements, shape, shard_sizes, run_check: bo
     coordinate = tuple(mesh.get_coordinate())
     gathered = None
     if run_check or (shape is None and shard_sizes in (None, "infer") and any(isinstance(p, Shard) for p in placements)):
-        mine = (tuple(local.shape), local.dtype, placements)
-        gathered = dict(zip(_coordinates(mesh_shape), comm.all_gather_object(mine, mesh, None)))
+        gathered = _exchange(local, mesh, placements)
     if gathered is not None:
         _check_gathered(gathered, mesh_shape, placements)
     if shape is not None:
@@ -75,6 +76,30 @@ def from_local_layout(local, mesh, placements, shape, shard_sizes, run_check: bo
     if shard_sizes in (None, "infer"):
         return Layout.from_local_shapes(mesh_shape, placements, {where: entry[0] for where, entry in gathered.items()})
     return _explicit_layout(local, mesh_shape, placements, shard_sizes, coordinate)
+
+
+# The fixed size of a rank's record in the exchange: its number of dims, a digest of its dtype and
+# placements, then its local shape padded to _RECORD_DIMS sizes.
+_RECORD_DIMS = 8
+
+
+def _exchange(local, mesh, placements) -> dict:
+    """{mesh coordinate: (local shape, dtype, placements)} of every rank, the same on every rank.
+
+    One all_gather of fixed-size records (`comm.all_gather_over_mesh`). Only when the ranks' digests
+    differ (another dtype or placements somewhere: the message names them) or a tensor has more than
+    _RECORD_DIMS dims, every rank, having seen the same records, exchanges the whole entries as objects.
+    """
+    described = repr((str(local.dtype), tuple(placements))).encode()
+    digest = int.from_bytes(hashlib.blake2b(described, digest_size=8).digest(), "little", signed=True)
+    sizes = list(local.shape[:_RECORD_DIMS])
+    record = torch.tensor([local.ndim, digest, *sizes] + [0] * (_RECORD_DIMS - len(sizes)), device=mesh.device_type)
+    rows = comm.all_gather_over_mesh(record, mesh).tolist()
+    coordinates = _coordinates(mesh.shape)
+    if all(row[0] <= _RECORD_DIMS and row[1] == digest for row in rows):
+        return {where: (tuple(row[2:2 + row[0]]), local.dtype, placements) for where, row in zip(coordinates, rows)}
+    mine = (tuple(local.shape), local.dtype, placements)
+    return dict(zip(coordinates, comm.all_gather_object(mine, mesh, None)))
 
 
 def _outside_layout(local, mesh_shape, placements, shape, shard_sizes) -> Layout:

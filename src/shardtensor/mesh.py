@@ -194,7 +194,8 @@ class DeviceMesh:
         in that order). A list of groups, one per mesh dim, needs `mesh` and `mesh_dim_names`, and each
         group must hold exactly the ranks of this rank's line along its mesh dim. Creates no group, so
         it is not collective. Such a mesh equals no mesh built otherwise; a collective over a tuple of
-        mesh dims (flattened) still runs over a group the library creates (see `comm`).
+        mesh dims runs over a flattened group the library creates when the mesh spans the world (every
+        rank makes it), else as one collective per mesh dim over the user's groups (see `comm`).
 
         >>> tp = DeviceMesh.from_group(dist.new_group([0, 1]), "cpu", mesh_dim_names=("tp",))  # doctest: +SKIP
         """

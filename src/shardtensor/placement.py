@@ -21,7 +21,7 @@ import torch
 
 __all__ = [
     "Placement", "Shard", "Replicate", "Partial", "NormPartial", "REDUCE_OPS", "normalize_placements", "chunk_sizes",
-    "flattened_partial",
+    "flattened_partial", "check_partial_dtype",
 ]
 
 REDUCE_OPS = ("sum", "avg", "max", "min", "product")
@@ -103,7 +103,11 @@ class Replicate(Placement):
 
 @dataclass(frozen=True, slots=True)
 class Partial(Placement):
-    """Each rank holds an operand; the value is their reduction (`reduce_op`) over the mesh dim."""
+    """Each rank holds an operand; the value is their reduction (`reduce_op`) over the mesh dim.
+
+    `Partial("avg")` (the mean of the operands) needs a floating or complex dtype: integer and bool
+    layouts with it are refused where they are made (`check_partial_dtype`; PyTorch fails later).
+    """
 
     reduce_op: str = "sum"
     ALL_REDUCE_OPS: ClassVar[tuple[str, ...]] = REDUCE_OPS
@@ -240,6 +244,26 @@ def flattened_partial(placements: Sequence[Partial], sizes: Sequence[int]) -> tu
     if not all(first.commutes_with(second) for first in placements for second in placements):
         raise ValueError(f"Partials {[str(p) for p in placements]} do not commute: no one collective reduces them")
     return Partial("sum"), math.prod(size for placement, size in zip(placements, sizes) if placement.reduce_op == "avg")
+
+
+def check_partial_dtype(placements: Sequence[Placement], dtype: torch.dtype, function: str) -> None:
+    """Refuse `Partial("avg")` on a dtype that is neither floating nor complex, before any collective.
+
+    The value of a P(avg) is the mean of the ranks' operands, which integers (and bools) cannot hold in
+    general, so no integer result is right; we raise where the layout is made (the same error on every
+    rank, as the check reads only local metadata). PyTorch's DTensor accepts such a layout and fails at
+    its first reduction inside the all_reduce ("result type Float can't be cast to ... Long").
+    """
+    if dtype.is_floating_point or dtype.is_complex:
+        return
+    for mesh_dim, placement in enumerate(placements):
+        if isinstance(placement, Partial) and placement.reduce_op == "avg":
+            raise ValueError(
+                f"{function}: placements[{mesh_dim}] = Partial('avg') needs a floating or complex dtype, got "
+                f"{dtype} (placements {tuple(placements)!r}): the mean of integer operands is not an integer "
+                f"in general. Use Partial('sum') for {dtype} and divide after reducing, or convert the tensor "
+                f"to a floating dtype first (tensor.float())"
+            )
 
 
 def _placements_error(placements: object, ndim: int, mesh_ndim: int, problem: str) -> ValueError:

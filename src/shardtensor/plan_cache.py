@@ -274,10 +274,11 @@ def _reads_scale_signs(op) -> bool:
         if element_rule is not None:
             rule = element_rule()
         return rule is not None and SIGN in rule.value_keys.values()
-    # Other public functions: their plans never compute with a plain tensor argument (`torch_function._learn`).
+    # Other public functions: the aten op they run is not known before the key is built, and a plan may
+    # pass a 0-d plain tensor to it (`torch_function._learn`): next to a Partial, its sign counts.
     name = getattr(op, "__name__", None)
     if not isinstance(name, str) or not name.startswith(("_foreach_", "_fused_")):
-        return False
+        return True
     packet = getattr(torch.ops.aten, name, None)
     return packet is not None and any(_reads_scale_signs(getattr(packet, overload)) for overload in packet.overloads())
 

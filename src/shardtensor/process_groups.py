@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
-    "DEVICE_BACKENDS", "ensure_default_group", "group_for", "local_group", "named_group", "has_group",
+    "DEVICE_BACKENDS", "ensure_default_group", "group_for", "named_group", "has_group",
     "user_group_token", "world_generation", "on_new_world", "release_process_groups",
 ]
 
@@ -35,8 +35,8 @@ DEVICE_BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
 
 # One process group per distinct set of global ranks (sorted), shared by every mesh.
 _groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
-# Groups created by their members alone (`local_group`), by sorted global ranks.
-_local_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+# One-rank groups, made by their one member on demand (`_one_rank_group`), by rank.
+_one_rank_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
 # Groups the user handed to `DeviceMesh.from_group`, by a token the mesh keeps (a mesh holds no group).
 _user_groups: dict[int, dist.ProcessGroup] = {}
 _user_group_tokens = itertools.count()
@@ -98,12 +98,13 @@ def group_for(ranks: Sequence[int]) -> dist.ProcessGroup | None:
     return _groups[key]
 
 
-def local_group(ranks: Sequence[int]) -> dist.ProcessGroup:
-    """The cached group over `ranks`, created by its members alone on first use (other ranks need not call)."""
-    key = tuple(sorted(ranks))
-    if key not in _local_groups:
-        _local_groups[key] = _track(dist.new_group(list(key), timeout=_timeout(), use_local_synchronization=True))
-    return _local_groups[key]
+def _one_rank_group(key: tuple[int]) -> dist.ProcessGroup:
+    """The cached group of this one rank, made by it alone on first use. Only for one rank: torch names a
+    group made by its members alone by hashing its ranks with the number of groups each member has been
+    in, so members of a larger group that were in different groups would compute different names and hang."""
+    if key not in _one_rank_groups:
+        _one_rank_groups[key] = _track(dist.new_group(list(key), timeout=_timeout(), use_local_synchronization=True))
+    return _one_rank_groups[key]
 
 
 def named_group(key: tuple[int, ...], user_token: int | None) -> dist.ProcessGroup:
@@ -114,7 +115,7 @@ def named_group(key: tuple[int, ...], user_token: int | None) -> dist.ProcessGro
     if len(key) == dist.get_world_size():
         return dist.group.WORLD
     if len(key) == 1:  # a one-rank group, made on demand: only this rank takes part
-        return local_group(key)
+        return _one_rank_group(key)
     return _groups[key]
 
 
@@ -162,7 +163,7 @@ def world_generation() -> int:
 
 
 def _forget_groups() -> None:
-    for registry in (_groups, _local_groups, _created_groups, _user_groups):
+    for registry in (_groups, _one_rank_groups, _created_groups, _user_groups):
         registry.clear()
 
 

@@ -15,7 +15,7 @@ import torch
 from .layout import Layout, contiguous_stride
 from .mesh import DeviceMesh
 from .process_groups import on_new_world
-from .placement import Placement
+from .placement import Placement, check_partial_dtype
 
 __all__ = ["DTensorSpec", "interned_spec", "contiguous_stride", "global_stride"]
 
@@ -50,6 +50,7 @@ def interned_spec(spec: DTensorSpec) -> DTensorSpec:
     fields = (spec.mesh, spec.layout, spec.stride, spec.dtype)
     found = _interned_specs.get(fields)
     if found is None:
+        check_partial_dtype(spec.layout.placements, spec.dtype, "DTensor")  # new specs only: off the hot path
         if len(_interned_specs) >= _MAX_INTERNED_SPECS:
             _interned_specs.clear()
         _interned_specs[fields] = found = spec

@@ -19,7 +19,7 @@ import torch
 
 from .torch_function import torch_function
 
-__all__ = ["FastTensorMethods", "METADATA_ATTRIBUTES", "METADATA_METHODS", "VIEW_METHODS"]
+__all__ = ["DENSE_CONSTANTS", "FastTensorMethods", "METADATA_ATTRIBUTES", "METADATA_METHODS", "VIEW_METHODS"]
 
 _run_normally = torch._C._disabled_torch_function_impl  # the call with `__torch_function__` off, in C++
 _NO_KEYWORDS: dict = {}
@@ -27,9 +27,13 @@ _NO_KEYWORDS: dict = {}
 _TENSOR_BASE = torch._C.TensorBase
 METADATA_ATTRIBUTES = (
     "shape", "dtype", "device", "layout", "ndim", "requires_grad", "is_leaf", "grad", "grad_fn",
-    "is_cpu", "is_cuda", "is_meta", "is_sparse", "is_quantized", "is_nested", "itemsize", "nbytes",
+    "is_cpu", "is_cuda", "is_meta", "itemsize", "nbytes",
     "_version", "_base", "output_nr",
 )
+# A DTensor's shards are dense strided tensors (sparse, nested and quantized ones are refused where
+# they would enter: `from_local`, `ops/sparse.py`), so these reads are class constants: an optimizer
+# asks `p.grad.is_sparse` of every parameter on every step.
+DENSE_CONSTANTS = {"is_sparse": False, "is_quantized": False, "is_nested": False}
 METADATA_METHODS = (
     "dim", "ndimension", "size", "stride", "numel", "nelement", "is_contiguous", "element_size",
     "is_floating_point", "is_complex", "storage_offset",
@@ -44,9 +48,9 @@ def _attribute(name: str) -> property:
     descriptor = vars(_TENSOR_BASE)[name]
     get, set_, delete = descriptor.__get__, descriptor.__set__, descriptor.__delete__
     return property(
-        lambda self: _run_normally(get, (), (self,), _NO_KEYWORDS),
-        lambda self, value: _run_normally(set_, (), (self, value), _NO_KEYWORDS),
-        lambda self: _run_normally(delete, (), (self,), _NO_KEYWORDS),
+        lambda self: _run_normally(get, (), (self,)),  # no keywords: parsed faster than an empty dict
+        lambda self, value: _run_normally(set_, (), (self, value)),
+        lambda self: _run_normally(delete, (), (self,)),
         doc=descriptor.__doc__,
     )
 
@@ -63,7 +67,7 @@ def _method(name: str):
 
 
 # Common methods and operators, functional and in place (an optimizer's per-parameter updates):
-# when every tensor argument is a DTensor and no torch function mode is on, they call
+# when every tensor argument is a DTensor (or a 0-d plain tensor) and no torch function mode is on, they call
 # `torch_function` directly with what torch's `__torch_function__` protocol would pass (an operator
 # passes its method: `x + y` passes `Tensor.add`, and a TypeError becomes NotImplemented), without
 # the protocol's C++ round trip (about 0.5-1 us).
@@ -77,9 +81,11 @@ _function_mode_enabled = torch._C._is_torch_function_mode_enabled
 
 
 def _only_dtensors(values, cls: type) -> bool:
+    """Whether every tensor among `values` is a DTensor or a 0-d plain tensor (read as a scalar)."""
     for value in values:
         if isinstance(value, torch.Tensor) and type(value) is not cls:
-            return False
+            if type(value) is not torch.Tensor or value.ndim:
+                return False
     return True
 
 
@@ -133,6 +139,7 @@ def _namespace() -> dict:
     namespace = {
         "__slots__": (), "__module__": __name__, "__doc__": __doc__, "__getitem__": _getitem,
         "__init_subclass__": _bind_torch_function,
+        **DENSE_CONSTANTS,
     }
     namespace.update((name, _attribute(name)) for name in METADATA_ATTRIBUTES)
     namespace.update((name, _method(name)) for name in (*METADATA_METHODS, *VIEW_METHODS))

@@ -21,6 +21,8 @@ It does three things before the call reaches the aten level:
   running it on the local tensors (in place: on meta stand-ins of them, so the check neither writes
   the DTensor a second time nor allocates a copy of it): it must run the same single
   aten op and give a local result of the same shape, stride and dtype (in place: its first argument).
+  A 0-d plain tensor argument (`x * torch.tensor(2.0)`) is passed on as it is: like the aten plan's,
+  the function's key holds its dtype, and next to a Partial its sign, not its value.
 - **Data arguments.** Functions that read a tensor argument's values in C++ before any aten op
   sees it (`tensor_split`'s `indices_or_sections`) get the Python values a DTensor there stands
   for (`_tolist`, the same on every rank of the world); `x.tolist()` itself, which torch refuses
@@ -327,7 +329,8 @@ def _learn(cls, function, args: tuple, kwargs: dict, recorded: Recording, result
         or returns_view(op)
         or torch.Tag.nondeterministic_seeded in op.tags
         or any(isinstance(value, torch.Tensor) for value in kwargs.values())
-        or sum(isinstance(value, torch.Tensor) for value in args) != len(positions)
+        or not all(_is_plain_scalar(value) for index, value in enumerate(args)
+                   if isinstance(value, torch.Tensor) and index not in positions)
     ):
         return _FunctionPlan(cls, function, args, kwargs, positions, None)
     local_args = list(args)
@@ -352,6 +355,12 @@ def _learn(cls, function, args: tuple, kwargs: dict, recorded: Recording, result
     if not served:
         return _FunctionPlan(cls, function, args, kwargs, positions, None)
     return _FunctionPlan(cls, function, args, kwargs, positions, result._spec, op, in_place)
+
+
+def _is_plain_scalar(value: torch.Tensor) -> bool:
+    """A 0-d plain tensor, which a plan may pass on as it is: the aten plan read it as a scalar (keyed by
+    its dtype, and next to a Partial by its sign: `plan_cache.fast_key`), so its value does not decide."""
+    return type(value) is torch.Tensor and value.ndim == 0
 
 
 def _writes_first_argument_in_place(plan, args: tuple, aten_arguments: tuple[tuple, dict], result) -> bool:

@@ -5,9 +5,10 @@ on the other mesh dims, and pieces are indexed by the peer's coordinate along `m
 orders a group by global rank, which may differ; this package hides that). Sizes are lists in
 coordinate order; uneven and empty pieces move exactly, with no padding bytes. `mesh_dim` may
 also be a tuple of mesh dims: the peers are then the flattened sub-mesh through this rank,
-row-major in the order given (one collective instead of one per mesh dim; on first use its group is
-made by every rank for every such plane when the mesh spans the world, else by its members alone, so
-that ranks outside a slice need not call).
+row-major in the order given: one collective over a group of those ranks when the mesh spans the world
+(on first use every rank makes the group of every such plane) or when one exists (`DeviceMesh._flatten`);
+on a slice without one (a pipeline stage's mesh, whose siblings may run other ops), one collective per
+mesh dim with the same result (its members alone cannot make a group: see `peers`).
 
 Observability: every call with more than one rank adds 1 to `call_counts[kind]` and appends a
 `CommRecord` to every list yielded by an active `observe()`. Bytes are this rank's, for an ideal
@@ -20,7 +21,7 @@ returns its input as is (collectives over one rank are identities).
 
 The package's modules, one job each: `records` (observe, call counts), `handles` (async results),
 `peers` (coordinate versus c10d group order, size checks), `wire` (how tensors travel, the uneven
-exchange), `collectives` (the collectives along mesh dims), `objects` (Python objects) and
+exchange), `collectives` (the collectives along mesh dims), `objects` (Python objects, a gather over a whole mesh) and
 `point_to_point` (global-rank send/recv/batch). Names with a leading underscore are shared inside
 the package only.
 """
@@ -29,12 +30,12 @@ from __future__ import annotations
 
 from .collectives import all_gather, all_gather_into, all_reduce, all_to_all, broadcast, reduce_scatter, scatter
 from .handles import CommHandle
-from .objects import all_gather_object, broadcast_object, share_object
+from .objects import all_gather_object, all_gather_over_mesh, broadcast_object, share_object
 from .point_to_point import PointToPoint, batch_p2p, recv, send
 from .records import CommRecord, call_counts, observe
 
 __all__ = [
     "CommRecord", "CommHandle", "PointToPoint", "observe", "call_counts",
     "all_gather", "all_gather_into", "all_to_all", "all_reduce", "reduce_scatter", "broadcast", "scatter",
-    "all_gather_object", "broadcast_object", "share_object", "send", "recv", "batch_p2p",
+    "all_gather_object", "all_gather_over_mesh", "broadcast_object", "share_object", "send", "recv", "batch_p2p",
 ]

@@ -1,8 +1,15 @@
 """The collectives along one mesh dim (or a tuple of mesh dims): all_gather, all_gather_into,
-all_to_all, all_reduce, reduce_scatter, broadcast and scatter, each with exact uneven sizes."""
+all_to_all, all_reduce, reduce_scatter, broadcast and scatter, each with exact uneven sizes.
+
+Over a tuple of mesh dims with no group over their flattened ranks (a slice of the world: see `peers`),
+a collective runs as one collective per mesh dim (`_..._per_mesh_dim`) with the same result, returned
+as a finished handle under `async_op`; scatter and an uneven all_gather_into are point to point
+already and run as they are.
+"""
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -41,6 +48,8 @@ def all_gather(tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: MeshDims, *, di
                            f"size sizes[{peers.coordinate}] = {sizes[peers.coordinate]} on dim {dim} (sizes {sizes})")
     if peers.size == 1:
         return _identity(tensor, async_op)
+    if peers.parts:
+        return _identity(_all_gather_per_mesh_dim(tensor, mesh, peers, dim, sizes), async_op)
     if collective_check.enabled:
         collective_check.agree("all_gather", peers, tensor, (dim, tuple(sizes), tuple(_with_size(tensor.shape, dim, 0))))
     local = _wire(tensor).contiguous()
@@ -77,7 +86,8 @@ def all_gather_into(output: torch.Tensor, tensor: torch.Tensor, mesh: DeviceMesh
     """Write every peer's flat `tensor` (peer c's has sizes[c] elements) into the flat `output`, in
     coordinate order, and return `output`: the buffer of a sharded-data-parallel unit.
 
-    Even sizes use one all_gather; uneven sizes one batch of point-to-point sends and receives
+    Even sizes use one all_gather; uneven sizes (and mesh dims without a flattened group, over the
+    default group, which needs no new group) one batch of point-to-point sends and receives
     (one grouped call: this piece to every peer, each peer's piece straight into its place), so
     nothing is padded, no send buffer repeats the piece (as an all_to_all's would) and nothing is
     copied after the collective (when c10d's group order is coordinate order; else one reordering
@@ -100,7 +110,7 @@ def all_gather_into(output: torch.Tensor, tensor: torch.Tensor, mesh: DeviceMesh
             (sum(sizes) - sizes[peers.coordinate]) * local.element_size())
     target = wire_output if peers.in_coordinate_order else torch.empty_like(wire_output)
     group_sizes = [sizes[c] for c in peers.group_order]
-    if len(set(sizes)) == 1:
+    if len(set(sizes)) == 1 and not peers.parts:
         work = _all_gather_single(target, local, group=peers.group, async_op=async_op)
     else:
         # Point-to-point: this piece goes to every peer as it is and each peer's piece lands in its place
@@ -149,6 +159,9 @@ def all_to_all(tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: MeshDims, *, sp
                            f"concat_sizes[{me}] = {own_concat_size}, the size of the piece this rank keeps")
     if peers.size == 1:
         return _identity(tensor, async_op)
+    if peers.parts:
+        routed = _all_to_all_per_mesh_dim(tensor, mesh, peers, split_dim, split_sizes, concat_dim, concat_sizes)
+        return _identity(routed, async_op)
     if collective_check.enabled:
         others = _with_size(_with_size(tensor.shape, split_dim, 0), concat_dim, 0)
         collective_check.agree("all_to_all", peers, tensor, (split_dim, concat_dim, tuple(others)))
@@ -175,6 +188,10 @@ def all_reduce(tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: MeshDims, *, re
     op = _reduce_op("all_reduce", reduce_op, tensor.dtype)
     if peers.size == 1:
         return _identity(tensor, async_op)
+    if peers.parts:  # one mesh dim after another: each reduces what the previous ones reduced
+        for part in peers.parts:
+            tensor = all_reduce(tensor, mesh, part.mesh_dim, reduce_op=reduce_op)
+        return _identity(tensor, async_op)
     if collective_check.enabled:
         collective_check.agree("all_reduce", peers, tensor, (tuple(tensor.shape), op))
     if tensor.dtype == torch.bool:
@@ -199,6 +216,8 @@ def reduce_scatter(tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: MeshDims, *
                            f"size sum(sizes) = {sum(sizes)} on dim {dim}")
     if peers.size == 1:
         return _identity(tensor, async_op)
+    if peers.parts:
+        return _identity(_reduce_scatter_per_mesh_dim(tensor, mesh, peers, reduce_op, dim, sizes), async_op)
     if collective_check.enabled:
         collective_check.agree("reduce_scatter", peers, tensor, (dim, tuple(sizes), tuple(tensor.shape), op))
     local = tensor.to(torch.uint8) if tensor.dtype == torch.bool else tensor
@@ -254,6 +273,8 @@ def broadcast(tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: MeshDims, *, src
         raise _sizes_error("broadcast", "src", src, peers, f"a coordinate in [0, {peers.size})")
     if peers.size == 1:
         return _identity(tensor, async_op)
+    if peers.parts:
+        return _identity(_broadcast_per_mesh_dim(tensor, mesh, peers, src), async_op)
     if collective_check.enabled:
         collective_check.agree("broadcast", peers, tensor, (tuple(tensor.shape), src))
     if peers.coordinate == src:
@@ -314,3 +335,98 @@ def scatter(pieces: Sequence[torch.Tensor] | None, mesh: DeviceMesh, mesh_dim: M
             work.wait()
     _record_on("scatter", peers, sent_bytes, 0)
     return _complete(works, lambda: pieces[me], async_op)
+
+
+# --- several mesh dims without a flattened group: one collective per mesh dim ----------------------
+# The flattened coordinate is row-major over `peers.parts`: the first part's is the outermost.
+
+
+def _coordinates(peers: _Peers, flat: int) -> tuple[int, ...]:
+    """The coordinate along each of `peers.parts` of the flattened coordinate `flat`."""
+    coordinates = []
+    for part in reversed(peers.parts):
+        flat, coordinate = divmod(flat, part.size)
+        coordinates.append(coordinate)
+    return tuple(reversed(coordinates))
+
+
+def _reduce_scatter_per_mesh_dim(tensor, mesh, peers: _Peers, reduce_op: str, dim: int, sizes: list[int]):
+    """Outermost mesh dim first: each reduce_scatter keeps this coordinate's run of flattened pieces."""
+    for part in peers.parts:
+        run = len(sizes) // part.size  # flattened pieces per coordinate along `part`
+        runs = [sizes[start:start + run] for start in range(0, len(sizes), run)]
+        tensor = reduce_scatter(tensor, mesh, part.mesh_dim, reduce_op=reduce_op, dim=dim, sizes=list(map(sum, runs)))
+        sizes = runs[part.coordinate]
+    return tensor
+
+
+def _all_gather_per_mesh_dim(tensor, mesh, peers: _Peers, dim: int, sizes: list[int]):
+    """Innermost mesh dim first: each all_gather joins runs of flattened pieces that are adjacent."""
+    run = 1  # flattened pieces this rank holds, from `start`
+    for part in reversed(peers.parts):
+        start = peers.coordinate - peers.coordinate % (run * part.size)
+        runs = [sum(sizes[start + position * run:start + (position + 1) * run]) for position in range(part.size)]
+        tensor = all_gather(tensor, mesh, part.mesh_dim, dim=dim, sizes=runs)
+        run *= part.size
+    return tensor
+
+
+def _broadcast_per_mesh_dim(tensor, mesh, peers: _Peers, src: int):
+    """Outermost mesh dim first, each from `src`'s coordinate along it, among the ranks that share
+    `src`'s coordinates on the inner mesh dims (after it, those hold `src`'s tensor)."""
+    source, mine = _coordinates(peers, src), _coordinates(peers, peers.coordinate)
+    for index, part in enumerate(peers.parts):
+        if mine[index + 1:] == source[index + 1:]:
+            tensor = broadcast(tensor, mesh, part.mesh_dim, src=source[index])
+    return tensor
+
+
+def _all_to_all_per_mesh_dim(tensor, mesh, peers: _Peers, split_dim: int, split_sizes: list[int], concat_dim: int,
+                             concat_sizes: list[int]):
+    """Route each piece along one mesh dim at a time (outermost first), as one uneven all_to_all per mesh
+    dim: before the step along part i, a rank holds the pieces (from r, to s) with s sharing its
+    coordinates on the parts before i and r on the parts from i on; it sends each to the peer sharing s's
+    coordinate on part i. Every rank must know every piece's size: from the size lists, which agree on
+    every peer when split_dim != concat_dim; a re-split (split_dim == concat_dim) first gathers each
+    peer's split sizes (one all_gather per mesh dim)."""
+    rest = math.prod(_with_size(_with_size(tensor.shape, split_dim, 1), concat_dim, 1))
+    if split_dim == concat_dim:
+        own_sizes = torch.tensor(split_sizes, dtype=torch.int64, device=tensor.device)
+        matrix = all_gather(own_sizes, mesh, peers.mesh_dim, dim=0, sizes=[peers.size] * peers.size).view(peers.size, -1)
+        numel = matrix.mul(rest).tolist()
+    else:
+        numel = [[rest * split_sizes[target] * concat_sizes[source] for target in range(peers.size)]
+                 for source in range(peers.size)]
+    me = peers.coordinate
+    local = _wire(tensor)
+    held = {(me, target): piece.reshape(-1) for target, piece in enumerate(local.split(split_sizes, split_dim))}
+    coordinates = [_coordinates(peers, flat) for flat in range(peers.size)]
+    mine = coordinates[me]
+    for index, part in enumerate(peers.parts):
+        if part.size == 1:
+            continue
+        send, receive, expected = [None] * part.size, [None] * part.size, [None] * part.size
+        for position in range(part.size):
+            if position == part.coordinate:
+                continue
+            outgoing = sorted(key for key in held if coordinates[key[1]][index] == position)
+            send[position] = torch.cat([held.pop(key) for key in outgoing]) if outgoing else local.new_empty(0)
+            expected[position] = [
+                (source, target) for source, target in itertools.product(range(peers.size), repeat=2)
+                if coordinates[source][index] == position and coordinates[source][index + 1:] == mine[index + 1:]
+                and coordinates[target][:index + 1] == mine[:index + 1]
+            ]
+            receive[position] = [sum(numel[source][target] for source, target in expected[position])]
+        if collective_check.enabled:
+            others = _with_size(_with_size(tensor.shape, split_dim, 0), concat_dim, 0)
+            collective_check.agree("all_to_all", part, local, (split_dim, concat_dim, tuple(others)))
+        _, received, sent_bytes, received_bytes = _exchange(send, receive, local, part, False)
+        _record_on("all_to_all", part, sent_bytes, received_bytes)
+        for position, message in enumerate(received()):
+            if message is not None:
+                pieces = message.split([numel[source][target] for source, target in expected[position]])
+                held.update(zip(expected[position], pieces))
+    shape = _with_size(local.shape, split_dim, split_sizes[me])
+    arrived = [held[source, me].view(_with_size(shape, concat_dim, concat_sizes[source]))
+               for source in range(peers.size)]
+    return _unwire(torch.cat(arrived, concat_dim), tensor.dtype)

@@ -1,5 +1,5 @@
-"""Collectives of picklable Python objects, built on `all_gather`, `broadcast` and `all_reduce` (so they
-are recorded as such)."""
+"""Collectives of picklable Python objects, and the gather of a small fixed-size tensor over a whole mesh,
+built on `all_gather`, `broadcast` and `all_reduce` (so they are recorded as such)."""
 
 from __future__ import annotations
 
@@ -7,12 +7,13 @@ import pickle
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ..mesh import DeviceMesh
 from .collectives import all_gather, all_reduce, broadcast
 from .peers import _peers
 
-__all__ = ["all_gather_object", "broadcast_object", "share_object"]
+__all__ = ["all_gather_object", "all_gather_over_mesh", "broadcast_object", "share_object"]
 
 
 def all_gather_object(obj: Any, mesh: DeviceMesh, mesh_dim: int | str | None = None) -> list:
@@ -29,6 +30,25 @@ def all_gather_object(obj: Any, mesh: DeviceMesh, mesh_dim: int | str | None = N
         nested = _gather_objects(gathered, mesh, index)
         gathered = [item for items in nested for item in items]
     return gathered
+
+
+def all_gather_over_mesh(tensor: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """Every rank's `tensor` (one shape on every rank), stacked in row-major mesh-coordinate order:
+    shape `(mesh.size(), *tensor.shape)`. One all_gather over the flattened mesh when the mesh spans
+    the world (its group is the world's: none is made), else one per mesh dim of more than one rank.
+
+    >>> all_gather_over_mesh(torch.tensor([rank]), mesh).flatten().tolist()  # doctest: +SKIP
+    [0, 1, 2, 3]
+    """
+    stacked = tensor.unsqueeze(0)
+    if mesh.ndim > 1 and mesh.size() == dist.get_world_size():
+        steps = [tuple(range(mesh.ndim))]
+    else:  # the last mesh dim first, so that the rows end up row-major
+        steps = list(reversed(range(mesh.ndim)))
+    for mesh_dim in steps:
+        peers = mesh.size() if isinstance(mesh_dim, tuple) else mesh.size(mesh_dim)
+        stacked = all_gather(stacked, mesh, mesh_dim, dim=0, sizes=[stacked.shape[0]] * peers)
+    return stacked
 
 
 def _gather_objects(obj: Any, mesh: DeviceMesh, mesh_dim: int | str) -> list:

@@ -1,8 +1,11 @@
 """Who a collective along a mesh dim talks to: its peers in coordinate order, mapped to c10d's group order.
 
 c10d orders a group by global rank, which may differ from coordinate order along the mesh dim; a
-`_Peers` value holds both orders so the collectives can hide the difference. Also the size checks
-every collective makes against its peers, with their error messages.
+`_Peers` value holds both orders so the collectives can hide the difference. Peers along several mesh
+dims at once run over a group of the flattened ranks when one exists (made by every rank: on a mesh over
+the whole world, or by `DeviceMesh._flatten`); on a slice without one they hold no group but the peers of
+each mesh dim (`parts`), and the collectives run one per mesh dim, as torch's DTensor does on a slice.
+Also the size checks every collective makes against its peers, with their error messages.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..mesh import DeviceMesh
-from ..process_groups import local_group, named_group, on_new_world
+from ..process_groups import has_group, named_group, on_new_world
 
 __all__ = ["MeshDims"]
 
@@ -31,8 +34,11 @@ class _Peers:
     ranks: tuple[int, ...]  # global ranks in coordinate order
     group_order: tuple[int, ...]  # coordinates in c10d group-rank order
     group_rank: tuple[int, ...]  # coordinate -> c10d group rank
-    group: Any
+    group: Any  # None for one rank, and for `parts`
     mesh_dim_names: tuple[str, ...] | None  # the names of `mesh_dim` on the mesh, for the records
+    # Several mesh dims without a group over their flattened ranks: the peers of each mesh dim, in the
+    # order given (coordinate = parts[0].coordinate * parts[1].size * ... + parts[-1].coordinate).
+    parts: tuple[_Peers, ...] = ()
 
     @property
     def in_coordinate_order(self) -> bool:
@@ -50,7 +56,8 @@ def _peers(mesh: DeviceMesh, mesh_dim: MeshDims, *tensors: torch.Tensor) -> _Pee
             raise _device_error(tensor, mesh)
     key = (mesh, mesh_dim)
     peers = _peers_cache.get(key)
-    if peers is None:
+    # peers without a flattened group use one made since (`_flatten`) from then on
+    if peers is None or peers.parts and has_group(tuple(sorted(peers.ranks))):
         if isinstance(mesh_dim, tuple) and len(mesh_dim) > 1:
             peers = _flattened_peers(mesh, mesh_dim)
         else:
@@ -89,18 +96,19 @@ def _flattened_peers(mesh: DeviceMesh, mesh_dims: tuple) -> _Peers:
     kept = sorted(indices)
     sub_mesh = mesh.mesh[index].permute([kept.index(mesh_dim) for mesh_dim in indices])
     ranks = tuple(sub_mesh.flatten().tolist())
-    group, world_size = None, dist.get_world_size()
-    if len(ranks) == world_size:
-        group = dist.group.WORLD
-    elif len(ranks) > 1 and mesh.size() == world_size:
+    key, names, coordinate = tuple(sorted(ranks)), _names(mesh, indices), ranks.index(mesh.get_rank())
+    if len(ranks) > 1 and mesh.size() == dist.get_world_size():
         # Every rank holds this mesh and runs its collectives (on its own plane): they make every such
-        # group together. A group made by its members alone gets torch's hashed name, which counts the
-        # groups each member has been in: members that were in different ones (a sub-mesh) would hang.
+        # group together (a no-op for groups that exist, e.g. the world's).
         mesh._create_flattened_groups(indices)
-        group = named_group(tuple(sorted(ranks)), None)
-    elif len(ranks) > 1:  # a slice: other slices may run other ops (pipeline stages), so its members alone
-        group = local_group(ranks)
-    return _make_peers(indices, ranks, ranks.index(mesh.get_rank()), group, _names(mesh, indices))
+    if len(ranks) == 1 or has_group(key):
+        group = None if len(ranks) == 1 else named_group(key, None)
+        return _make_peers(indices, ranks, coordinate, group, names)
+    # A slice (other slices may run other ops: pipeline stages) with no flattened group (`_flatten` makes
+    # one): its members alone cannot make one (torch names such a group by hashing its ranks with the
+    # number of groups each member has been in, so members that were in different groups would hang).
+    parts = tuple(_peers(mesh, index) for index in indices)
+    return dataclasses.replace(_make_peers(indices, ranks, coordinate, None, names), parts=parts)
 
 
 def _device_error(tensor: torch.Tensor, mesh: DeviceMesh) -> ValueError:

@@ -53,6 +53,9 @@ def _reduce_op(function: str, reduce_op: str, dtype: torch.dtype) -> str:
             raise ValueError(f"{function}: reduce_op {reduce_op!r} has no meaning for bool tensors; "
                              f"use one of {sorted(_BOOL_REDUCE_OPS)} (sum/max = any, product/min = all)")
         return _BOOL_REDUCE_OPS[reduce_op]
+    if reduce_op == "avg" and not (dtype.is_floating_point or dtype.is_complex):
+        raise ValueError(f"{function}: reduce_op 'avg' needs a floating or complex tensor, got {dtype} (the mean of "
+                         f"integers is not an integer in general); reduce with 'sum' and divide in a floating dtype")
     return reduce_op
 
 

@@ -7,7 +7,7 @@ came straight out of another style (`use_local_output=True`): such a tensor carr
 layout (`_LAYOUT_ATTRIBUTE`), so uneven shards (a sequence of 7 over 4 ranks) stay exact. For
 anything else (the sum of a residual connection made of local tensors, as in PyTorch's tensor
 parallel tutorial) the size along a sharded dim is learnt from every rank's local shape, as
-`from_local` infers it: a small collective per call (two all_gathers), logged once per style with
+`from_local` infers it: a small collective per call (one all_gather), logged once per style with
 how to avoid it (keep the activations DTensors: `use_local_output=False`); under
 `explicit_communication()` the style raises instead. PyTorch assumes equal shards there, which is
 wrong for uneven ones.

@@ -16,12 +16,13 @@ import torch
 
 from ..layout import Layout
 from .cross_mesh import HandOff, empty_shard, hand_off, redistribute_across_meshes
-from .executor import PendingRedistribute, execute
+from .executor import PendingRedistribute, cost_model_for, execute
 from .explanation import explain_plan
 from .planner import DEFAULT_COST_MODEL, CostModel, Plan, Step, plan
 
 __all__ = [
-    "is_relabel", "redistribute_local_tensor", "redistribute_between", "explain", "execute", "plan", "hand_off",
+    "is_relabel", "redistribute_local_tensor", "cost_model_for", "redistribute_between", "explain", "execute", "plan",
+    "hand_off",
     "Plan", "Step", "CostModel", "HandOff",
 ]
 
@@ -37,7 +38,7 @@ def redistribute_local_tensor(local: torch.Tensor, source: Layout, target: Layou
 
     With `async_op=True` returns a handle whose `wait()` returns the tensor.
     """
-    return execute(local, plan(source, target, local.element_size()), mesh, async_op=async_op)
+    return execute(local, plan(source, target, local.element_size(), cost_model_for(mesh)), mesh, async_op=async_op)
 
 
 def redistribute_between(local: torch.Tensor, source: Layout, source_mesh, target: Layout, target_mesh,

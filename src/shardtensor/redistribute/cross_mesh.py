@@ -26,7 +26,7 @@ import torch
 from .. import comm
 from ..layout import Layout
 from .bounds import boxes
-from .executor import _narrow, _region, exchange_into, execute
+from .executor import _narrow, _region, cost_model_for, exchange_into, execute
 from .planner import plan
 
 __all__ = ["Transfer", "HandOff", "hand_off", "redistribute_across_meshes", "empty_shard"]
@@ -116,7 +116,7 @@ def redistribute_across_meshes(local: torch.Tensor, source: Layout, source_mesh,
     me = torch.distributed.get_rank()
     reduced = source.without_partial()
     if reduced != source and source_mesh.get_coordinate() is not None:
-        local = execute(local, plan(source, reduced, local.element_size()), source_mesh)
+        local = execute(local, plan(source, reduced, local.element_size(), cost_model_for(source_mesh)), source_mesh)
     moves = hand_off(reduced, _ranks(source_mesh), target, _ranks(target_mesh))
     coordinate = target_mesh.get_coordinate()
     if coordinate is None:

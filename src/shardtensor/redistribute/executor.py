@@ -12,6 +12,7 @@ import itertools
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 
 from .. import comm
 from ..placement import Partial, Replicate, flattened_partial
@@ -19,17 +20,20 @@ from .planner import (
     ALL_GATHER,
     ALL_REDUCE,
     ALL_TO_ALL,
+    DEFAULT_COST_MODEL,
     EXCHANGE,
     LOCAL_STEPS,
     MAKE_PARTIAL,
+    PER_MESH_DIM_COST_MODEL,
     REDUCE_SCATTER,
     RELABEL,
     SLICE,
+    CostModel,
     Plan,
     Step,
 )
 
-__all__ = ["execute", "observe_plans", "PendingRedistribute"]
+__all__ = ["execute", "observe_plans", "cost_model_for", "PendingRedistribute"]
 
 
 class PendingRedistribute:
@@ -70,6 +74,13 @@ def observe_plans():
         yield plans
     finally:  # by identity: two lists of the same plans compare equal
         del _plan_observers[next(index for index, held in enumerate(_plan_observers) if held is plans)]
+
+
+def cost_model_for(mesh) -> CostModel:
+    """The cost model of what runs on `mesh`: on a mesh smaller than the world (a slice, e.g. a pipeline
+    stage's), a reduction over several mesh dims runs as one collective per mesh dim (`comm`), so the
+    planner plans and prices those steps (as torch's DTensor runs them) instead of one flattened step."""
+    return DEFAULT_COST_MODEL if mesh.size() == dist.get_world_size() else PER_MESH_DIM_COST_MODEL
 
 
 def _execute_error(local: torch.Tensor, plan: Plan, coordinate, expected) -> ValueError:

@@ -19,6 +19,8 @@ States are `Layout`s (placements, shard order and exact pieces). A step changes 
                                           its shard order), over their sub-mesh flattened in shard
                                           order, whose row-major peers hold consecutive pieces: the
                                           bytes of one gather per mesh dim in one collective
+    Neither flattened collective on a slice of the world (`CostModel.flattened_groups`): it would run
+    as one collective per mesh dim, so those steps are planned.
     all mesh dims       batch_p2p         straight to the target, no Partial on either side: every
                                           rank receives exactly the target elements it lacks
 
@@ -48,7 +50,9 @@ from ..layout import Layout
 from ..placement import Partial, Placement, Replicate, Shard, flattened_partial
 from .bounds import lower_bound_bytes, most_missing, overlap, shard_shapes
 
-__all__ = ["CostModel", "DEFAULT_COST_MODEL", "Plan", "Step", "plan", "received_bytes", "LOCAL_STEPS"]
+__all__ = [
+    "CostModel", "DEFAULT_COST_MODEL", "PER_MESH_DIM_COST_MODEL", "Plan", "Step", "plan", "received_bytes", "LOCAL_STEPS",
+]
 
 ALL_GATHER = "all_gather"
 ALL_TO_ALL = "all_to_all"
@@ -74,13 +78,16 @@ class CostModel:
     (`exchange_latency_us`: many messages, no collective algorithm), so it wins only when it saves
     bytes or steps. `local_step_us` is the small cost of a step without communication, so that
     among plans moving the same bytes the one with fewer steps wins. Override with e.g.
-    `CostModel(latency_us=5.0)`.
+    `CostModel(latency_us=5.0)`. `flattened_groups`: whether a reduction over several Partial mesh
+    dims runs as one collective; on a slice of the world it runs as one per mesh dim (`comm`), so the
+    planner plans those steps and prices them as such (`PER_MESH_DIM_COST_MODEL`).
     """
 
     latency_us: float = 20.0
     exchange_latency_us: float = 60.0
     bytes_per_us: float = 1000.0
     local_step_us: float = 0.01
+    flattened_groups: bool = True
 
     def step_cost(self, collective: str, bytes_per_rank: int) -> float:
         if collective in LOCAL_STEPS:
@@ -90,6 +97,7 @@ class CostModel:
 
 
 DEFAULT_COST_MODEL = CostModel()
+PER_MESH_DIM_COST_MODEL = CostModel(flattened_groups=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -304,13 +312,14 @@ def _moves(state: Layout, target: Layout, mesh_dim: int):
         yield wanted, None
 
 
-def _neighbors(state: Layout, target: Layout):
+def _neighbors(state: Layout, target: Layout, flattened_groups: bool):
     """(mesh dim, layout after) for every step from `state`; mesh dim None for an exchange."""
     for mesh_dim in range(state.mesh_ndim):
         for placement, pieces in _moves(state, target, mesh_dim):
             yield mesh_dim, state.transition(mesh_dim, placement, pieces=pieces)
-    yield from _flattened_reductions(state, target)
-    yield from _flattened_gathers(state)
+    if flattened_groups:
+        yield from _flattened_reductions(state, target)
+        yield from _flattened_gathers(state)
     if _exchange_allowed(state, target):
         yield None, target
 
@@ -359,17 +368,18 @@ def _remaining_cost(state: Layout, target: Layout, itemsize: int, cost_model: Co
     """Admissible estimate of the cost from `state` to `target` (never above the true cost).
 
     Partial mesh dims that must be reduced need at least one collective (a flattened one may
-    reduce them all). Shard mesh dims that must move need a collective per tensor dim they shard
-    (a flattened all_gather may move all of one tensor dim's), unless one exchange moves them all.
-    Bytes: the lower bound of what the busiest rank must still receive.
+    reduce them all; without `flattened_groups`, one each). Shard mesh dims that must move need a
+    collective per tensor dim they shard (a flattened all_gather may move all of one tensor dim's;
+    without `flattened_groups`, one per mesh dim), unless one exchange moves them all. Bytes: the
+    lower bound of what the busiest rank must still receive.
     """
     partial_moves = 0
     moving_dims = set()
     for mesh_dim, current in enumerate(state.placements):
         if state.mesh_shape[mesh_dim] == 1:
             continue
-        if isinstance(current, Partial):
-            partial_moves = partial_moves or int(current != target.placements[mesh_dim])
+        if isinstance(current, Partial) and current != target.placements[mesh_dim]:
+            partial_moves = partial_moves + 1 if not cost_model.flattened_groups else 1
         elif isinstance(current, Shard) and _shard_must_move(state, target, mesh_dim, current.dim):
             moving_dims.add(current.dim)
     shard_moves = len(moving_dims)
@@ -455,7 +465,7 @@ def _cached_plan(source: Layout, target: Layout, itemsize: int, cost_model: Cost
         expanded += 1
         if expanded > _MAX_EXPANDED_STATES:
             raise _plan_error(source, target, f"search expanded {expanded} layouts", "This is a bug; please report it.")
-        for mesh_dim, after in _neighbors(state, target):
+        for mesh_dim, after in _neighbors(state, target, cost_model.flattened_groups):
             if best.get(after, math.inf) <= cost:
                 continue
             if mesh_dim is None:
