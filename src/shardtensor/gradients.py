@@ -124,6 +124,10 @@ def _relay_pending() -> None:
             by_mesh[id(leaf.device_mesh)].append(leaf)
     for members in by_mesh.values():
         mesh = members[0].device_mesh
+        if mesh.get_coordinate() is None:  # no data on this rank (a cross-mesh redistribute's source): the layout only
+            for leaf in members:
+                _set_grad(leaf, leaf.grad._local_tensor)
+            continue
         locals_ = [leaf.grad._local_tensor for leaf in members]
         sources = [leaf.grad.sharding for leaf in members]
         targets = [leaf.sharding for leaf in members]
