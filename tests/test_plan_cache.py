@@ -243,3 +243,25 @@ def test_a_planned_in_place_write_that_reads_its_own_target_reads_what_it_writes
             torch.testing.assert_close(dtensor.full_tensor(), value, msg=lambda text: f"{name}: {text}")
             assert dtensor.placements == (Partial(reduce_op),)
             assert [record.kind for record in records] == kinds, name
+
+
+# In-place binary ops whose rule reduces an operand read from a P(sum): with the written tensor itself as
+# that operand, the written result is stored back, not the reduced read (wrong values before).
+SELF_OPERAND_WRITES = {
+    "p.atan2_(p)": lambda p: p.atan2_(p),
+    "p.hypot_(p)": lambda p: p.hypot_(p),
+    "p.fmod_(p)": lambda p: p.fmod_(p),
+    "p.xlogy_(p)": lambda p: p.xlogy_(p),
+    "p.addcmul_(p, p)": lambda p: p.addcmul_(p, p),
+}
+
+
+@spmd(meshes=[(2,), (2, 2)])
+def test_in_place_ops_reading_their_own_partial_target_give_single_device_values(mesh):
+    """`p.atan2_(p)` and the like on a P(sum): the single-device values, the DTensor itself returned."""
+    for name, call in SELF_OPERAND_WRITES.items():
+        dtensor, value = partial_and_value(mesh, (7, 4), "sum")
+        result = call(dtensor)
+        call(value)
+        assert result is dtensor, name
+        torch.testing.assert_close(dtensor.full_tensor(), value, equal_nan=True, msg=lambda text: f"{name}: {text}")
