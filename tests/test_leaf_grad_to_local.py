@@ -11,7 +11,7 @@ out like its leaf; torch keeps `.grad` Partial(sum) and leaves the reduction to 
 import typing
 
 import torch
-from helpers import collective_kinds, exact_full, local_piece, torch_mesh
+from helpers import collective_kinds, exact_full, local_piece, partial_and_value, torch_mesh
 from spmd import spmd
 from torch.testing import assert_close
 
@@ -279,3 +279,64 @@ def test_from_local_to_local_round_trips_of_plain_leaves(mesh):
             assert type(grad) is torch.Tensor, where
             assert_close(grad, expected, rtol=0, atol=0, msg=lambda m: f"{where}: {m}")
             assert (forward, backward) == expected_counts[name], (where, forward, backward, expected_counts[name])
+
+
+
+# How a leaf is used before the loss, where no torch function sees it (the whole tensor on every rank):
+# use -> the placements it is redistributed to first ("R", "S0"), None for `full_tensor()` alone.
+_WHOLE_TENSOR_USES = {"redistribute(R).to_local()": "R", "full_tensor()": None, "redistribute(S0).full_tensor()": "S0"}
+
+
+def _whole_tensor(leaf, lib, through: str | None) -> torch.Tensor:
+    if through is None:
+        return leaf.full_tensor()
+    moved = leaf.redistribute(lib.mesh, _placements(lib, through, lib.mesh.ndim))
+    return moved.to_local() if through == "R" else moved.full_tensor()
+
+
+@spmd(meshes=[(2,), (2, 2)])
+def test_leaves_used_only_through_redistribute_keep_their_placements(mesh):
+    """A Partial(sum), Partial(max) or Shard(1) leaf used only through `redistribute` / `full_tensor`:
+    its `.grad` has the leaf's placements and the single-device gradient (with respect to the leaf's
+    value: a Partial `.grad`'s operands combine to it). Backward issues what the redistributions' own
+    backward issues, as torch's does (the gathering of a Shard(0) gradient, one all_gather per mesh dim),
+    and nothing more: a Partial leaf's Replicate gradient becomes its operands locally when backward
+    ends. Torch: a Partial leaf's `.grad` stays Replicate."""
+    weight = exact_full((6, 4), 12)
+    cases = [(leaf, use) for leaf in ("P(sum)", "P(max)") for use in _WHOLE_TENSOR_USES]
+    cases += [("S(1)", "redistribute(R).to_local()"), ("S(1)", "full_tensor()")]
+    for leaf_name, use_name in cases:
+        if leaf_name.startswith("P"):
+            ours, value = partial_and_value(mesh, (6, 4), leaf_name[2:-1])
+            operand, placements = ours.to_local(), ours.placements
+        else:
+            value, placements = exact_full((6, 4), 13), (shardtensor.Shard(1),) * mesh.ndim
+            operand = local_piece(value, mesh.shape, placements, mesh.get_coordinate())
+        reference = value.clone().requires_grad_()
+        (reference * weight).pow(2).sum().backward()
+        through = _WHOLE_TENSOR_USES[use_name]
+
+        def program(lib):
+            their_placements = [_their_placement(lib, placement) for placement in placements]
+            leaf = lib.tensor.DTensor.from_local(operand.clone(), lib.mesh, their_placements, shape=value.shape,
+                                                 stride=value.stride()).requires_grad_()
+            return lambda: (_whole_tensor(leaf, lib, through) * weight).pow(2).sum(), lambda: leaf.grad
+
+        theirs, _, their_backward, _ = _run(_libraries(mesh)[0], program)
+        grad, _, our_backward, _ = _run(_libraries(mesh)[1], program)
+        where = f"{leaf_name} leaf, {use_name}"
+        assert grad.placements == placements, (where, grad.placements)
+        assert_close(grad.full_tensor(), reference.grad, msg=lambda text: f"{where}: {text}")
+        expected = {"all_gather": mesh.ndim} if use_name.startswith("redistribute(S0)") else {}
+        assert our_backward == their_backward == expected, (where, our_backward, their_backward)
+        their_kinds = [placement.is_shard(1) if leaf_name == "S(1)" else placement.is_replicate()
+                       for placement in theirs.placements]
+        assert all(their_kinds), (where, theirs.placements)
+        assert_close(theirs.full_tensor(), reference.grad, msg=lambda text: f"{where}, torch: {text}")
+
+
+def _their_placement(library, placement):
+    """`placement` (ours) in `library`'s names."""
+    if placement.is_partial():
+        return library.tensor.Partial(placement.reduce_op)
+    return library.tensor.Shard(placement.dim) if placement.is_shard() else library.tensor.Replicate()
