@@ -177,3 +177,110 @@ def test_checkpointed_plain_dropout_blocks_with_fully_shard_train_as_one_device(
             _assert_close(loss, expected_losses[step][rank], f"{order}, loss of step {step}")
         for (name, parameter), expected in zip(model.named_parameters(), expected_parameters):
             _assert_close(parameter.full_tensor(), expected, f"{order}, {name}")
+
+
+# --- 2. pipeline stages on slices of a pp x dp x tp world of 8 ranks ---------------------------------------------
+
+PIPELINE_NAMES = ("pp", "dp", "tp")
+
+
+def _stage_zero_parameters():
+    """The first stage's weights (one device): up (HIDDEN x WIDTH), down (WIDTH x HIDDEN), a scalar gain."""
+    generator = torch.Generator().manual_seed(21)
+    return [torch.randn(HIDDEN, WIDTH, generator=generator, dtype=torch.float64),
+            torch.randn(WIDTH, HIDDEN, generator=generator, dtype=torch.float64),
+            torch.tensor(1.5, dtype=torch.float64)]
+
+
+def _stage_zero(x, up, down, gain):
+    """relu(x up^T) gain down^T: with x [S(0), R], up [R, S(0)], down [R, S(1)] on (dp, tp), the hidden
+    activations are [S(0), S(1)], the gain's gradient Partial over both mesh dims, the output [S(0), P]."""
+    return ((x @ up.T).relu() * gain) @ down.T
+
+
+def _stage_one_model():
+    torch.manual_seed(22)
+    return nn.Sequential(nn.Linear(WIDTH, HIDDEN, dtype=torch.float64), nn.Tanh(),
+                         nn.Linear(HIDDEN, WIDTH, dtype=torch.float64))
+
+
+def _reference_pipeline(batch):
+    """Both stages on one device; the loss the sum of squares of the output. The first stage's gradients
+    are sums over the batch (its dp reduction sums), the second's means over its 4 ranks (fully_shard's)."""
+    stage_zero = [nn.Parameter(tensor.clone()) for tensor in _stage_zero_parameters()]
+    stage_one = _stage_one_model()
+    losses = []
+    for _ in range(STEPS):
+        output = stage_one(_stage_zero(batch, *stage_zero))
+        loss = (output * output).sum()
+        loss.backward()
+        with torch.no_grad():
+            for parameter in stage_zero:
+                parameter -= LEARNING_RATE * parameter.grad
+                parameter.grad = None
+            for parameter in stage_one.parameters():
+                parameter -= LEARNING_RATE * parameter.grad / 4
+                parameter.grad = None
+        losses.append(loss.detach())
+    return losses, [parameter.detach() for parameter in stage_zero], [p.detach() for p in stage_one.parameters()]
+
+
+@spmd(meshes=[(2, 2, 2)], timeout=300.0)
+def test_pipeline_stages_on_slices_hand_off_across_meshes_and_train_as_one_device(mesh):
+    """Stage 0 (pp=0) runs a tensor-parallel MLP with a batch split over dp on its slice world["dp", "tp"]
+    (the gain's Partial gradient reduced over both mesh dims of the slice); its output moves to stage 1 by a
+    cross-mesh redistribute; stage 1 runs fully_shard (HSDP over its slice) on it. Every rank runs the
+    backward: the gradient goes back across the meshes. Two SGD steps: losses and parameters of one device.
+    On the world in rank order, and in an order where no group over a stage's four ranks exists."""
+    for ranks in (mesh.mesh, torch.tensor([[[0, 6], [5, 3]], [[7, 1], [2, 4]]])):
+        _pipeline_steps(DeviceMesh("cpu", ranks, mesh_dim_names=PIPELINE_NAMES))
+
+
+def _pipeline_steps(world):
+    from shardtensor import Partial, Shard, distribute_tensor
+
+    stage, pp = world["dp", "tp"], world.get_local_rank("pp")
+    stage_meshes = [DeviceMesh("cpu", world.mesh[index], mesh_dim_names=("dp", "tp")) for index in range(2)]
+    assert stage == stage_meshes[pp]
+    torch.manual_seed(23)
+    batch = torch.randn(BATCH, WIDTH, dtype=torch.float64)
+    expected_losses, expected_zero, expected_one = _reference_pipeline(batch)
+    R, S = Replicate(), Shard
+    hand_off_source, hand_off_target = [S(0), R], [S(0), S(0)]
+    if pp == 0:
+        parameters = [nn.Parameter(distribute_tensor(tensor, stage, placements)) for tensor, placements in
+                      zip(_stage_zero_parameters(), ([R, S(0)], [R, S(1)], [R, R]))]
+    else:
+        model = _stage_one_model()
+        fully_shard(model, mesh=stage)
+        parameters = list(model.parameters())
+    optimizer = torch.optim.SGD(parameters, lr=LEARNING_RATE)
+    for step in range(STEPS):
+        if pp == 0:
+            x = distribute_tensor(batch, stage, [S(0), R])
+            activations = _stage_zero(x, *parameters)
+            assert activations.placements == (S(0), Partial()), activations.placements
+            activations = activations.redistribute(stage, hand_off_source)
+        else:
+            empty = torch.empty(0, WIDTH, dtype=torch.float64, requires_grad=True)
+            activations = DTensor.from_local(empty, stage_meshes[0], hand_off_source, shape=batch.shape,
+                                             stride=batch.stride())
+        received = activations.redistribute(stage_meshes[1], hand_off_target)
+        if pp == 1:
+            output = model(received.to_local())
+            loss = (output * output).sum()
+            loss.backward()
+            total = loss.detach().clone()
+        else:
+            torch.autograd.backward([received], [torch.zeros_like(received)])
+            total = torch.zeros((), dtype=torch.float64)
+        dist.all_reduce(total)  # every rank learns the loss (stage 1's pieces)
+        _assert_close(total, expected_losses[step], f"loss of step {step}")
+        optimizer.step()
+        optimizer.zero_grad()
+    expected = expected_zero if pp == 0 else expected_one
+    for index, (parameter, reference) in enumerate(zip(parameters, expected)):
+        assert parameter.device_mesh == stage
+        if pp == 0:
+            assert parameter.placements == ((R, S(0)), (R, S(1)), (R, R))[index]
+        _assert_close(parameter.full_tensor(), reference, f"stage {pp}, parameter {index}")
