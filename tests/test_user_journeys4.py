@@ -284,3 +284,113 @@ def _pipeline_steps(world):
         if pp == 0:
             assert parameter.placements == ((R, S(0)), (R, S(1)), (R, R))[index]
         _assert_close(parameter.full_tensor(), reference, f"stage {pp}, parameter {index}")
+
+
+# --- 3. HSDP on (dp_replicate, dp_shard), and a 2-D sharded parameter gathered in one collective ------------
+
+# torch's c10d ops (FSDP2 calls them directly) by our kinds.
+_TORCH_FSDP_KINDS = {"_allgather_base_": "all_gather", "_reduce_scatter_base_": "reduce_scatter",
+                     "allreduce_": "all_reduce", "all_gather_into_tensor": "all_gather",
+                     "all_reduce": "all_reduce", "reduce_scatter_tensor": "reduce_scatter"}
+
+
+def _torch_kinds(mode) -> dict[str, int]:
+    kinds: dict[str, int] = {}
+    for key, count in mode.get_comm_counts().items():
+        if count:
+            kind = _TORCH_FSDP_KINDS[str(key).split(".")[-1]]
+            kinds[kind] = kinds.get(kind, 0) + count
+    return kinds
+
+
+def _our_kinds(mode) -> dict[str, int]:
+    return {kind: count for kind, count in mode.get_comm_counts().items() if count and isinstance(kind, str)}
+
+
+def _hsdp_model():
+    torch.manual_seed(31)
+    return nn.Sequential(nn.Linear(WIDTH, 5, dtype=torch.float64), nn.Tanh(), nn.Linear(5, 3, dtype=torch.float64))
+
+
+def _shard_units(model, mesh, fully_shard_function):
+    for index in (0, 2):
+        fully_shard_function(model[index], mesh=mesh)
+    fully_shard_function(model, mesh=mesh)
+    return model
+
+
+@spmd(meshes=[(2, 2)], timeout=180.0)
+def test_hsdp_step_and_two_dimensional_gathers_against_one_device_and_torch(mesh):
+    """HSDP over (dp_replicate, dp_shard), ours and torch's FSDP2 on the same ranks: the collectives of
+    forward and backward by kind are torch's, the gradients and the parameters after an SGD step are one
+    device's (rows 5 and 3: uneven shards), also on a mesh whose ranks are not in row-major order."""
+    from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    from torch.distributed.tensor.debug import CommDebugMode as TorchCommDebugMode
+
+    from shardtensor.debug import CommDebugMode
+
+    names = ("dp_replicate", "dp_shard")
+    rank = dist.get_rank()
+    torch.manual_seed(32)
+    batch, target = torch.randn(BATCH, WIDTH, dtype=torch.float64), torch.randn(BATCH, 3, dtype=torch.float64)
+    reference = _hsdp_model()
+    losses = [((reference(piece) - goal) ** 2).sum() for piece, goal in zip(batch.chunk(4), target.chunk(4))]
+    (sum(losses) / 4).backward()
+    expected_grads = [parameter.grad.clone() for parameter in reference.parameters()]
+    with torch.no_grad():
+        expected_parameters = [parameter - LEARNING_RATE * parameter.grad for parameter in reference.parameters()]
+    for ranks in (mesh.mesh, torch.tensor([[3, 1], [2, 0]])):
+        ours_mesh = DeviceMesh("cpu", ranks, mesh_dim_names=names)
+        torch_mesh = TorchDeviceMesh("cpu", ranks, mesh_dim_names=names)
+        index = ranks.flatten().tolist().index(rank)  # this rank's data-parallel slice
+        piece, goal = batch.chunk(4)[index], target.chunk(4)[index]
+        counts = {}
+        models = {"ours": _shard_units(_hsdp_model(), ours_mesh, fully_shard),
+                  "torch": _shard_units(_hsdp_model(), torch_mesh, torch_fully_shard)}
+        for name, model in models.items():
+            mode_class, kinds = (CommDebugMode, _our_kinds) if name == "ours" else (TorchCommDebugMode, _torch_kinds)
+            with mode_class() as forward:
+                loss = ((model(piece) - goal) ** 2).sum()
+            with mode_class() as backward:
+                loss.backward()
+            counts[name] = (kinds(forward), kinds(backward))
+            assert model[0].weight.placements[0].is_replicate() and model[0].weight.placements[1].is_shard(0)
+            for parameter, expected in zip(model.parameters(), expected_grads):
+                _assert_close(parameter.grad.full_tensor(), expected, f"{name} gradient, mesh {ranks.tolist()}")
+            torch.optim.SGD(model.parameters(), lr=LEARNING_RATE).step()
+            for parameter, expected in zip(model.parameters(), expected_parameters):
+                _assert_close(parameter.full_tensor(), expected, f"{name} parameter, mesh {ranks.tolist()}")
+        assert counts["ours"] == counts["torch"] == (
+            {"all_gather": 2}, {"all_gather": 2, "reduce_scatter": 2, "all_reduce": 2}), counts  # two units
+
+
+@spmd(meshes=[(2, 2)], timeout=180.0)
+def test_two_dimensional_shards_of_parameters_gather_in_one_collective(mesh):
+    """A parameter laid out [S(0), S(0)] on (dp_replicate, dp_shard) (a 2-D sharded checkpoint, rows 5, 3
+    and 8: uneven and even nested shards) gathered to [R, R]: one all_gather over the flattened mesh (torch:
+    one per mesh dim), values exact, also on a mesh whose ranks are not in row-major order."""
+    from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
+    from torch.distributed.tensor import Replicate as TorchReplicate
+    from torch.distributed.tensor import Shard as TorchShard
+    from torch.distributed.tensor import distribute_tensor as torch_distribute_tensor
+    from torch.distributed.tensor.debug import CommDebugMode as TorchCommDebugMode
+
+    from shardtensor import Shard, distribute_tensor
+    from shardtensor.debug import CommDebugMode
+
+    parameters = [parameter.detach() for parameter in _hsdp_model().parameters()] + [torch.randn(8, 4)]
+    for ranks in (mesh.mesh, torch.tensor([[3, 1], [2, 0]])):
+        names = ("dp_replicate", "dp_shard")
+        ours_mesh = DeviceMesh("cpu", ranks, mesh_dim_names=names)
+        torch_mesh = TorchDeviceMesh("cpu", ranks, mesh_dim_names=names)
+        for parameter in parameters:
+            ours = distribute_tensor(parameter, ours_mesh, [Shard(0), Shard(0)])
+            with CommDebugMode() as gather:
+                replicated = ours.redistribute(placements=[Replicate(), Replicate()])
+            assert _our_kinds(gather) == {"all_gather": 1}, (ranks.tolist(), parameter.shape, _our_kinds(gather))
+            assert torch.equal(replicated.to_local(), parameter), (ranks.tolist(), parameter.shape)
+            theirs = torch_distribute_tensor(parameter, torch_mesh, [TorchShard(0), TorchShard(0)])
+            with TorchCommDebugMode() as torch_gather:
+                theirs.redistribute(placements=[TorchReplicate(), TorchReplicate()])
+            assert torch_gather.get_total_counts() == 2
