@@ -394,3 +394,57 @@ def test_two_dimensional_shards_of_parameters_gather_in_one_collective(mesh):
             with TorchCommDebugMode() as torch_gather:
                 theirs.redistribute(placements=[TorchReplicate(), TorchReplicate()])
             assert torch_gather.get_total_counts() == 2
+
+
+# --- 4. a replicated weight read as Partial through local_map and to_local, trained with AdamW -------------------
+
+def _adamw_reference(batch, weight, bias, steps, ranks, foreach):
+    """One device: the loss sum(tanh(x w + b)^2) over the whole batch plus an L2 penalty on w."""
+    w, b = nn.Parameter(weight.clone()), nn.Parameter(bias.clone())
+    optimizer = torch.optim.AdamW([w, b], lr=0.05, foreach=foreach)
+    losses = []
+    for _ in range(steps):
+        loss = (batch @ w + b).tanh().pow(2).sum() + 0.01 * w.pow(2).sum()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.detach())
+    return losses, [w.detach(), b.detach()]
+
+
+@spmd(meshes=[(2,), (4,), (2, 2)], timeout=180.0)
+def test_weight_read_as_partial_through_local_map_and_to_local_trains_with_adamw_as_one_device(mesh):
+    """A Replicate weight and bias used by local_map with in_grad_placements=Partial (each rank's rows give a
+    share of the gradient) and by to_local(grad_placements=Partial) in a penalty each rank adds a 1/n share
+    of: three AdamW steps (foreach and not) give one device's losses and parameters; the gradients end
+    Replicate, so the optimizer's state is Replicate too."""
+    from shardtensor import Partial, Shard, distribute_tensor
+    from shardtensor.experimental import local_map
+
+    ranks = mesh.size()
+    rows, replicate, partial = [Shard(0)] * mesh.ndim, [Replicate()] * mesh.ndim, [Partial()] * mesh.ndim
+    generator = torch.Generator().manual_seed(41)
+    batch = torch.randn(2 * ranks + 1, 4, generator=generator, dtype=torch.float64)  # uneven rows
+    weight = torch.randn(4, 3, generator=generator, dtype=torch.float64)
+    bias = torch.randn(3, generator=generator, dtype=torch.float64)
+    squares = local_map(lambda x, w, b: (x @ w + b).tanh().pow(2).sum(), out_placements=partial,
+                        in_placements=(rows, replicate, replicate), in_grad_placements=(rows, partial, partial))
+    for foreach in (False, True):
+        expected_losses, expected_parameters = _adamw_reference(batch, weight, bias, 3, ranks, foreach)
+        w = nn.Parameter(distribute_tensor(weight, mesh, replicate))
+        b = nn.Parameter(distribute_tensor(bias, mesh, replicate))
+        x = distribute_tensor(batch, mesh, rows)
+        optimizer = torch.optim.AdamW([w, b], lr=0.05, foreach=foreach)
+        for step in range(3):
+            share = 0.01 * w.to_local(grad_placements=partial).pow(2).sum() / ranks
+            loss = squares(x, w, b) + DTensor.from_local(share, mesh, partial)
+            loss.full_tensor().backward()
+            assert w.grad.placements == b.grad.placements == tuple(replicate), (w.grad.placements, b.grad.placements)
+            optimizer.step()
+            optimizer.zero_grad()
+            _assert_close(loss.full_tensor(), expected_losses[step], f"foreach={foreach}, loss of step {step}")
+        for parameter, expected in zip((w, b), expected_parameters):
+            assert parameter.placements == tuple(replicate)
+            _assert_close(parameter.to_local(), expected, f"foreach={foreach}, parameter")
+        assert all(state.placements == tuple(replicate) for state in optimizer.state[w].values()
+                   if isinstance(state, DTensor) and state.ndim)
