@@ -448,3 +448,71 @@ def test_weight_read_as_partial_through_local_map_and_to_local_trains_with_adamw
             _assert_close(parameter.to_local(), expected, f"foreach={foreach}, parameter")
         assert all(state.placements == tuple(replicate) for state in optimizer.state[w].values()
                    if isinstance(state, DTensor) and state.ndim)
+
+
+# --- 5. changing 0-d tensor operands in a training loop, Partial inputs included ----------------------------------
+
+@spmd(meshes=[(2,), (2, 2)], timeout=180.0)
+def test_changing_zero_dim_tensor_operands_on_partial_inputs_give_one_device_values(mesh):
+    """A loop whose 0-d plain tensors change value, sign and dtype every iteration: x * t, x + t, x.add_(t),
+    x.mul_(t), torch.where(x > 0, x, t) on Partial(sum/avg/max/min) and Shard inputs: each the one-device
+    value (a Partial max times a negative becomes a min; adding to a Partial sum adds once)."""
+    from helpers import partial_and_value
+
+    from shardtensor import Shard, distribute_tensor
+
+    values = [2.5, -1.5, 3.0, -0.5, 0.0, 4.0]
+    dtypes = [torch.float64, torch.float32, torch.int64, torch.float64, torch.int32, torch.float64]
+    for reduce_op in ("sum", "avg", "max", "min"):
+        for step, (value, dtype) in enumerate(zip(values, dtypes)):
+            scalar = torch.tensor(value).to(dtype)
+            x, full = partial_and_value(mesh, (4, 3), reduce_op, seed=step)
+            sharded = distribute_tensor(full, mesh, [Shard(0)] * mesh.ndim)
+            what = f"{reduce_op}, step {step}, t={value} ({dtype})"
+            cases = {
+                "x * t": (lambda y: y * scalar, full * scalar),
+                "t * x": (lambda y: scalar * y, scalar * full),
+                "x + t": (lambda y: y + scalar, full + scalar),
+                "x - t": (lambda y: y - scalar, full - scalar),
+                "x.add_(t)": (lambda y: y.add_(scalar), full + scalar),
+                "x.mul_(t)": (lambda y: y.mul_(scalar), full * scalar),
+                "where": (lambda y: torch.where(y > 0, y, scalar), torch.where(full > 0, full, scalar.to(full.dtype))),
+            }
+            for name, (program, expected) in cases.items():
+                for operand in (x, sharded):
+                    result = program(operand.clone())
+                    assert result.dtype == expected.dtype, (what, name, result.dtype, expected.dtype)
+                    _assert_close(result.full_tensor(), expected, f"{what}, {name}, {operand.placements}")
+
+
+@spmd(meshes=[(2,), (2, 2)], timeout=180.0)
+def test_a_plain_zero_dim_learnable_scale_on_dtensor_activations_trains_as_one_device(mesh):
+    """A plain 0-d nn.Parameter multiplying DTensor activations (sharded rows, Partial after a rowwise
+    contraction), the loss made with a changing 0-d tensor: SGD steps give one device's scale and weight."""
+    from shardtensor import Shard, distribute_tensor
+
+    generator = torch.Generator().manual_seed(51)
+    batch = torch.randn(6, 4, generator=generator, dtype=torch.float64)
+    weight = torch.randn(4, 3, generator=generator, dtype=torch.float64)
+    reference = [nn.Parameter(torch.tensor(0.7, dtype=torch.float64)), nn.Parameter(weight.clone())]
+    scale = nn.Parameter(torch.tensor(0.7, dtype=torch.float64))
+    w = nn.Parameter(distribute_tensor(weight, mesh, [Shard(0)] * mesh.ndim))  # rows: x @ w is Partial
+    x = distribute_tensor(batch, mesh, [Shard(1)] * mesh.ndim)
+    optimizers = [torch.optim.SGD(reference, lr=0.01), torch.optim.SGD([scale, w], lr=0.01)]
+    for step, target in enumerate([1.0, -2.0, 0.5]):
+        target = torch.tensor(target, dtype=torch.float64)
+        expected = (((batch @ reference[1]) * reference[0] - target) ** 2).sum()
+        expected.backward()
+        product = x @ w
+        assert all(placement.is_partial() for placement in product.placements), product.placements
+        loss = ((product * scale - target) ** 2).sum()
+        loss.full_tensor().backward()
+        assert not isinstance(scale.grad, DTensor)
+        _assert_close(scale.grad, reference[0].grad, f"scale's gradient, step {step}")
+        _assert_close(w.grad.full_tensor(), reference[1].grad, f"weight's gradient, step {step}")
+        _assert_close(loss.full_tensor(), expected.detach(), f"loss, step {step}")
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    _assert_close(scale.detach(), reference[0].detach(), "scale")
+    _assert_close(w.full_tensor(), reference[1].detach(), "weight")
