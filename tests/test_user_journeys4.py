@@ -516,3 +516,36 @@ def test_a_plain_zero_dim_learnable_scale_on_dtensor_activations_trains_as_one_d
             optimizer.zero_grad()
     _assert_close(scale.detach(), reference[0].detach(), "scale")
     _assert_close(w.full_tensor(), reference[1].detach(), "weight")
+
+
+@spmd(meshes=[(2,), (2, 2)])
+def test_partial_avg_misuse_raises_clearly_and_nonlinear_conversions_reduce_first(mesh):
+    """Partial('avg') misuse: an integer operand, a reduce op torch does not name ('mean'), a redistribute
+    into a Partial: each raises on every rank saying what is allowed. Conversions that do not commute with
+    the reduction (to an integer dtype, bool, round, abs) of Partial(sum/avg) operands give the one-device
+    values of the converted reduction, not the reduction of the converted operands."""
+    import pytest
+
+    from helpers import partial_and_value
+
+    from shardtensor import Partial, Shard, distribute_tensor
+
+    with pytest.raises(ValueError, match="Partial\\('avg'\\) needs a floating or complex dtype, got torch.int64"):
+        DTensor.from_local(torch.arange(4), mesh, [Partial("avg")] * mesh.ndim)
+    with pytest.raises(ValueError, match="allowed reduce ops are sum, avg, max, min"):
+        Partial("mean")
+    sharded = distribute_tensor(torch.arange(8.0), mesh, [Shard(0)] * mesh.ndim)
+    with pytest.raises(ValueError, match="only Shard\\(dim\\) and Replicate\\(\\) targets are allowed"):
+        sharded.redistribute(mesh, [Partial("avg")] * mesh.ndim)
+    conversions = {"long": lambda y: y.long(), "int32": lambda y: y.to(torch.int32), "bool": lambda y: y.bool(),
+                   "round": torch.round, "abs": torch.abs, "float32": lambda y: y.float()}
+    for reduce_op in ("sum", "avg"):
+        x, full = partial_and_value(mesh, (4, 5), reduce_op, seed=61)
+        for name, conversion in conversions.items():
+            result = conversion(x)
+            expected = conversion(full)
+            assert result.dtype == expected.dtype, (reduce_op, name)
+            if expected.is_floating_point():  # the reduction's summation order may differ from plain torch's
+                _assert_close(result.full_tensor(), expected, f"{reduce_op}, {name}, {result.placements}")
+            else:
+                assert torch.equal(result.full_tensor(), expected), (reduce_op, name, result.placements)
