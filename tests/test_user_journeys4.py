@@ -549,3 +549,95 @@ def test_partial_avg_misuse_raises_clearly_and_nonlinear_conversions_reduce_firs
                 _assert_close(result.full_tensor(), expected, f"{reduce_op}, {name}, {result.placements}")
             else:
                 assert torch.equal(result.full_tensor(), expected), (reduce_op, name, result.placements)
+
+
+# --- 6. CommDebugMode over DTensor ops and direct collectives in module and gradient hooks ------------------------
+
+# A torch CommDebugMode key's last part (its c10d op) by our kind.
+_KIND_OF_TORCH_OP = {"allreduce_": "all_reduce", "broadcast_": "broadcast", "_allgather_base_": "all_gather",
+                     "all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather",
+                     "reduce_scatter_tensor": "reduce_scatter", "all_to_all_single": "all_to_all"}
+
+
+def _phase_kinds(module_counts) -> dict:
+    """{module: {phase: {kind: count}}} of either CommDebugMode's per-module counts, zeros dropped."""
+    result = {}
+    for module, phases in module_counts.items():
+        for phase, counts in phases.items():
+            kinds = {}
+            for key, count in counts.items():
+                if count:
+                    kind = key if isinstance(key, str) and "." not in key else _KIND_OF_TORCH_OP[str(key).split(".")[-1]]
+                    kinds[kind] = kinds.get(kind, 0) + count
+            if kinds:
+                result.setdefault(module, {})[phase] = kinds
+    return result
+
+
+class _HookedModel(nn.Module):
+    """A tensor-parallel MLP (`mlp.up` column-wise, `mlp.down` row-wise) and a plain data-parallel `head` whose
+    input is all-reduced by a forward pre-hook, whose output is broadcast by a forward hook (a sync a user
+    adds) and whose weight's gradient is all-reduced by a gradient hook (hand-written data parallelism)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(71)
+        self.mlp = nn.Sequential(nn.Linear(WIDTH, HIDDEN, dtype=torch.float64), nn.Tanh(),
+                                 nn.Linear(HIDDEN, WIDTH, dtype=torch.float64))
+        self.head = nn.Linear(WIDTH, 2, dtype=torch.float64)
+        self.head.register_forward_pre_hook(lambda module, args: (_all_reduced(args[0]),))
+        self.head.register_forward_hook(lambda module, args, output: _broadcast(output))
+        self.head.weight.register_hook(lambda grad: _all_reduced(grad))
+
+    def forward(self, x):
+        return self.head(self.mlp(x))
+
+
+def _all_reduced(tensor):
+    tensor = tensor.clone()
+    dist.all_reduce(tensor)
+    return tensor
+
+
+def _broadcast(tensor):
+    dist.broadcast(tensor.detach(), 0)  # in place on the values; rank 0's everywhere
+    return tensor
+
+
+@spmd(meshes=[(2,), (4,)], timeout=180.0)
+def test_comm_debug_mode_counts_dtensor_ops_and_direct_calls_in_hooks_per_module_as_torch(mesh):
+    """The same program with torch's names (parallelize_module, CommDebugMode) and ours: the collectives per
+    module and phase agree (the MLP's all_reduce in forward and backward, the head's pre-hook all_reduce and
+    forward-hook broadcast in forward, its gradient hook's all_reduce in backward), and so do the outputs and
+    the gradients of the head and of the input (the MLP's backward all-reduces the input's gradient)."""
+    import torch.distributed.tensor.debug as torch_debug
+    import torch.distributed.tensor.parallel as torch_parallel
+    from helpers import torch_mesh
+
+    from shardtensor.debug import CommDebugMode
+
+    x = torch.randn(3, WIDTH, dtype=torch.float64, generator=torch.Generator().manual_seed(72))
+    results = {}
+    for name, parallel, mode_class, api_mesh in (
+            ("torch", torch_parallel, torch_debug.CommDebugMode, torch_mesh(mesh)),
+            ("ours", shardtensor.parallel, CommDebugMode, mesh)):
+        model = _HookedModel()
+        parallel.parallelize_module(model.mlp, api_mesh, {"0": parallel.ColwiseParallel(),
+                                                          "2": parallel.RowwiseParallel()})
+        with mode_class() as mode:
+            inputs = (x * (dist.get_rank() + 1)).requires_grad_()
+            output = model(inputs)
+            output.sum().backward()
+        counts = mode.comm_module_counts if name == "torch" else mode.get_comm_module_counts()
+        results[name] = (_phase_kinds(counts), output.detach(), model.head.weight.grad, inputs.grad)
+    theirs, ours = results["torch"], results["ours"]
+    assert ours[0] == theirs[0], f"ours {ours[0]}\ntorch {theirs[0]}"
+    head = {"forward": {"all_reduce": 1, "broadcast": 1}, "backward": {"all_reduce": 1}}
+    whole = {"forward": {"all_reduce": 2, "broadcast": 1}, "backward": {"all_reduce": 2}}
+    mlp = {"forward": {"all_reduce": 1}, "backward": {"all_reduce": 1}}
+    assert ours[0] == {"Global": whole, "_HookedModel": whole, "_HookedModel.mlp": mlp,
+                       "_HookedModel.mlp.0": {"backward": {"all_reduce": 1}},
+                       "_HookedModel.mlp.2": {"forward": {"all_reduce": 1}}, "_HookedModel.head": head}, ours[0]
+    _assert_close(ours[1], theirs[1], "output")
+    _assert_close(ours[2], theirs[2], "head's gradient")
+    _assert_close(ours[3], theirs[3], "input's gradient")
