@@ -231,19 +231,21 @@ def test_pipeline_stages_on_slices_hand_off_across_meshes_and_train_as_one_devic
     (the gain's Partial gradient reduced over both mesh dims of the slice); its output moves to stage 1 by a
     cross-mesh redistribute; stage 1 runs fully_shard (HSDP over its slice) on it. Every rank runs the
     backward: the gradient goes back across the meshes. Two SGD steps: losses and parameters of one device.
-    On the world in rank order, and in an order where no group over a stage's four ranks exists."""
-    for ranks in (mesh.mesh, torch.tensor([[[0, 6], [5, 3]], [[7, 1], [2, 4]]])):
-        _pipeline_steps(DeviceMesh("cpu", ranks, mesh_dim_names=PIPELINE_NAMES))
+    On the world in rank order, and in an order where no group over a stage's four ranks exists (with 8 and 7
+    rows: uneven shards on both stages)."""
+    permuted = torch.tensor([[[0, 6], [5, 3]], [[7, 1], [2, 4]]])
+    for ranks, rows in ((mesh.mesh, BATCH), (permuted, BATCH), (permuted, BATCH - 1)):  # 7 rows: uneven shards
+        _pipeline_steps(DeviceMesh("cpu", ranks, mesh_dim_names=PIPELINE_NAMES), rows)
 
 
-def _pipeline_steps(world):
+def _pipeline_steps(world, rows):
     from shardtensor import Partial, Shard, distribute_tensor
 
     stage, pp = world["dp", "tp"], world.get_local_rank("pp")
     stage_meshes = [DeviceMesh("cpu", world.mesh[index], mesh_dim_names=("dp", "tp")) for index in range(2)]
     assert stage == stage_meshes[pp]
     torch.manual_seed(23)
-    batch = torch.randn(BATCH, WIDTH, dtype=torch.float64)
+    batch = torch.randn(rows, WIDTH, dtype=torch.float64)
     expected_losses, expected_zero, expected_one = _reference_pipeline(batch)
     R, S = Replicate(), Shard
     hand_off_source, hand_off_target = [S(0), R], [S(0), S(0)]
