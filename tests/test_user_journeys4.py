@@ -85,16 +85,16 @@ def _reference_tp_steps(batch, halves):
     return losses, [parameter.detach() for parameter in model.parameters()]
 
 
-def _checkpoint_then_shard(model, tp_mesh, dp_mesh, order):
+def _checkpoint_then_shard(model, tp_mesh, dp_mesh, order, reshard_after_forward=None):
     plan = {"up": ColwiseParallel(use_local_output=False), "down": RowwiseParallel(use_local_output=False)}
     for block in model:
         if tp_mesh is not None:
             parallelize_module(block, tp_mesh, plan)
         if order == "checkpoint first":
             composable_checkpoint(block, context_fn=checkpoint_contexts)
-            fully_shard(block, mesh=dp_mesh)
+            fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
         else:
-            fully_shard(block, mesh=dp_mesh)
+            fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
             composable_checkpoint(block, context_fn=checkpoint_contexts)
     fully_shard(model, mesh=dp_mesh)
 
@@ -158,14 +158,16 @@ def _reference_plain_dropout_steps(batch, ranks):
 @spmd(meshes=[(2,), (4,)], timeout=180.0)
 def test_checkpointed_plain_dropout_blocks_with_fully_shard_train_as_one_device(mesh):
     """fully_shard alone (plain activations, dropout from torch's generator, preserved by torch's
-    checkpoint), each block under the composable checkpoint with checkpoint_contexts."""
+    checkpoint), each block under the composable checkpoint with checkpoint_contexts; every reshard choice."""
     torch.manual_seed(12)
     batch = torch.randn(BATCH, WIDTH, dtype=torch.float64)
     expected_losses, expected_parameters = _reference_plain_dropout_steps(batch, mesh.size(0))
     rank = mesh.get_local_rank(0)
-    for order in ("checkpoint first", "fully_shard first"):
+    choices = [("checkpoint first", None), ("fully_shard first", None), ("checkpoint first", False)]
+    choices += [("checkpoint first", 2), ("fully_shard first", 2)] if mesh.size(0) == 4 else []
+    for order, reshard_after_forward in choices:
         model = _blocks()
-        _checkpoint_then_shard(model, None, mesh, order)
+        _checkpoint_then_shard(model, None, mesh, order, reshard_after_forward)
         optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
         torch.manual_seed(SEED + rank)
         for step in range(STEPS):
@@ -174,9 +176,9 @@ def test_checkpointed_plain_dropout_blocks_with_fully_shard_train_as_one_device(
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
-            _assert_close(loss, expected_losses[step][rank], f"{order}, loss of step {step}")
+            _assert_close(loss, expected_losses[step][rank], f"{order}, {reshard_after_forward}, loss of step {step}")
         for (name, parameter), expected in zip(model.named_parameters(), expected_parameters):
-            _assert_close(parameter.full_tensor(), expected, f"{order}, {name}")
+            _assert_close(parameter.full_tensor(), expected, f"{order}, {reshard_after_forward}, {name}")
 
 
 # --- 2. pipeline stages on slices of a pp x dp x tp world of 8 ranks ---------------------------------------------
