@@ -645,3 +645,50 @@ def test_comm_debug_mode_counts_dtensor_ops_and_direct_calls_in_hooks_per_module
     _assert_close(ours[1], theirs[1], "output")
     _assert_close(ours[2], theirs[2], "head's gradient")
     _assert_close(ours[3], theirs[3], "input's gradient")
+
+
+# Optimizers whose hyperparameters are 0-d tensors a schedule changes in place between steps.
+_TENSOR_HYPERPARAMETER_OPTIMIZERS = {
+    "SGD": lambda parameters: torch.optim.SGD(parameters, lr=torch.tensor(0.1, dtype=torch.float64)),
+    "SGD momentum": lambda parameters: torch.optim.SGD(parameters, lr=torch.tensor(0.1), momentum=0.9),
+    "AdamW": lambda parameters: torch.optim.AdamW(parameters, lr=torch.tensor(0.01), foreach=False),
+    "Adam, 0-d betas": lambda parameters: torch.optim.Adam(parameters, lr=torch.tensor(0.01), foreach=False,
+                                                          betas=(torch.tensor(0.9), torch.tensor(0.99))),
+    "by hand": None,
+}
+
+
+def _train_with_tensor_hyperparameters(weight, batch, make_optimizer):
+    """Three steps; the 0-d learning rate halved in place after each, or a step by hand with 0-d tensors
+    (w -= lr * grad; w += shift; w *= decay)."""
+    optimizer = make_optimizer([weight]) if make_optimizer else None
+    for step in range(3):
+        ((batch @ weight).tanh() ** 2).sum().backward()
+        if optimizer:
+            optimizer.step()
+            optimizer.zero_grad()
+            optimizer.param_groups[0]["lr"].mul_(0.5)
+            continue
+        with torch.no_grad():
+            weight.sub_(torch.tensor(0.1 / (step + 1), dtype=torch.float64) * weight.grad)
+            weight.add_(torch.tensor(-0.001 * step))
+            weight.mul_(torch.tensor(1.0 - 0.01 * step))
+        weight.grad = None
+    return weight
+
+
+@spmd(meshes=[(2,), (2, 2)], timeout=180.0)
+def test_zero_dim_tensor_hyperparameters_changed_between_steps_train_as_one_device(mesh):
+    from shardtensor import Shard, distribute_tensor
+
+    generator = torch.Generator().manual_seed(81)
+    weight, batch = (torch.randn(shape, generator=generator, dtype=torch.float64) for shape in ((5, 3), (6, 5)))
+    x = distribute_tensor(batch, mesh, [Shard(0)] * mesh.ndim)
+    for name, make_optimizer in _TENSOR_HYPERPARAMETER_OPTIMIZERS.items():
+        expected = _train_with_tensor_hyperparameters(nn.Parameter(weight.clone()), batch, make_optimizer)
+        for placements in ([Shard(0)], [Replicate()], [Shard(1)]):
+            placements = placements * mesh.ndim
+            ours = nn.Parameter(distribute_tensor(weight, mesh, placements))
+            ours = _train_with_tensor_hyperparameters(ours, x, make_optimizer)
+            assert ours.placements == tuple(placements)
+            _assert_close(ours.full_tensor(), expected.detach(), f"{name}, {placements}")
