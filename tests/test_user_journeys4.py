@@ -692,3 +692,57 @@ def test_zero_dim_tensor_hyperparameters_changed_between_steps_train_as_one_devi
             ours = _train_with_tensor_hyperparameters(ours, x, make_optimizer)
             assert ours.placements == tuple(placements)
             _assert_close(ours.full_tensor(), expected.detach(), f"{name}, {placements}")
+
+
+class _LocalScale(nn.Module):
+    """tanh((x * w) @ lin), x rows sharded over "tp", w and lin Replicate over "tp": `x * w` through local_map
+    with w's gradient read as Partial (each rank's rows give a share of it)."""
+
+    def __init__(self, weight, linear, tp_mesh=None):
+        super().__init__()
+        self.tp_mesh = tp_mesh
+        if tp_mesh is not None:
+            from shardtensor import Partial, Shard, distribute_tensor
+            from shardtensor.experimental import local_map
+
+            weight, linear = (distribute_tensor(tensor, tp_mesh, [Replicate()]) for tensor in (weight, linear))
+            self.scale = local_map(torch.mul, out_placements=[Shard(0)], in_placements=([Shard(0)], [Replicate()]),
+                                   in_grad_placements=([Shard(0)], [Partial()]))
+        else:
+            self.scale = torch.mul
+        self.w, self.lin = nn.Parameter(weight.clone()), nn.Parameter(linear.clone())
+
+    def forward(self, x):
+        return (self.scale(x, self.w) @ self.lin).tanh()
+
+
+@spmd(meshes=[(2, 2), (1, 4)], timeout=180.0)
+def test_local_map_partial_gradient_under_checkpoint_and_fully_shard_trains_as_one_device(mesh):
+    """The module above under torch's composable checkpoint (its recomputation calls local_map again, in
+    backward) and fully_shard over "dp" (w and lin then [S(0), R] on (dp, tp)): two SGD steps give one
+    device's parameters, each dp slice's loss a mean term (fully_shard averages)."""
+    from shardtensor import Shard, distribute_tensor
+
+    mesh = _named(mesh, ("dp", "tp"))
+    dp_size = mesh.size(0)
+    generator = torch.Generator().manual_seed(91)
+    weight, linear, batch = (torch.randn(shape, generator=generator, dtype=torch.float64)
+                             for shape in ((4,), (4, 4), (8, 4)))
+    reference = _LocalScale(weight, linear)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=LEARNING_RATE)
+    for _ in range(STEPS):
+        (sum((reference(piece) ** 2).sum() for piece in batch.chunk(dp_size)) / dp_size).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model = _LocalScale(weight, linear, mesh["tp"])
+    composable_checkpoint(model, context_fn=checkpoint_contexts)
+    fully_shard(model, mesh=mesh["dp"])
+    optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
+    x = distribute_tensor(batch.chunk(dp_size)[mesh.get_local_rank("dp")], mesh["tp"], [Shard(0)])
+    for _ in range(STEPS):
+        (model(x) ** 2).sum().full_tensor().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    for (name, parameter), expected in zip(model.named_parameters(), reference.parameters()):
+        assert parameter.placements == (Shard(0), Replicate()), (name, parameter.placements)
+        _assert_close(parameter.full_tensor(), expected.detach(), name)
