@@ -236,11 +236,14 @@ def test_pipeline_stages_on_slices_hand_off_across_meshes_and_train_as_one_devic
     On the world in rank order, and in an order where no group over a stage's four ranks exists (with 8 and 7
     rows: uneven shards on both stages)."""
     permuted = torch.tensor([[[0, 6], [5, 3]], [[7, 1], [2, 4]]])
-    for ranks, rows in ((mesh.mesh, BATCH), (permuted, BATCH), (permuted, BATCH - 1)):  # 7 rows: uneven shards
-        _pipeline_steps(DeviceMesh("cpu", ranks, mesh_dim_names=PIPELINE_NAMES), rows)
+    for ranks, rows, reduce_first in ((mesh.mesh, BATCH, True), (permuted, BATCH, True), (permuted, BATCH - 1, True),
+                                      (mesh.mesh, BATCH - 1, False)):  # 7 rows: uneven shards
+        _pipeline_steps(DeviceMesh("cpu", ranks, mesh_dim_names=PIPELINE_NAMES), rows, reduce_first)
 
 
-def _pipeline_steps(world, rows):
+def _pipeline_steps(world, rows, reduce_first):
+    """`reduce_first`: stage 0 reduces its Partial output on its own mesh before the hand-off, else the
+    cross-mesh redistribute takes it Partial."""
     from shardtensor import Partial, Shard, distribute_tensor
 
     stage, pp = world["dp", "tp"], world.get_local_rank("pp")
@@ -264,10 +267,12 @@ def _pipeline_steps(world, rows):
             x = distribute_tensor(batch, stage, [S(0), R])
             activations = _stage_zero(x, *parameters)
             assert activations.placements == (S(0), Partial()), activations.placements
-            activations = activations.redistribute(stage, hand_off_source)
+            if reduce_first:
+                activations = activations.redistribute(stage, hand_off_source)
         else:
             empty = torch.empty(0, WIDTH, dtype=torch.float64, requires_grad=True)
-            activations = DTensor.from_local(empty, stage_meshes[0], hand_off_source, shape=batch.shape,
+            source = hand_off_source if reduce_first else [S(0), Partial()]
+            activations = DTensor.from_local(empty, stage_meshes[0], source, shape=batch.shape,
                                              stride=batch.stride())
         received = activations.redistribute(stage_meshes[1], hand_off_target)
         if pp == 1:
