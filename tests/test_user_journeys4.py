@@ -751,3 +751,38 @@ def test_local_map_partial_gradient_under_checkpoint_and_fully_shard_trains_as_o
     for (name, parameter), expected in zip(model.named_parameters(), reference.parameters()):
         assert parameter.placements == (Shard(0), Replicate()), (name, parameter.placements)
         _assert_close(parameter.full_tensor(), expected.detach(), name)
+
+
+@spmd(meshes=[(2,), (2, 2)])
+def test_optimizer_in_backward_on_a_weight_read_as_partial_steps_with_the_whole_gradient(mesh):
+    """The optimizer-in-backward pattern (a post-accumulate-grad hook steps and zeroes) on a Replicate weight
+    read as Partial through to_local: the hooks see the Partial gradient (as in torch, before our end of
+    backward reduces it), and the step uses the whole gradient: three AdamW steps give one device's weight."""
+    from shardtensor import Partial, distribute_tensor
+
+    partial = [Partial()] * mesh.ndim
+    generator = torch.Generator().manual_seed(95)
+    weight = torch.randn(3, generator=generator, dtype=torch.float64)
+    inputs = torch.randn(mesh.size(), 3, generator=generator, dtype=torch.float64)  # a row per rank
+    reference = nn.Parameter(weight.clone())
+    reference_optimizer = torch.optim.AdamW([reference], lr=0.1)
+    w = nn.Parameter(distribute_tensor(weight, mesh, [Replicate()] * mesh.ndim))
+    optimizer = torch.optim.AdamW([w], lr=0.1)
+    seen = []
+
+    def step_in_backward(parameter):
+        seen.append(parameter.grad.placements)
+        optimizer.step()
+        optimizer.zero_grad()
+
+    w.register_post_accumulate_grad_hook(step_in_backward)
+    row = inputs[dist.get_rank()]
+    for _ in range(3):
+        (inputs @ reference).tanh().sum().backward()
+        reference_optimizer.step()
+        reference_optimizer.zero_grad()
+        share = (row @ w.to_local(grad_placements=partial)).tanh()
+        DTensor.from_local(share, mesh, partial).full_tensor().backward()
+        assert w.grad is None
+    assert seen == [tuple(partial)] * 3, seen
+    _assert_close(w.to_local(), reference.detach(), "weight")
