@@ -5,7 +5,6 @@ pipeline stages on slices of an 8-rank world, HSDP gathers, CommDebugMode over d
 Each compares with the single-device program, and where useful with torch's own DTensor/FSDP2 names
 on the same ranks."""
 
-import functools
 import itertools
 
 import torch
@@ -17,6 +16,7 @@ from torch.distributed._composable import checkpoint as composable_checkpoint
 
 import shardtensor
 from shardtensor import DTensor, Replicate
+from shardtensor.debug import CommDebugMode
 from shardtensor.fsdp import fully_shard
 from shardtensor.mesh import DeviceMesh
 from shardtensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -30,8 +30,25 @@ def _assert_close(ours, expected, what):
     torch.testing.assert_close(ours, expected, rtol=1e-12, atol=1e-12, msg=lambda message: f"{what}: {message}")
 
 
-def _full(tensor):
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+# A torch CommDebugMode key's c10d op (FSDP2 and direct calls: c10d ops; torch DTensor: functional ops) by our kind.
+_KIND_OF_TORCH_OP = {"allreduce_": "all_reduce", "broadcast_": "broadcast", "_allgather_base_": "all_gather",
+                     "_reduce_scatter_base_": "reduce_scatter", "all_reduce": "all_reduce",
+                     "all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
+                     "all_to_all_single": "all_to_all"}
+
+
+def _kinds(counts) -> dict[str, int]:
+    """Either CommDebugMode's counts by our kind (ours are keyed by kind already), zeros dropped."""
+    kinds: dict[str, int] = {}
+    for key, count in counts.items():
+        if count:
+            kind = key if isinstance(key, str) and "." not in key else _KIND_OF_TORCH_OP[str(key).split(".")[-1]]
+            kinds[kind] = kinds.get(kind, 0) + count
+    return kinds
+
+
+def _mode_kinds(mode) -> dict[str, int]:
+    return _kinds(mode.get_comm_counts())
 
 
 # --- 1. activation checkpointing of blocks with dropout, with fully_shard and tensor parallelism ---------------
@@ -158,7 +175,9 @@ def _reference_plain_dropout_steps(batch, ranks):
 @spmd(meshes=[(2,), (4,)], timeout=180.0)
 def test_checkpointed_plain_dropout_blocks_with_fully_shard_train_as_one_device(mesh):
     """fully_shard alone (plain activations, dropout from torch's generator, preserved by torch's
-    checkpoint), each block under the composable checkpoint with checkpoint_contexts; every reshard choice."""
+    checkpoint), each block under the composable checkpoint with checkpoint_contexts; every reshard choice:
+    losses and parameters of one device, the collectives of each step those of torch's FSDP2 without
+    checkpointing."""
     torch.manual_seed(12)
     batch = torch.randn(BATCH, WIDTH, dtype=torch.float64)
     expected_losses, expected_parameters = _reference_plain_dropout_steps(batch, mesh.size(0))
@@ -170,15 +189,44 @@ def test_checkpointed_plain_dropout_blocks_with_fully_shard_train_as_one_device(
         _checkpoint_then_shard(model, None, mesh, order, reshard_after_forward)
         optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
         torch.manual_seed(SEED + rank)
+        counts = []
         for step in range(STEPS):
-            output = model(batch.chunk(mesh.size(0))[rank])
-            loss = (output * output).sum()
-            loss.backward()
+            with CommDebugMode() as forward:
+                output = model(batch.chunk(mesh.size(0))[rank])
+                loss = (output * output).sum()
+            with CommDebugMode() as backward:
+                loss.backward()
+            counts.append((_mode_kinds(forward), _mode_kinds(backward)))
             optimizer.step()
             optimizer.zero_grad()
             _assert_close(loss, expected_losses[step][rank], f"{order}, {reshard_after_forward}, loss of step {step}")
         for (name, parameter), expected in zip(model.named_parameters(), expected_parameters):
             _assert_close(parameter.full_tensor(), expected, f"{order}, {reshard_after_forward}, {name}")
+        expected_counts = _torch_fsdp_counts(mesh, batch.chunk(mesh.size(0))[rank], reshard_after_forward)
+        assert counts == expected_counts, (order, reshard_after_forward, counts, expected_counts)
+
+
+def _torch_fsdp_counts(mesh, inputs, reshard_after_forward):
+    """The collectives of each step of the same model under torch's FSDP2, without checkpointing (torch's
+    CommDebugMode raises a KeyError in its module tracker under FSDP2 with the composable checkpoint)."""
+    from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    from torch.distributed.tensor.debug import CommDebugMode as TorchCommDebugMode
+
+    model = _blocks()
+    torch_mesh = TorchDeviceMesh("cpu", mesh.mesh)
+    for block in model:
+        torch_fully_shard(block, mesh=torch_mesh, reshard_after_forward=reshard_after_forward)
+    torch_fully_shard(model, mesh=torch_mesh)
+    counts = []
+    for _ in range(STEPS):
+        with TorchCommDebugMode() as forward:
+            output = model(inputs)
+            loss = (output * output).sum()
+        with TorchCommDebugMode() as backward:
+            loss.backward()
+        counts.append((_mode_kinds(forward), _mode_kinds(backward)))
+    return counts
 
 
 # --- 2. pipeline stages on slices of a pp x dp x tp world of 8 ranks ---------------------------------------------
@@ -297,25 +345,6 @@ def _pipeline_steps(world, rows, reduce_first):
 
 # --- 3. HSDP on (dp_replicate, dp_shard), and a 2-D sharded parameter gathered in one collective ------------
 
-# torch's c10d ops (FSDP2 calls them directly) by our kinds.
-_TORCH_FSDP_KINDS = {"_allgather_base_": "all_gather", "_reduce_scatter_base_": "reduce_scatter",
-                     "allreduce_": "all_reduce", "all_gather_into_tensor": "all_gather",
-                     "all_reduce": "all_reduce", "reduce_scatter_tensor": "reduce_scatter"}
-
-
-def _torch_kinds(mode) -> dict[str, int]:
-    kinds: dict[str, int] = {}
-    for key, count in mode.get_comm_counts().items():
-        if count:
-            kind = _TORCH_FSDP_KINDS[str(key).split(".")[-1]]
-            kinds[kind] = kinds.get(kind, 0) + count
-    return kinds
-
-
-def _our_kinds(mode) -> dict[str, int]:
-    return {kind: count for kind, count in mode.get_comm_counts().items() if count and isinstance(kind, str)}
-
-
 def _hsdp_model():
     torch.manual_seed(31)
     return nn.Sequential(nn.Linear(WIDTH, 5, dtype=torch.float64), nn.Tanh(), nn.Linear(5, 3, dtype=torch.float64))
@@ -337,7 +366,6 @@ def test_hsdp_step_and_two_dimensional_gathers_against_one_device_and_torch(mesh
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
     from torch.distributed.tensor.debug import CommDebugMode as TorchCommDebugMode
 
-    from shardtensor.debug import CommDebugMode
 
     names = ("dp_replicate", "dp_shard")
     rank = dist.get_rank()
@@ -358,12 +386,12 @@ def test_hsdp_step_and_two_dimensional_gathers_against_one_device_and_torch(mesh
         models = {"ours": _shard_units(_hsdp_model(), ours_mesh, fully_shard),
                   "torch": _shard_units(_hsdp_model(), torch_mesh, torch_fully_shard)}
         for name, model in models.items():
-            mode_class, kinds = (CommDebugMode, _our_kinds) if name == "ours" else (TorchCommDebugMode, _torch_kinds)
+            mode_class = CommDebugMode if name == "ours" else TorchCommDebugMode
             with mode_class() as forward:
                 loss = ((model(piece) - goal) ** 2).sum()
             with mode_class() as backward:
                 loss.backward()
-            counts[name] = (kinds(forward), kinds(backward))
+            counts[name] = (_mode_kinds(forward), _mode_kinds(backward))
             assert model[0].weight.placements[0].is_replicate() and model[0].weight.placements[1].is_shard(0)
             for parameter, expected in zip(model.parameters(), expected_grads):
                 _assert_close(parameter.grad.full_tensor(), expected, f"{name} gradient, mesh {ranks.tolist()}")
@@ -386,7 +414,6 @@ def test_two_dimensional_shards_of_parameters_gather_in_one_collective(mesh):
     from torch.distributed.tensor.debug import CommDebugMode as TorchCommDebugMode
 
     from shardtensor import Shard, distribute_tensor
-    from shardtensor.debug import CommDebugMode
 
     parameters = [parameter.detach() for parameter in _hsdp_model().parameters()] + [torch.randn(8, 4)]
     for ranks in (mesh.mesh, torch.tensor([[3, 1], [2, 0]])):
@@ -397,7 +424,7 @@ def test_two_dimensional_shards_of_parameters_gather_in_one_collective(mesh):
             ours = distribute_tensor(parameter, ours_mesh, [Shard(0), Shard(0)])
             with CommDebugMode() as gather:
                 replicated = ours.redistribute(placements=[Replicate(), Replicate()])
-            assert _our_kinds(gather) == {"all_gather": 1}, (ranks.tolist(), parameter.shape, _our_kinds(gather))
+            assert _mode_kinds(gather) == {"all_gather": 1}, (ranks.tolist(), parameter.shape, _mode_kinds(gather))
             assert torch.equal(replicated.to_local(), parameter), (ranks.tolist(), parameter.shape)
             theirs = torch_distribute_tensor(parameter, torch_mesh, [TorchShard(0), TorchShard(0)])
             with TorchCommDebugMode() as torch_gather:
@@ -562,24 +589,13 @@ def test_partial_avg_misuse_raises_clearly_and_nonlinear_conversions_reduce_firs
 
 # --- 6. CommDebugMode over DTensor ops and direct collectives in module and gradient hooks ------------------------
 
-# A torch CommDebugMode key's last part (its c10d op) by our kind.
-_KIND_OF_TORCH_OP = {"allreduce_": "all_reduce", "broadcast_": "broadcast", "_allgather_base_": "all_gather",
-                     "all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather",
-                     "reduce_scatter_tensor": "reduce_scatter", "all_to_all_single": "all_to_all"}
-
-
 def _phase_kinds(module_counts) -> dict:
-    """{module: {phase: {kind: count}}} of either CommDebugMode's per-module counts, zeros dropped."""
+    """{module: {phase: {kind: count}}} of either CommDebugMode's per-module counts, empty phases dropped."""
     result = {}
     for module, phases in module_counts.items():
         for phase, counts in phases.items():
-            kinds = {}
-            for key, count in counts.items():
-                if count:
-                    kind = key if isinstance(key, str) and "." not in key else _KIND_OF_TORCH_OP[str(key).split(".")[-1]]
-                    kinds[kind] = kinds.get(kind, 0) + count
-            if kinds:
-                result.setdefault(module, {})[phase] = kinds
+            if _kinds(counts):
+                result.setdefault(module, {})[phase] = _kinds(counts)
     return result
 
 
@@ -623,7 +639,6 @@ def test_comm_debug_mode_counts_dtensor_ops_and_direct_calls_in_hooks_per_module
     import torch.distributed.tensor.parallel as torch_parallel
     from helpers import torch_mesh
 
-    from shardtensor.debug import CommDebugMode
 
     x = torch.randn(3, WIDTH, dtype=torch.float64, generator=torch.Generator().manual_seed(72))
     results = {}
