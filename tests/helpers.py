@@ -158,16 +158,21 @@ def collective_kinds(mode) -> dict[str, int]:
     return kinds
 
 
-def _agreement(mesh, mesh_dims, int64s: int) -> list:
-    """The record of one all_reduce(max) of `int64s` int64 values over `mesh_dims` (default: every mesh
-    dim), or nothing on a one-rank group."""
+def all_reduce_records(mesh, nbytes: int, mesh_dims=None) -> list:
+    """The record of one ring all_reduce of `nbytes` bytes over `mesh_dims` (default: every mesh dim, in
+    one collective), or nothing on a one-rank group."""
     mesh_dims = tuple(range(mesh.ndim)) if mesh_dims is None else tuple(mesh_dims)
     group_size = math.prod(mesh.shape[mesh_dim] for mesh_dim in mesh_dims)
     if group_size == 1:
         return []
-    traffic = 2 * (group_size - 1) * (8 * int64s) // group_size
+    traffic = 2 * (group_size - 1) * nbytes // group_size
     mesh_dim = mesh_dims if len(mesh_dims) > 1 else mesh_dims[0]
     return [comm.CommRecord("all_reduce", mesh_dim, group_size, traffic, traffic)]
+
+
+def _agreement(mesh, mesh_dims, int64s: int) -> list:
+    """The record of one all_reduce(max) of `int64s` int64 values over `mesh_dims` (default: every mesh dim)."""
+    return all_reduce_records(mesh, 8 * int64s, mesh_dims)
 
 
 def index_agreement(mesh, mesh_dims=None, *, index_tensors: int = 1) -> list:

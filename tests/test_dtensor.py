@@ -69,9 +69,14 @@ def test_from_local_learns_the_local_shapes_in_one_all_gather(mesh):
         assert mode.get_comm_counts().get("all_gather") == expected, (full.ndim, run_check, mode.get_comm_counts())
         assert dtensor.shape == full.shape and torch.equal(dtensor.full_tensor(), full)
     dtype = torch.float64 if _rank() == 1 else torch.float32
-    with CommDebugMode() as mode, pytest.raises(ValueError, match="ranks disagree"):
+    with CommDebugMode() as mode, pytest.raises(ValueError, match="ranks disagree") as raised:
         DTensor.from_local(torch.ones(rows, 3, dtype=dtype), mesh, placements)
     assert mode.get_comm_counts() == {"all_gather": 1 + whole_entries}
+    # run_check was not passed: the message names the inference of the global shape, which exchanged them
+    expected = ("from_local (inferring the global shape from every rank's local shape: a Shard placement and no "
+                "shape=): ranks disagree: mesh coordinate (0")
+    assert str(raised.value).startswith(expected), raised.value
+    assert "run_check" not in str(raised.value)
 
 
 @spmd(meshes=[(2, 2)])
@@ -119,7 +124,7 @@ def test_run_check_broadcasts_replicate_data_and_agrees_on_errors(mesh):
     dtensor = DTensor.from_local(mine, mesh, [Replicate()] * mesh.ndim, run_check=True)
     assert torch.equal(dtensor.to_local(), torch.zeros(3))
     dtype = torch.float64 if _rank() == 1 else torch.float32
-    with pytest.raises(ValueError, match="ranks disagree"):
+    with pytest.raises(ValueError, match=r"^from_local\(run_check=True\): ranks disagree: mesh coordinate \(0"):
         DTensor.from_local(torch.ones(3, dtype=dtype), mesh, [Replicate()] * mesh.ndim, run_check=True)
     rows = 2 if _rank() == 1 else 1
     placements = [Replicate()] * mesh.ndim

@@ -11,7 +11,7 @@ out like its leaf; torch keeps `.grad` Partial(sum) and leaves the reduction to 
 import typing
 
 import torch
-from helpers import collective_kinds, exact_full, local_piece, torch_mesh
+from helpers import collective_kinds, exact_full, local_piece, partial_and_value, torch_mesh
 from spmd import spmd
 from torch.testing import assert_close
 
@@ -213,9 +213,10 @@ def test_local_map_weight_read_as_partial_keeps_its_placements(mesh):
 
 # (from_local placements, to_local grad_placements, local use, collectives of forward and of backward on
 # a 1-D mesh), placements by name, the same on every mesh dim ("R", "S0", "P"). Both libraries issue them.
-# On a 2-D mesh both gather one mesh dim at a time; torch also reduces a Partial on both mesh dims one
-# mesh dim at a time (twice the count), where ours reduces over both at once (one collective over the 4
-# ranks: a ring all_reduce moves 2*3/4 of the bytes per rank, torch's two 2*(2*1/2) = 2 times them).
+# On a 2-D mesh torch gathers and reduces one mesh dim at a time (twice the count), where ours gathers
+# nested shards of one tensor dim over both mesh dims at once (the same bytes in one collective) and
+# reduces a Partial on both mesh dims at once (one collective over the 4 ranks: a ring all_reduce moves
+# 2*3/4 of the bytes per rank, torch's two 2*(2*1/2) = 2 times them).
 _ROUND_TRIPS = [
     # A replicated activation fed to each rank's share of a computation (Megatron's "f"): the plain
     # leaf's gradient is the sum of the ranks' local gradients, one all_reduce in backward.
@@ -240,7 +241,7 @@ def test_from_local_to_local_round_trips_of_plain_leaves(mesh):
     """A plain leaf made a DTensor by `from_local` (with `shape`, so no size agreement) and read back by
     `to_local(grad_placements=...)` (after gathering its rows, for the sequence-parallel entry), each rank
     then multiplying with its own data: the plain leaf's gradient is the single-device gradient of its
-    piece, and both libraries issue the same collectives in forward and in backward."""
+    piece, and both libraries issue the collectives of `_ROUND_TRIPS` (on a 2-D mesh torch one per mesh dim)."""
     full, data = exact_full((2 * mesh.size(), 3), 8), exact_full((mesh.size(), 2 * mesh.size(), 3), 9)
     for placements_name, grad_name, use, forward_expected, backward_expected in _ROUND_TRIPS:
         def program(lib):
@@ -268,7 +269,7 @@ def test_from_local_to_local_round_trips_of_plain_leaves(mesh):
         results = [_run(library, program) for library in _libraries(mesh)]
         expected_counts = {
             "torch": (_one_per_mesh_dim(forward_expected, mesh), _one_per_mesh_dim(backward_expected, mesh)),
-            "ours": (_one_per_mesh_dim(forward_expected, mesh), backward_expected),
+            "ours": (forward_expected, backward_expected),
         }
         expected = reference.grad
         if placements_name != "R":
@@ -278,3 +279,64 @@ def test_from_local_to_local_round_trips_of_plain_leaves(mesh):
             assert type(grad) is torch.Tensor, where
             assert_close(grad, expected, rtol=0, atol=0, msg=lambda m: f"{where}: {m}")
             assert (forward, backward) == expected_counts[name], (where, forward, backward, expected_counts[name])
+
+
+
+# How a leaf is used before the loss, where no torch function sees it (the whole tensor on every rank):
+# use -> the placements it is redistributed to first ("R", "S0"), None for `full_tensor()` alone.
+_WHOLE_TENSOR_USES = {"redistribute(R).to_local()": "R", "full_tensor()": None, "redistribute(S0).full_tensor()": "S0"}
+
+
+def _whole_tensor(leaf, lib, through: str | None) -> torch.Tensor:
+    if through is None:
+        return leaf.full_tensor()
+    moved = leaf.redistribute(lib.mesh, _placements(lib, through, lib.mesh.ndim))
+    return moved.to_local() if through == "R" else moved.full_tensor()
+
+
+@spmd(meshes=[(2,), (2, 2)])
+def test_leaves_used_only_through_redistribute_keep_their_placements(mesh):
+    """A Partial(sum), Partial(max) or Shard(1) leaf used only through `redistribute` / `full_tensor`:
+    its `.grad` has the leaf's placements and the single-device gradient (with respect to the leaf's
+    value: a Partial `.grad`'s operands combine to it). Backward issues what the redistributions' own
+    backward issues, as torch's does (the gathering of a Shard(0) gradient, one all_gather per mesh dim),
+    and nothing more: a Partial leaf's Replicate gradient becomes its operands locally when backward
+    ends. Torch: a Partial leaf's `.grad` stays Replicate."""
+    weight = exact_full((6, 4), 12)
+    cases = [(leaf, use) for leaf in ("P(sum)", "P(max)") for use in _WHOLE_TENSOR_USES]
+    cases += [("S(1)", "redistribute(R).to_local()"), ("S(1)", "full_tensor()")]
+    for leaf_name, use_name in cases:
+        if leaf_name.startswith("P"):
+            ours, value = partial_and_value(mesh, (6, 4), leaf_name[2:-1])
+            operand, placements = ours.to_local(), ours.placements
+        else:
+            value, placements = exact_full((6, 4), 13), (shardtensor.Shard(1),) * mesh.ndim
+            operand = local_piece(value, mesh.shape, placements, mesh.get_coordinate())
+        reference = value.clone().requires_grad_()
+        (reference * weight).pow(2).sum().backward()
+        through = _WHOLE_TENSOR_USES[use_name]
+
+        def program(lib):
+            their_placements = [_their_placement(lib, placement) for placement in placements]
+            leaf = lib.tensor.DTensor.from_local(operand.clone(), lib.mesh, their_placements, shape=value.shape,
+                                                 stride=value.stride()).requires_grad_()
+            return lambda: (_whole_tensor(leaf, lib, through) * weight).pow(2).sum(), lambda: leaf.grad
+
+        theirs, _, their_backward, _ = _run(_libraries(mesh)[0], program)
+        grad, _, our_backward, _ = _run(_libraries(mesh)[1], program)
+        where = f"{leaf_name} leaf, {use_name}"
+        assert grad.placements == placements, (where, grad.placements)
+        assert_close(grad.full_tensor(), reference.grad, msg=lambda text: f"{where}: {text}")
+        expected = {"all_gather": mesh.ndim} if use_name.startswith("redistribute(S0)") else {}
+        assert our_backward == their_backward == expected, (where, our_backward, their_backward)
+        their_kinds = [placement.is_shard(1) if leaf_name == "S(1)" else placement.is_replicate()
+                       for placement in theirs.placements]
+        assert all(their_kinds), (where, theirs.placements)
+        assert_close(theirs.full_tensor(), reference.grad, msg=lambda text: f"{where}, torch: {text}")
+
+
+def _their_placement(library, placement):
+    """`placement` (ours) in `library`'s names."""
+    if placement.is_partial():
+        return library.tensor.Partial(placement.reduce_op)
+    return library.tensor.Shard(placement.dim) if placement.is_shard() else library.tensor.Replicate()

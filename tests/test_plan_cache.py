@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import counting_dispatch, partial_and_value
+from helpers import all_reduce_records, counting_dispatch, partial_and_value
 from spmd import spmd
 
-from shardtensor import DTensor, Partial, Replicate, Shard, distribute_tensor, plan_cache, propagation
+from shardtensor import DTensor, Partial, Replicate, Shard, comm, distribute_tensor, plan_cache, propagation
 from shardtensor.debug import CacheCounts, plan_cache_counts
 
 aten = torch.ops.aten
@@ -143,15 +143,15 @@ _SCALINGS = {"x * t", "t * x", "torch.mul(x, t)", "x / t", "x.mul_(t)", "x.div_(
 
 def _expected_path(name: str, placement: str, scale: float) -> str:
     """How a call runs once learnt: "served" above the dispatcher (its result is computed where the input
-    lies), "plan" (a cached aten plan that reduces a Partial input first: a scalar added to P(sum) or
-    P(max) is not linear) or "slow" (every call misses: an in-place write into a Partial that must be
-    reduced first, which a plan cannot write back; P(max) scaled by a negative is P(min), not P(max))."""
+    lies) or "plan" (a cached aten plan that reduces a Partial input first: a scalar added to P(sum) or
+    P(max) is not linear, and P(max) scaled by a negative is P(min), not P(max); in place, the plan
+    writes the reduced copy back into the Partial)."""
     if placement in ("S(0)", "R", "P(avg)"):
         return "served"
     in_place = name.endswith("_(t)")
     if name in _SCALINGS and (not in_place or scale > 0 or placement == "P(sum)"):
         return "served"
-    return "slow" if in_place else "plan"
+    return "plan"
 
 
 def _zero_dim_input(mesh, placement: str):
@@ -185,5 +185,83 @@ def test_a_zero_dim_tensor_operand_whose_value_changes_hits_its_plan(mesh, name)
                 continue
             path, context = _expected_path(name, placement, scale), (placement, scale)
             hits, misses = _counts(op).hits - before.hits, _counts(op).misses - before.misses
-            assert (hits, misses) == ((0, 1) if path == "slow" else (1, 0)), context
+            assert (hits, misses) == (1, 0), context
             assert (dispatched == []) == (path == "served"), (context, dispatched)
+
+
+# name -> (aten op, in-place write into a Partial that must be reduced first, the reduce ops it is tried on)
+REDUCED_WRITES = {
+    "p.add_(1.0)": (aten.add_.Tensor, lambda p: p.add_(1.0), ("sum", "max")),
+    "p.add_(t)": (aten.add_.Tensor, lambda p: p.add_(torch.tensor(2.5, dtype=torch.float64)), ("sum", "max")),
+    "p.mul_(-2.0)": (aten.mul_.Tensor, lambda p: p.mul_(-2.0), ("max",)),
+    "p.mul_(t)": (aten.mul_.Tensor, lambda p: p.mul_(torch.tensor(-0.5, dtype=torch.float64)), ("max",)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REDUCED_WRITES))
+@spmd(meshes=[(2,), (2, 2)])
+def test_an_in_place_write_into_a_partial_reduced_first_is_planned_once(mesh, name):
+    """A loop of in-place writes that reduce their Partial DTensor first (a scalar added to P(sum) or
+    P(max), P(max) scaled by a negative) makes one decision and then hits its plan: every call still
+    reduces (one all_reduce over every mesh dim, of the tensor's bytes) and stores the reduced result
+    back into the Partial, which keeps its placements and holds the single-device value."""
+    op, call, reduce_ops = REDUCED_WRITES[name]
+    for reduce_op in reduce_ops:
+        dtensor, value = partial_and_value(mesh, (7, 4), reduce_op)
+        call(dtensor)  # learnt (or found, if an earlier test made the plan)
+        call(value)
+        before = _counts(op)
+        for step in range(4):
+            with comm.observe() as records:
+                result = call(dtensor)
+            assert result is dtensor and dtensor.placements == (Partial(reduce_op),) * mesh.ndim
+            assert records == all_reduce_records(mesh, value.numel() * value.element_size()), (reduce_op, step)
+            torch.testing.assert_close(dtensor.full_tensor(), call(value))
+        after = _counts(op)
+        assert (after.hits - before.hits, after.misses - before.misses, _new_decisions(op, before)) == (4, 0, 0)
+
+
+@spmd(meshes=[(2,)])
+def test_a_planned_in_place_write_that_reads_its_own_target_reads_what_it_writes(mesh):
+    """`p.add_(p)` on P(max) (both operands reduced to Shard(0)) and `p.mul_(p)` on P(sum) (the operand
+    reduced): a plan is keyed by specs, so the plan made by `p.add_(q)` (q of p's spec) serves `p.add_(p)`
+    too. The written copy is stored back, and a read of the same DTensor moved alike reads that copy: the
+    single-device values, with one reduction of p per call."""
+    calls = {
+        "add_": ("max", torch.Tensor.add_, ["reduce_scatter", "all_gather"]),
+        "mul_": ("sum", torch.Tensor.mul_, ["all_reduce"]),
+    }
+    for name, (reduce_op, call, kinds) in calls.items():
+        dtensor, _ = partial_and_value(mesh, (7, 4), reduce_op)
+        other, _ = partial_and_value(mesh, (7, 4), reduce_op, seed=10)
+        call(dtensor, other)  # makes the plan
+        for step in range(3):
+            dtensor, value = partial_and_value(mesh, (7, 4), reduce_op, seed=step)
+            with comm.observe() as records:
+                call(dtensor, dtensor)
+            call(value, value)
+            torch.testing.assert_close(dtensor.full_tensor(), value, msg=lambda text: f"{name}: {text}")
+            assert dtensor.placements == (Partial(reduce_op),)
+            assert [record.kind for record in records] == kinds, name
+
+
+# In-place binary ops whose rule reduces an operand read from a P(sum): with the written tensor itself as
+# that operand, the written result is stored back, not the reduced read (wrong values before).
+SELF_OPERAND_WRITES = {
+    "p.atan2_(p)": lambda p: p.atan2_(p),
+    "p.hypot_(p)": lambda p: p.hypot_(p),
+    "p.fmod_(p)": lambda p: p.fmod_(p),
+    "p.xlogy_(p)": lambda p: p.xlogy_(p),
+    "p.addcmul_(p, p)": lambda p: p.addcmul_(p, p),
+}
+
+
+@spmd(meshes=[(2,), (2, 2)])
+def test_in_place_ops_reading_their_own_partial_target_give_single_device_values(mesh):
+    """`p.atan2_(p)` and the like on a P(sum): the single-device values, the DTensor itself returned."""
+    for name, call in SELF_OPERAND_WRITES.items():
+        dtensor, value = partial_and_value(mesh, (7, 4), "sum")
+        result = call(dtensor)
+        call(value)
+        assert result is dtensor, name
+        torch.testing.assert_close(dtensor.full_tensor(), value, equal_nan=True, msg=lambda text: f"{name}: {text}")

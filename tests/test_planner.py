@@ -1,6 +1,7 @@
 """Redistribute planner without processes: costs by hand, paths, caching, pieces, Partial rules."""
 
 import itertools
+import math
 
 import pytest
 from hypothesis import given, settings
@@ -66,7 +67,8 @@ def test_uneven_gather_counts_the_rank_with_the_empty_shard():
 
 def test_cost_model_is_overridable_and_changes_the_choice():
     # (S0,S0)->(R,S0) on 1024x1024: one exchange at the lower bound; without exchanges, three
-    # single-mesh-dim collectives moving 2.5 quarters or, when latency dominates, two moving 3.
+    # single-mesh-dim collectives moving 2.5 quarters or, when latency dominates, one all_gather
+    # over both mesh dims moving 3 (then a slice).
     source = Layout.create((2, 2), [Shard(0), Shard(0)], (1024, 1024))
     target = source.with_placements([R, Shard(0)])
     quarter = 256 * 1024 * 4
@@ -75,7 +77,8 @@ def test_cost_model_is_overridable_and_changes_the_choice():
     latency_bound = plan(source, target, 4, CostModel(exchange_latency_us=1e9, latency_us=1e6))
     assert exchange.collectives == ("batch_p2p",) and exchange.total_bytes == exchange.lower_bound_bytes == 2 * quarter
     assert len(no_exchange.collectives) == 3 and no_exchange.total_bytes == 5 * quarter // 2
-    assert len(latency_bound.collectives) == 2 and latency_bound.total_bytes == 3 * quarter
+    assert latency_bound.collectives == ("all_gather",) and latency_bound.total_bytes == 3 * quarter
+    assert latency_bound.steps[0].mesh_dim == (0, 1)
     for result in [exchange, no_exchange, latency_bound]:
         _check_chain(result)
 
@@ -140,7 +143,33 @@ def test_only_the_innermost_mesh_dim_of_a_nested_shard_moves():
     source = Layout.create((2, 2), [Shard(0), Shard(0)], (8, 8))
     result = plan(source, source.with_placements([R, Shard(0)]), 4)
     _check_chain(result)
-    assert result.steps[0].mesh_dim == 1  # mesh dim 0 is the outer split of dim 0
+    # mesh dim 0 is the outer split of dim 0: it moves after mesh dim 1, or with it in one all_gather
+    # over both, flattened in shard order
+    assert result.steps[0].mesh_dim in (1, (0, 1))
+
+
+@pytest.mark.parametrize(
+    "mesh_shape, source, order, target, mesh_dims, shape, elements",
+    [
+        ((2, 2), [Shard(0), Shard(0)], [(0, 1), ()], [R, R], (0, 1), (8, 8), 6 * 8),
+        ((2, 2), [Shard(0), Shard(0)], [(1, 0), ()], [R, R], (1, 0), (8, 8), 6 * 8),
+        ((2, 2), [Shard(0), Shard(0)], [(0, 1), ()], [R, R], (0, 1), (7, 5), 6 * 5),  # pieces 2, 2, 2, 1
+        ((2, 2, 2), [Shard(0), Shard(0), Shard(0)], [(0, 1, 2), ()], [R, R, R], (0, 1, 2), (16, 4), 14 * 4),
+        ((2, 2, 2), [Shard(0), R, Shard(0)], [(0, 2), ()], [R, R, R], (0, 2), (16, 4), 12 * 4),
+        ((2, 2, 2), [Shard(0), Shard(0), Shard(0)], [(0, 1, 2), ()], [Shard(0), R, R], (1, 2), (16, 4), 6 * 4),
+        ((2, 1, 2), [Shard(1), Shard(1), Shard(1)], [(), (2, 1, 0)], [R, R, R], (2, 1, 0), (3, 9), 3 * 7),  # pieces 3, 2, 2, 2
+    ],
+)
+def test_nested_shards_of_one_dim_gather_in_one_collective_over_their_shard_order(
+        mesh_shape, source, order, target, mesh_dims, shape, elements):
+    """A suffix of a tensor dim's shard order gathers in one all_gather over those mesh dims flattened
+    outermost first (row-major, peer i holds piece i), exactly what one gather per mesh dim moves."""
+    layout = Layout.create(mesh_shape, source, shape, shard_order=order)
+    result = plan(layout, layout.with_placements(target), 4)
+    assert [(step.mesh_dim, step.collective) for step in result.steps] == [(mesh_dims, "all_gather")], str(result)
+    assert result.steps[0].group_size == math.prod(mesh_shape[mesh_dim] for mesh_dim in mesh_dims)
+    assert result.total_bytes == result.lower_bound_bytes == elements * 4
+    _check_chain(result)
 
 
 def test_non_default_shard_order_is_reached_and_left():
@@ -329,7 +358,8 @@ def test_a_star_finds_the_same_optimum_as_an_uninformed_search(monkeypatch):
 
     shape = (16, 9)
     choices = [R, Shard(0), Shard(1)]
-    sources = [[Shard(0), Shard(0), R], [Shard(1), R, Shard(0)], [Partial(), Partial(), R], [Partial(), Shard(0), Shard(0)]]
+    sources = [[Shard(0), Shard(0), R], [Shard(1), R, Shard(0)], [Partial(), Partial(), R], [Partial(), Shard(0), Shard(0)],
+               [Shard(0), Shard(0), Shard(0)], [Shard(0), Shard(1), Shard(0)]]
     pairs = []
     for source_placements in sources:
         source = Layout.create((2, 2, 2), source_placements, shape)
@@ -347,7 +377,9 @@ def test_a_star_finds_the_same_optimum_as_an_uninformed_search(monkeypatch):
 
 def _all_steps(state, target, itemsize, cost_model):
     """Every step a plan could take, a superset of the planner's moves: any placement on one mesh
-    dim, and a reduction over every ordered set of two or more Partial mesh dims to R or any Shard."""
+    dim, a reduction over every ordered set of two or more Partial mesh dims to R or any Shard, and
+    a gather over every ordered set of two or more mesh dims sharding one tensor dim whose peers,
+    row-major, hold consecutive pieces at every coordinate (`_consecutive_pieces`)."""
     from shardtensor.redistribute import planner
 
     for mesh_dim, current in enumerate(state.placements):
@@ -372,8 +404,39 @@ def _all_steps(state, target, itemsize, cost_model):
                 for mesh_dim in mesh_dims:
                     after = after.transition(mesh_dim, placement)
                 yield planner._flattened_step(state, after, mesh_dims, itemsize, cost_model)
+    for dim in range(state.ndim):
+        sharding = [mesh_dim for mesh_dim, placement in enumerate(state.placements) if placement == Shard(dim)]
+        for count in range(2, len(sharding) + 1):
+            for mesh_dims in itertools.permutations(sharding, count):
+                if sum(state.mesh_shape[mesh_dim] > 1 for mesh_dim in mesh_dims) < 2:
+                    continue
+                if not _consecutive_pieces(state, mesh_dims, dim):
+                    continue
+                after = state
+                try:
+                    for mesh_dim in reversed(mesh_dims):
+                        after = after.transition(mesh_dim, R)
+                except ValueError:  # a mesh dim of size 1 sharding in between stays: relabel it first
+                    continue
+                yield planner._flattened_step(state, after, mesh_dims, itemsize, cost_model)
     if planner._exchange_allowed(state, target):
         yield planner._exchange_step(state, target, itemsize, cost_model)
+
+
+def _consecutive_pieces(state, mesh_dims, dim):
+    """Whether at every coordinate the peers along `mesh_dims`, row-major, hold back-to-back intervals
+    of tensor dim `dim`: their concatenation in peer order is then the gathered piece."""
+    for coordinate in itertools.product(*(range(size) for size in state.mesh_shape)):
+        end = None
+        for positions in itertools.product(*(range(state.mesh_shape[mesh_dim]) for mesh_dim in mesh_dims)):
+            peer = list(coordinate)
+            for mesh_dim, position in zip(mesh_dims, positions):
+                peer[mesh_dim] = position
+            start = state.local_offset(peer)[dim]
+            if end is not None and start != end:
+                return False
+            end = start + state.local_shape(peer)[dim]
+    return True
 
 
 def _brute_force_cost(source, target, itemsize, cost_model):
@@ -418,6 +481,29 @@ def test_partial_sources_on_small_3d_meshes_get_the_brute_force_optimum(mesh_sha
             for cost_model in [DEFAULT_COST_MODEL, BYTES_FIRST]:
                 result = plan(source, target, 4, cost_model)
                 message = f"mesh {mesh_shape} shape (4, 6): {source_placements} -> {target_placements}\n{result}"
+                assert result.total_cost_us == pytest.approx(_brute_force_cost(source, target, 4, cost_model), abs=1e-9), message
+                assert result.total_bytes >= result.lower_bound_bytes, message
+
+
+SHARD_SOURCES_3D = {
+    (2, 2, 2): [([Shard(0), Shard(0), Shard(0)], None), ([Shard(0), R, Shard(0)], None),
+                ([Shard(0), Shard(0), Shard(0)], [(2, 0, 1), ()]), ([Shard(0), Shard(1), Shard(0)], None)],
+    (2, 1, 2): [([Shard(0), Shard(0), Shard(0)], None), ([Shard(0), Shard(0), Shard(0)], [(0, 2, 1), ()])],
+}
+
+
+@pytest.mark.parametrize("mesh_shape", sorted(SHARD_SOURCES_3D), ids=str)
+@pytest.mark.parametrize("shape", [(4, 6), (7, 5)], ids=str)
+def test_nested_shard_sources_on_small_3d_meshes_get_the_brute_force_optimum(mesh_shape, shape):
+    """Gathers over several mesh dims included (the brute force tries every ordered set of mesh dims
+    whose pieces are consecutive, not only the planner's shard-order suffixes), even and uneven."""
+    for source_placements, order in SHARD_SOURCES_3D[mesh_shape]:
+        source = Layout.create(mesh_shape, source_placements, shape, shard_order=order)
+        for target_placements in itertools.product([R, Shard(0), Shard(1)], repeat=3):
+            target = source.with_placements(target_placements)
+            for cost_model in [DEFAULT_COST_MODEL, BYTES_FIRST]:
+                result = plan(source, target, 4, cost_model)
+                message = f"mesh {mesh_shape} shape {shape}: {source} -> {list(map(str, target_placements))}\n{result}"
                 assert result.total_cost_us == pytest.approx(_brute_force_cost(source, target, 4, cost_model), abs=1e-9), message
                 assert result.total_bytes >= result.lower_bound_bytes, message
 

@@ -8,7 +8,8 @@ from hypothesis import strategies as st
 from helpers import layout_box
 from spmd import draw_examples, example_note, spmd
 
-from shardtensor import comm
+from shardtensor import DTensor, comm, distribute_tensor
+from shardtensor.debug import CommDebugMode
 from shardtensor.layout import Layout
 from shardtensor.placement import REDUCE_OPS, Partial, Replicate, Shard
 from shardtensor.redistribute import CostModel, execute, plan, redistribute_local_tensor
@@ -372,3 +373,85 @@ def test_redistribute_forward_and_backward_dtypes(mesh):
         sent[forward_dtype, backward_dtype] = [record.bytes_sent for record in forward + backward]
     assert sent[None, None] == [32, 32]  # one all_to_all each way: half of a 2x4 float64 shard
     assert sent[torch.float32, None] == [16, 32] and sent[torch.float32, torch.float16] == [16, 8]
+
+
+# ---- flattened gathers over several mesh dims ------------------------------------------------------
+
+S0 = Shard(0)
+# (source placements, source shard order or None, target placements, the gather's mesh dims) per mesh
+FLATTENED_GATHERS = {
+    (2, 2): [
+        ([S0, S0], None, [R, R], (0, 1)),
+        ([S0, S0], [(1, 0), ()], [R, R], (1, 0)),  # flattened in shard order: mesh dim 1 outermost
+        ([S0, S0], None, [R, S0], (0, 1)),  # small tensors: one gather then a slice beats an exchange
+        ([Shard(1), Shard(1)], None, [R, R], (0, 1)),
+    ],
+    (2, 2, 2): [
+        ([S0, S0, S0], None, [R, R, R], (0, 1, 2)),
+        ([S0, R, S0], None, [R, R, R], (0, 2)),  # over the planes of mesh dim 1
+        ([S0, S0, S0], None, [S0, R, R], (1, 2)),  # the inner two of three splits
+        ([S0, S0, S0], [(2, 0, 1), ()], [R, R, R], (2, 0, 1)),
+    ],
+    (2, 1, 2): [
+        ([S0, S0, S0], None, [R, R, R], (0, 1, 2)),  # the mesh dim of size 1 between moves with them
+        ([S0, S0, S0], [(2, 1, 0), ()], [R, R, R], (2, 1, 0)),
+    ],
+}
+
+
+@pytest.mark.parametrize("shape", [(8, 4), (7, 5), (1, 3), (0, 2)], ids=str)
+@spmd(meshes=[(2, 2), (2, 2, 2), (2, 1, 2)], timeout=300.0)
+def test_flattened_gathers_are_exact_single_collectives(mesh, shape):
+    """Nested shards of one tensor dim gather in one all_gather over their mesh dims, uneven and empty
+    pieces included; each rank receives exactly the target elements it lacks."""
+    full = _full(shape, seed=17)
+    coordinate = tuple(mesh.get_coordinate())
+    for source_placements, order, target_placements, mesh_dims in FLATTENED_GATHERS[tuple(mesh.shape)]:
+        source = Layout.create(mesh.shape, source_placements, shape, shard_order=order)
+        target = source.with_placements(target_placements)
+        chosen = plan(source, target, 8)
+        message = f"{source} -> {target}\n{chosen}"
+        assert [step.mesh_dim for step in chosen.steps if step.collective == "all_gather"] == [mesh_dims], message
+        with CommDebugMode() as comm_mode:
+            records = _redistribute_and_check(mesh, source, target, full)
+        assert comm_mode.get_comm_counts() == {"all_gather": 1}, message
+        (record,) = records
+        assert (record.mesh_dim, record.group_size) == (mesh_dims, math.prod(mesh.shape[m] for m in mesh_dims)), message
+        held = (source.local_offset(coordinate), source.local_shape(coordinate))
+        gathered = chosen.steps[0].after
+        wanted = (gathered.local_offset(coordinate), gathered.local_shape(coordinate))
+        assert record.bytes_received == received_bytes("all_gather", record.group_size, held, wanted, 8), message
+        assert record.bytes_received <= chosen.total_bytes, message
+
+
+@spmd(meshes=[(2, 2), (2, 2, 2)], timeout=300.0)
+def test_nested_shards_gather_in_one_collective_on_dtensors_and_async(mesh):
+    """HSDP / 2-D FSDP weights: every mesh dim shards dim 0, gathered before use in one all_gather, as
+    torch's DTensor needs one per mesh dim; the async redistribute gives the same values."""
+    full = _full((7, 6), seed=19)
+    nested = distribute_tensor(full, mesh, [S0] * mesh.ndim)
+    with CommDebugMode() as comm_mode:
+        replicated = nested.redistribute(mesh, [R] * mesh.ndim)
+        waited = nested.redistribute(mesh, [R] * mesh.ndim, async_op=True).to_local()
+    assert comm_mode.get_comm_counts() == {"all_gather": 2}  # one per redistribute
+    assert torch.equal(replicated.to_local(), full) and torch.equal(waited, full)
+    assert isinstance(replicated, DTensor) and replicated.placements == (R,) * mesh.ndim
+
+
+
+@pytest.mark.parametrize(
+    "shape, reduction, mesh_dims",
+    [((8, 4), "reduce_scatter", (1, 2, 0)), ((7, 5), "all_reduce", (1, 2))],  # the new split of dim 0 is innermost
+    ids=str,
+)
+@spmd(meshes=[(2, 2, 2)], timeout=300.0)
+def test_a_reduction_then_one_flattened_gather(mesh, shape, reduction, mesh_dims):
+    """(P, S0, S0) -> (R, R, R): the Partial mesh dim reduces (scattering dim 0 as the innermost split
+    when that is cheapest), then all of dim 0's splits gather in one all_gather, over all 8 ranks in
+    the order (1, 2, 0) that makes their pieces consecutive."""
+    full = _full(shape, seed=23)
+    source = Layout.create(mesh.shape, [Partial(), S0, S0], shape)
+    with CommDebugMode() as comm_mode:
+        records = _redistribute_and_check(mesh, source, source.with_placements([R, R, R]), full)
+    assert comm_mode.get_comm_counts() == {reduction: 1, "all_gather": 1}
+    assert [(record.kind, record.mesh_dim) for record in records] == [(reduction, 0), ("all_gather", mesh_dims)]

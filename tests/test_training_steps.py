@@ -40,9 +40,10 @@ EXPECTED = {
     # Data parallel: no forward communication, one all_reduce for all gradients (DDP's bucket).
     # torch: 0 + 0 with every gradient Partial: the optimizer then reduces each (6 all_reduces).
     "data_parallel_mlp": {(2,): ({}, {"all_reduce": 1}), (2, 2): ({}, {"all_reduce": 1})},
-    # FSDP style: one all_gather per parameter and mesh dim, one reduce_scatter per parameter (over
-    # both mesh dims at once on 2x2, where torch issues 12).
-    "fsdp_mlp": {(2,): ({"all_gather": 6}, {"reduce_scatter": 6}), (2, 2): ({"all_gather": 12}, {"reduce_scatter": 6})},
+    # FSDP style: one all_gather per parameter, one reduce_scatter per parameter, both over the two
+    # mesh dims at once on 2x2 (a [Shard(0), Shard(0)] parameter gathers in one collective over the
+    # 4 ranks), where torch issues 12 all_gathers and 12 reduce_scatters, one per mesh dim.
+    "fsdp_mlp": {(2,): ({"all_gather": 6}, {"reduce_scatter": 6}), (2, 2): ({"all_gather": 6}, {"reduce_scatter": 6})},
     # Sequence parallel: all_gather of the sequence before W1, reduce_scatter after W2; backward the
     # mirror pair and one all_reduce of the LayerNorm and b2 gradients (Partial over the sequence).
     # torch: 2 + 4 (three all_gathers) with those three gradients Partial (3 more all_reduces later).

@@ -42,7 +42,7 @@ from .propagation import decide
 from .propagation import key_modes as key_modes_by_op
 from .random import same_draws_on_every_rank, skip_random_calls
 from .redistribute import redistribute_local_tensor
-from .rules import Decision, OpCall, PlainTensor, ReplicateFallback, ResizesWritten, TensorMeta
+from .rules import OpCall, PlainTensor, ReplicateFallback, ResizesWritten, TensorMeta
 from .spec import DTensorSpec
 from .sub_mesh import has_ranks_outside, received_from_mesh, sent_to_world
 from .write_back import (
@@ -174,16 +174,6 @@ def _value_keys_error(op, rule) -> RuntimeError:
     )
 
 
-def _moves_no_mutated_input(decision: Decision, mutated_dtensors: list, dtensors: list) -> bool:
-    """A plan runs an op on the local tensors it is given, so it cannot write a moved copy back."""
-    mutated_ids = {id(dtensor) for dtensor in mutated_dtensors}
-    return all(
-        target == dtensor.sharding
-        for dtensor, target in zip(dtensors, decision.input_layouts)
-        if id(dtensor) in mutated_ids
-    )
-
-
 def _dispatch_slowly(dtensor_class: type, op, args: tuple, kwargs: dict, key: tuple | None):
     """The miss path: flatten the arguments, decide (or fall back), run, and store a plan; what the op
     wrote into views of moved copies is then stored into the tensors they view."""
@@ -268,7 +258,7 @@ def _decide_and_run(dtensor_class: type, op, args: tuple, kwargs: dict, key: tup
         if list_plan is not None:
             plan_cache.store(key, list_plan)
             return list_plan.run(args, kwargs)
-    elif key is not None and _moves_no_mutated_input(decision, mutated_dtensors, dtensors):
+    elif key is not None:
         local_template = None if decision.local_arguments is None else template(decision, args, kwargs)
         if decision.local_arguments is None or local_template is not None:
             plan = Plan(dtensor_class, op, mesh, args, kwargs, decision, writes(op), local_template)

@@ -267,6 +267,8 @@ class DTensor(FastTensorMethods, CheckpointableMixin, torch.Tensor):
 
         >>> x.redistribute(placements=[Replicate()])  # doctest: +SKIP
         """
+        if torch.is_grad_enabled():
+            watch_leaf(self)  # a leaf used only here (or by `full_tensor`) is seen by no torch function
         mesh = device_mesh if device_mesh is not None else self.device_mesh
         if mesh != self.device_mesh:
             target = _cross_mesh_target(self, mesh, placements)

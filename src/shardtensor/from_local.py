@@ -56,7 +56,8 @@ def from_local_layout(local, mesh, placements, shape, shard_sizes, run_check: bo
     if run_check or (shape is None and shard_sizes in (None, "infer") and any(isinstance(p, Shard) for p in placements)):
         gathered = _exchange(local, mesh, placements)
     if gathered is not None:
-        _check_gathered(gathered, mesh_shape, placements)
+        asked = "from_local(run_check=True)" if run_check else _INFERRING
+        _check_gathered(gathered, mesh_shape, placements, asked)
     if shape is not None:
         mapping = None if shard_sizes in (None, "infer", "chunk") else shard_sizes
         layout = Layout.create(mesh_shape, placements, shape, shard_sizes=mapping)
@@ -112,13 +113,18 @@ def _outside_layout(local, mesh_shape, placements, shape, shard_sizes) -> Layout
     return _chunk_layout(local, mesh_shape, placements)
 
 
-def _check_gathered(gathered, mesh_shape, placements) -> None:
-    """Compare what every rank sent; all ranks see the same data, so all raise the same error."""
+# What exchanged the local shapes when run_check was not asked for (a message names it).
+_INFERRING = "from_local (inferring the global shape from every rank's local shape: a Shard placement and no shape=)"
+
+
+def _check_gathered(gathered, mesh_shape, placements, asked: str) -> None:
+    """Compare what every rank sent; all ranks see the same data, so all raise the same error, naming
+    what exchanged it (`asked`: run_check, or the inference of the global shape)."""
     first_coordinate, (first_shape, first_dtype, first_placements) = next(iter(gathered.items()))
     for where, (local_shape, dtype, their_placements) in gathered.items():
         if dtype != first_dtype or their_placements != first_placements or len(local_shape) != len(first_shape):
             raise ValueError(
-                f"from_local(run_check): ranks disagree: mesh coordinate {first_coordinate} has a local tensor "
+                f"{asked}: ranks disagree: mesh coordinate {first_coordinate} has a local tensor "
                 f"of shape {first_shape}, dtype {first_dtype}, placements {first_placements!r}, and mesh "
                 f"coordinate {where} has shape {local_shape}, dtype {dtype}, placements {their_placements!r}; "
                 f"every rank must pass the same dtype, number of dims and placements"

@@ -7,9 +7,10 @@ PyTorch's DTensor stores such a gradient as it comes, so every rank may hold a f
 gradient of a sharded weight and the optimizer step reduces each parameter separately.
 
 Our decision: **gradients are reduced during backward, together.** Every leaf DTensor that a torch
-function records autograd history for (`watch_leaves`), or that `to_local()` is called on with grad
-enabled (`watch_leaf`: a Replicate weight read with `grad_placements=[Partial()]` gets a Partial
-gradient, and no torch function may ever see it), gets a post-accumulate-grad hook. A gradient
+function records autograd history for (`watch_leaves`), or that `to_local()`, `redistribute()` or
+`full_tensor()` is called on with grad enabled (`watch_leaf`: a Replicate weight read with
+`grad_placements=[Partial()]` gets a Partial gradient, a Partial leaf read through `redistribute` a
+Replicate one, and no torch function may ever see them), gets a post-accumulate-grad hook. A gradient
 whose layout differs from its leaf's is set aside, and when the backward pass ends (an autograd
 engine callback) all of them are re-laid at once:
 
@@ -17,7 +18,9 @@ engine callback) all of them are re-laid at once:
   gradient) are reduced in one all_reduce per (mesh, mesh dims, reduce ops, dtype), flattened into
   one buffer: a data-parallel step issues one collective for all its parameters, as DDP's bucket does;
 - any other difference (Shard leaf, Partial or Replicate gradient) is redistributed per gradient by
-  the planner (a reduce_scatter, or a local slice for a Replicate gradient).
+  the planner (a reduce_scatter, or a local slice for a Replicate gradient); a Partial leaf's
+  Replicate gradient becomes Partial operands locally (for a sum: one rank keeps it, the others
+  zeros), so `.grad` holds the single-device gradient, the gradient with respect to the leaf's value.
 
 A gradient whose move to its leaf's layout changes no local tensor (they differ only on mesh dims
 of size 1, as every layout of a one-rank mesh does) is relabelled as it arrives, before it is
@@ -121,6 +124,10 @@ def _relay_pending() -> None:
             by_mesh[id(leaf.device_mesh)].append(leaf)
     for members in by_mesh.values():
         mesh = members[0].device_mesh
+        if mesh.get_coordinate() is None:  # no data on this rank (a cross-mesh redistribute's source): the layout only
+            for leaf in members:
+                _set_grad(leaf, leaf.grad._local_tensor)
+            continue
         locals_ = [leaf.grad._local_tensor for leaf in members]
         sources = [leaf.grad.sharding for leaf in members]
         targets = [leaf.sharding for leaf in members]

@@ -34,10 +34,12 @@ from .input_moves import moved_local
 from .ops.registry import RULES
 from .plain_tensors import scale_signs
 from .process_groups import on_new_world
-from .redistribute import is_relabel
+from .redistribute import is_relabel, redistribute_local_tensor
 from .rules import SIGN, Decision, PlainTensor, TensorMeta, sign_of
 from .spec import DTensorSpec, interned_spec
-from .write_back import copy_source, mark_views_of_copies, returns_view, write_through, written_copy_sources
+from .write_back import (
+    copy_source, mark_views_of_copies, returns_view, write_back, write_through, written_arguments, written_copy_sources,
+)
 
 __all__ = [
     "fast_key", "key_modes", "strip_values", "template", "Plan", "plans", "function_plans", "recording", "store",
@@ -361,7 +363,7 @@ class Plan(CachedPlan):
     __slots__ = (
         "dtensor_class", "wrap", "op", "mesh", "specs", "slots", "moves", "local_collectives", "output_specs", "call",
         "runs_op", "mutates", "local_args", "local_kwargs", "writes_kwargs", "simple_positions", "single_spec",
-        "is_view",
+        "is_view", "copied",
     )
 
     def __init__(self, dtensor_class: type, op, mesh, args: tuple, kwargs: dict, decision: Decision, mutates: bool,
@@ -394,6 +396,16 @@ class Plan(CachedPlan):
                 slots.append((in_kwargs, source, is_dtensor, next(targets) if is_dtensor else None) + destination)
         self.slots = tuple(slots)
         self.moves = any(target is not None for *_, target, _, _ in self.slots)
+        # Written arguments that move (a scalar added in place to a Partial, reduced first) run on a copy,
+        # stored back after the op (`write_back`) as the slow path does: the DTensor keeps its spec, so
+        # the decision holds for every such call. Known by position: a read of the same DTensor moved
+        # alike (`p.add_(p)`, `add(p, q, out=p)`) reads that copy, as on one device it reads what is written.
+        written_places = {(False, index) for index, _ in written_arguments(op)}
+        written_places |= {(True, name) for _, name in written_arguments(op)}
+        self.copied = tuple(
+            (in_kwargs, source, target) for in_kwargs, source, is_dtensor, target, _, _ in self.slots
+            if is_dtensor and target is not None and (in_kwargs, source) in written_places
+        )
         self.local_collectives = decision.local_collectives
         self.is_view = returns_view(op)
         self.writes_kwargs = any(to_kwargs for *_, to_kwargs, _ in self.slots)
@@ -437,6 +449,12 @@ class Plan(CachedPlan):
         if self.writes_kwargs:
             local_kwargs = dict(local_kwargs)
         inputs = []
+        copies = {}  # id(DTensor) -> (DTensor, its moved copy that the op writes, the copy's layout)
+        for in_kwargs, source, target in self.copied:
+            value = kwargs[source] if in_kwargs else args[source]
+            if id(value) not in copies:
+                copy = redistribute_local_tensor(value._local_tensor, value._spec.layout, target, self.mesh)
+                copies[id(value)] = (value, copy, target)
         viewed = None  # a view op's input: (DTensor, local tensor it ran as, its layout if moved)
         for in_kwargs, source, is_dtensor, target, to_kwargs, destination in self.slots:
             value = kwargs[source] if in_kwargs else args[source]
@@ -444,7 +462,11 @@ class Plan(CachedPlan):
             if is_dtensor:
                 local = value._local_tensor
                 if target is not None:
-                    local = moved_local(value, target, self.mesh)  # plans move no written input
+                    copied = copies.get(id(value))
+                    if copied is not None and copied[2] == target:
+                        local = copied[1]
+                    else:
+                        local = moved_local(value, target, self.mesh)
                 if self.mutates:
                     inputs.append((local, value))
                 if self.is_view and viewed is None:
@@ -454,6 +476,8 @@ class Plan(CachedPlan):
             else:
                 local_args[destination] = local
         result = self._wrap_result(self.call(*local_args, **local_kwargs), inputs)
+        for dtensor, local, layout in copies.values():
+            write_back(self.op, dtensor, local, layout, self.mesh)
         if sources:
             write_through(self.op, sources)
         return mark_views_of_copies(self.dtensor_class, result, copy_source(*viewed)) if self.is_view else result

@@ -25,15 +25,16 @@ from .placement import Shard
 from .redistribute import redistribute_local_tensor
 
 __all__ = [
-    "written", "mutated", "writes", "returns_view", "CopySource", "copy_source", "mark_views_of_copies",
-    "written_copy_sources", "write_through", "write_back", "write_resized", "inplace_view",
+    "written_arguments", "written", "mutated", "writes", "returns_view", "CopySource", "copy_source",
+    "mark_views_of_copies", "written_copy_sources", "write_through", "write_back", "write_resized", "inplace_view",
 ]
 
 _written_positions: dict[object, tuple[tuple[int, str], ...]] = {}
 _returns_view_by_op: dict = {}
 
 
-def _written_arguments(op) -> tuple[tuple[int, str], ...]:
+def written_arguments(op) -> tuple[tuple[int, str], ...]:
+    """(position, name) of each argument the op writes to (`self` of `add_`, `out` of `add.out`)."""
     positions = _written_positions.get(op)
     if positions is None:
         positions = tuple(
@@ -47,13 +48,13 @@ def _written_arguments(op) -> tuple[tuple[int, str], ...]:
 
 def writes(op) -> bool:
     """Whether the op writes to any of its arguments (in-place, `out=`)."""
-    return bool(_written_arguments(op))
+    return bool(written_arguments(op))
 
 
 def written(op, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     """Tensor arguments, plain or DTensor, that the op writes to."""
     mutated_values = []
-    for index, name in _written_arguments(op):
+    for index, name in written_arguments(op):
         value = args[index] if index < len(args) else kwargs.get(name)
         values = value if isinstance(value, (list, tuple)) else [value]
         mutated_values.extend(item for item in values if isinstance(item, torch.Tensor))

@@ -258,18 +258,32 @@ def _flattened_reduction(local: torch.Tensor, step: Step, mesh, coordinate: tupl
     return _Assembled(result, lambda total: total.div_(divisor)) if async_op else result.div_(divisor)
 
 
+def _flattened_gather(local: torch.Tensor, step: Step, mesh, coordinate: tuple[int, ...], *, async_op: bool):
+    """One all_gather over the sub-mesh of `step.mesh_dim` flattened row-major (in shard order, so
+    the peers' pieces are consecutive on the tensor dim), with their exact sizes."""
+    dim = step.source_placement[0].dim
+    sizes = _flattened_sizes(step.before, step.mesh_dim, dim, coordinate)
+    return comm.all_gather(local, mesh, step.mesh_dim, dim=dim, sizes=sizes, async_op=async_op)
+
+
+def _flattened_sizes(layout, mesh_dims: tuple[int, ...], dim: int, coordinate: tuple[int, ...]) -> list[int]:
+    """Sizes on tensor dim `dim` of `layout`'s shards at the peers along `mesh_dims`, row-major."""
+    sizes = []
+    for peer_position in itertools.product(*(range(layout.mesh_shape[m]) for m in mesh_dims)):
+        peer = list(coordinate)
+        for mesh_dim, position in zip(mesh_dims, peer_position):
+            peer[mesh_dim] = position
+        sizes.append(layout.local_shape(peer)[dim])
+    return sizes
+
+
 def _flattened_collective(source: Partial, local: torch.Tensor, step: Step, mesh, coordinate: tuple[int, ...], *,
                           async_op: bool):
     if step.collective == ALL_REDUCE:
         return _reduced(source, local, async_op, lambda operands, reduce_op: comm.all_reduce(
             operands, mesh, step.mesh_dim, reduce_op=reduce_op, async_op=async_op))
     dim = step.target_placement[0].dim
-    sizes = []
-    for peer_position in itertools.product(*(range(step.before.mesh_shape[m]) for m in step.mesh_dim)):
-        peer = list(coordinate)
-        for mesh_dim, position in zip(step.mesh_dim, peer_position):
-            peer[mesh_dim] = position
-        sizes.append(step.after.local_shape(peer)[dim])
+    sizes = _flattened_sizes(step.after, step.mesh_dim, dim, coordinate)
     return _reduced(source, local, async_op, lambda operands, reduce_op: comm.reduce_scatter(
         operands, mesh, step.mesh_dim, reduce_op=reduce_op, dim=dim, sizes=sizes, async_op=async_op))
 
@@ -291,6 +305,8 @@ def _run_step(local: torch.Tensor, step: Step, mesh, coordinate: tuple[int, ...]
         return local
     if collective == EXCHANGE:
         return _exchange(local, step, mesh, coordinate, async_op=async_op)
+    if isinstance(mesh_dim, tuple) and collective == ALL_GATHER:
+        return _flattened_gather(local, step, mesh, coordinate, async_op=async_op)
     if isinstance(mesh_dim, tuple):
         return _flattened_reduction(local, step, mesh, coordinate, async_op=async_op)
     if collective == SLICE:

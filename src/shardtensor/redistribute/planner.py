@@ -14,9 +14,13 @@ States are `Layout`s (placements, shard order and exact pieces). A step changes 
     P..P -> R..R        all_reduce        several Partial mesh dims at once, over their flattened
     P..P -> S..S(b)     reduce_scatter    sub-mesh: reaches the lower bound where a reduction per mesh
                                           dim moves more (e.g. 1.5x for (P,P)->(R,R)); a P(sum)/P(avg)
-                                          mix sums and divides by the avg mesh dims' ranks. Not on a
-                                          slice of the world (`CostModel.flattened_groups`): it would
-                                          run as one collective per mesh dim, so those steps are planned
+                                          mix sums and divides by the avg mesh dims' ranks
+    S(a)..S(a) -> R..R  all_gather        mesh dims that shard one tensor dim innermost (a suffix of
+                                          its shard order), over their sub-mesh flattened in shard
+                                          order, whose row-major peers hold consecutive pieces: the
+                                          bytes of one gather per mesh dim in one collective
+    Neither flattened collective on a slice of the world (`CostModel.flattened_groups`): it would run
+    as one collective per mesh dim, so those steps are planned.
     all mesh dims       batch_p2p         straight to the target, no Partial on either side: every
                                           rank receives exactly the target elements it lacks
 
@@ -102,8 +106,9 @@ class Step:
 
     A `batch_p2p` step changes every mesh dim at once: its `mesh_dim` is None and its placements
     are the whole placement tuples. A flattened all_reduce / reduce_scatter over several Partial
-    mesh dims has a tuple `mesh_dim` and placement tuples for those mesh dims; over a P(sum)/P(avg)
-    mix it prints how it reduces (`sum / 2`).
+    mesh dims, or all_gather over several Shard mesh dims, has a tuple `mesh_dim` (the row-major
+    order of its flattened sub-mesh) and placement tuples for those mesh dims; over a
+    P(sum)/P(avg) mix it prints how it reduces (`sum / 2`).
     """
 
     mesh_dim: int | tuple[int, ...] | None
@@ -230,8 +235,10 @@ def _make_step(before: Layout, after: Layout, mesh_dim: int, itemsize: int, cost
 
 def _flattened_step(before: Layout, after: Layout, mesh_dims: tuple[int, ...], itemsize: int,
                     cost_model: CostModel) -> Step:
-    target = after.placements[mesh_dims[0]]
-    collective = ALL_REDUCE if isinstance(target, Replicate) else REDUCE_SCATTER
+    if isinstance(before.placements[mesh_dims[0]], Shard):
+        collective = ALL_GATHER
+    else:
+        collective = ALL_REDUCE if isinstance(after.placements[mesh_dims[0]], Replicate) else REDUCE_SCATTER
     group_size = math.prod(before.mesh_shape[mesh_dim] for mesh_dim in mesh_dims)
     bytes_per_rank = _step_bytes(before, after, collective, group_size, itemsize)
     return Step(
@@ -312,6 +319,7 @@ def _neighbors(state: Layout, target: Layout, flattened_groups: bool):
             yield mesh_dim, state.transition(mesh_dim, placement, pieces=pieces)
     if flattened_groups:
         yield from _flattened_reductions(state, target)
+        yield from _flattened_gathers(state)
     if _exchange_allowed(state, target):
         yield None, target
 
@@ -337,21 +345,44 @@ def _flattened_reductions(state: Layout, target: Layout):
                 yield mesh_dims, after
 
 
+def _flattened_gathers(state: Layout):
+    """(mesh dims, layout after) for one all_gather over the mesh dims that shard one tensor dim
+    innermost (a suffix of its shard order, with two or more of size > 1), all made Replicate.
+
+    The mesh dims are given in shard order (outermost first): row-major over them, peer i holds
+    piece i of the pieces being merged, consecutive on the tensor dim, so the collective's
+    concatenation in peer order is the merged piece (exact sizes, uneven ones included).
+    """
+    for dim, order in enumerate(state.shard_order):
+        for start in range(len(order) - 1):
+            mesh_dims = order[start:]
+            if len([mesh_dim for mesh_dim in mesh_dims if state.mesh_shape[mesh_dim] > 1]) < 2:
+                continue
+            after = state
+            for mesh_dim in reversed(mesh_dims):  # innermost first: only it may leave the shard order
+                after = after.transition(mesh_dim, Replicate())
+            yield mesh_dims, after
+
+
 def _remaining_cost(state: Layout, target: Layout, itemsize: int, cost_model: CostModel) -> float:
     """Admissible estimate of the cost from `state` to `target` (never above the true cost).
 
     Partial mesh dims that must be reduced need at least one collective (a flattened one may
-    reduce them all; without `flattened_groups`, one each). Each Shard mesh dim that must move
-    needs its own collective, unless one exchange moves them all. Bytes: the lower bound of what the busiest rank must still receive.
+    reduce them all; without `flattened_groups`, one each). Shard mesh dims that must move need a
+    collective per tensor dim they shard (a flattened all_gather may move all of one tensor dim's;
+    without `flattened_groups`, one per mesh dim), unless one exchange moves them all. Bytes: the
+    lower bound of what the busiest rank must still receive.
     """
-    partial_moves = shard_moves = 0
+    partial_moves = 0
+    moving_dims = set()
     for mesh_dim, current in enumerate(state.placements):
         if state.mesh_shape[mesh_dim] == 1:
             continue
         if isinstance(current, Partial) and current != target.placements[mesh_dim]:
             partial_moves = partial_moves + 1 if not cost_model.flattened_groups else 1
         elif isinstance(current, Shard) and _shard_must_move(state, target, mesh_dim, current.dim):
-            shard_moves += 1
+            moving_dims.add(current.dim)
+    shard_moves = len(moving_dims)
     # with Partial mesh dims to reduce, the lower bound also counts the reduction's bytes
     missing = lower_bound_bytes(state, target, 1) if partial_moves else most_missing(state, target)
     latency = partial_moves * cost_model.latency_us
