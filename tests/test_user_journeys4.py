@@ -125,27 +125,41 @@ def test_checkpointed_dropout_blocks_with_fully_shard_and_tensor_parallel_train_
     """fully_shard over "dp" of blocks parallelized over "tp" (Colwise up, Rowwise down, DTensor activations),
     each block under torch's composable checkpoint with checkpoint_contexts (applied before or after
     fully_shard): two SGD steps give each dp slice's loss and the parameters of one device."""
-    mesh = _named(mesh, ("dp", "tp"))
+    for order in ("checkpoint first", "fully_shard first"):
+        _train_checkpointed_tensor_parallel_blocks(_named(mesh, ("dp", "tp")), order)
+
+
+def _train_checkpointed_tensor_parallel_blocks(mesh, order):
+    """Two SGD steps of the checkpointed blocks, parallelized over mesh["tp"] and sharded over mesh["dp"]."""
     dp_mesh, tp_mesh = mesh["dp"], mesh["tp"]
     dp_size, dp_rank = mesh.size(0), mesh.get_local_rank("dp")
     torch.manual_seed(12)
     batch = torch.randn(BATCH, WIDTH, dtype=torch.float64)
     expected_losses, expected_parameters = _reference_tp_steps(batch, dp_size)
-    for order in ("checkpoint first", "fully_shard first"):
-        model = _blocks()
-        _checkpoint_then_shard(model, tp_mesh, dp_mesh, order)
-        optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
-        shardtensor.manual_seed(SEED)
-        x = DTensor.from_local(batch.chunk(dp_size)[dp_rank], tp_mesh, [Replicate()])
-        for step in range(STEPS):
-            output = model(x)
-            loss = (output * output).sum()
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            _assert_close(loss.full_tensor(), expected_losses[step][dp_rank], f"{order}, loss of step {step}")
-        for (name, parameter), expected in zip(model.named_parameters(), expected_parameters):
-            _assert_close(parameter.full_tensor(), expected, f"{order}, {name}")
+    model = _blocks()
+    _checkpoint_then_shard(model, tp_mesh, dp_mesh, order)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
+    shardtensor.manual_seed(SEED)
+    x = DTensor.from_local(batch.chunk(dp_size)[dp_rank], tp_mesh, [Replicate()])
+    for step in range(STEPS):
+        output = model(x)
+        loss = (output * output).sum()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        _assert_close(loss.full_tensor(), expected_losses[step][dp_rank], f"{order}, loss of step {step}")
+    for (name, parameter), expected in zip(model.named_parameters(), expected_parameters):
+        _assert_close(parameter.full_tensor(), expected, f"{order}, {name}")
+
+
+@spmd(meshes=[(2, 2, 2)], timeout=300.0)
+def test_checkpointed_dropout_blocks_on_each_pipeline_stage_of_an_eight_rank_world(mesh):
+    """The same training on each stage's slice world["dp", "tp"] of a pp x dp x tp world (torchtitan's 3-D
+    layout without the hand-off): the stages apply checkpoint and fully_shard in different orders at once;
+    on each, the losses and parameters of one device."""
+    world = DeviceMesh("cpu", torch.tensor([[[0, 6], [5, 3]], [[7, 1], [2, 4]]]), mesh_dim_names=PIPELINE_NAMES)
+    order = ("checkpoint first", "fully_shard first")[world.get_local_rank("pp")]
+    _train_checkpointed_tensor_parallel_blocks(world["dp", "tp"], order)
 
 
 def _reference_plain_dropout_steps(batch, ranks):
