@@ -21,12 +21,11 @@ each library's own CommDebugMode.
 
 from __future__ import annotations
 
-import argparse
-import math
 import statistics
 import time
 
 import torch
+from mesh_options import run_on_mesh
 
 REPEATS = 7
 ITERATIONS = 10
@@ -101,16 +100,7 @@ def _rank_body(mesh_shape: tuple[int, ...], repeats: int, iterations: int):
 
 
 def main() -> None:
-    from shardtensor.launch import spawn
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mesh", type=int, nargs="+", default=[2], help="mesh shape, e.g. 2 or 2 2")
-    parser.add_argument("--repeats", type=int, default=REPEATS)
-    parser.add_argument("--iterations", type=int, default=ITERATIONS)
-    options = parser.parse_args()
-    torch.set_num_threads(1)
-    mesh_shape = tuple(options.mesh)
-    results = spawn(_rank_body, math.prod(mesh_shape), mesh_shape, options.repeats, options.iterations)[0]
+    mesh_shape, results = run_on_mesh(_rank_body, __doc__.splitlines()[0], REPEATS, ITERATIONS)
     mesh_name = "x".join(map(str, mesh_shape))
     lines = [f"| mesh {mesh_name}: gradients | clip | ms min | median | collectives | bytes received (rank 0) | norm |",
              "|---|---|---:|---:|---:|---:|---:|"]

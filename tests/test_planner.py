@@ -478,11 +478,8 @@ def test_partial_sources_on_small_3d_meshes_get_the_brute_force_optimum(mesh_sha
         targets.append([Partial(), R, Shard(1)])
         for target_placements in targets:
             target = source.with_placements(target_placements)
-            for cost_model in [DEFAULT_COST_MODEL, BYTES_FIRST]:
-                result = plan(source, target, 4, cost_model)
-                message = f"mesh {mesh_shape} shape (4, 6): {source_placements} -> {target_placements}\n{result}"
-                assert result.total_cost_us == pytest.approx(_brute_force_cost(source, target, 4, cost_model), abs=1e-9), message
-                assert result.total_bytes >= result.lower_bound_bytes, message
+            where = f"mesh {mesh_shape} shape (4, 6): {source_placements} -> {target_placements}"
+            _assert_brute_force_optimum(source, target, where)
 
 
 SHARD_SOURCES_3D = {
@@ -501,11 +498,17 @@ def test_nested_shard_sources_on_small_3d_meshes_get_the_brute_force_optimum(mes
         source = Layout.create(mesh_shape, source_placements, shape, shard_order=order)
         for target_placements in itertools.product([R, Shard(0), Shard(1)], repeat=3):
             target = source.with_placements(target_placements)
-            for cost_model in [DEFAULT_COST_MODEL, BYTES_FIRST]:
-                result = plan(source, target, 4, cost_model)
-                message = f"mesh {mesh_shape} shape {shape}: {source} -> {list(map(str, target_placements))}\n{result}"
-                assert result.total_cost_us == pytest.approx(_brute_force_cost(source, target, 4, cost_model), abs=1e-9), message
-                assert result.total_bytes >= result.lower_bound_bytes, message
+            where = f"mesh {mesh_shape} shape {shape}: {source} -> {list(map(str, target_placements))}"
+            _assert_brute_force_optimum(source, target, where)
+
+
+def _assert_brute_force_optimum(source, target, where: str) -> None:
+    """Under both cost models the plan costs what the brute force finds, and never less than its bound."""
+    for cost_model in [DEFAULT_COST_MODEL, BYTES_FIRST]:
+        result = plan(source, target, 4, cost_model)
+        message = f"{where}\n{result}"
+        assert result.total_cost_us == pytest.approx(_brute_force_cost(source, target, 4, cost_model), abs=1e-9), message
+        assert result.total_bytes >= result.lower_bound_bytes, message
 
 
 @pytest.mark.parametrize(
