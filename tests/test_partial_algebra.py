@@ -349,6 +349,7 @@ SCALAR_SUMS = {
     "rsub(x, s, alpha=2)": lambda x, s: torch.rsub(x, s, alpha=2),
     "x.add_(s)": lambda x, s: x.add_(s),
     "x.sub_(s)": lambda x, s: x.sub_(s),
+    "sub(x, s, out=)": lambda x, s: torch.sub(x, s, out=x.clone()),  # out lies like the result
 }
 
 
@@ -378,6 +379,13 @@ def test_a_scalar_added_to_a_partial_keeps_it_without_a_collective(mesh, name):
             assert mode.get_total_counts() == 0, (reduce_ops, scalar, mode.get_comm_counts())
             expected = tuple(Partial(_sum_placement(name, op)) for op in reduce_ops)
             _check(result, call(value, scalar), expected)
+    if mesh.ndim == 2:  # uneven rows sharded over mesh dim 0, P(sum) over mesh dim 1
+        dtensor, value = partial_and_value(mesh, (7, 4), "sum")
+        dtensor = dtensor.redistribute(mesh, [Shard(0), Partial("sum")])
+        with CommDebugMode() as mode:
+            result = call(dtensor, scalars[2])
+        assert mode.get_total_counts() == 0
+        _check(result, call(value, scalars[2]), (Shard(0), Partial("sum")))
     operands = torch.stack([torch.arange(28).reshape(7, 4) * (rank + 1) - 9 * rank for rank in range(mesh.size())])
     for reduce_op, value in (("sum", operands.sum(0)), ("max", operands.amax(0))):  # ints: exact
         dtensor = DTensor.from_local(operands[dist.get_rank()].clone(), mesh, [Partial(reduce_op)] * mesh.ndim)
