@@ -123,9 +123,12 @@ def _plus_scalar(call: OpCall) -> list[PartialRow]:
     dtensor_is_self = _first_argument_is_dtensor(call)
     sign, alpha_scales_coefficient, alpha_scales_addend = _ADDEND_TERMS[call.op._opname.rstrip("_")][dtensor_is_self]
     alpha_sign = scale_sign(call.argument("alpha"))
-    coefficient_sign = sign * alpha_sign if alpha_scales_coefficient and isinstance(alpha_sign, int) else (
-        alpha_sign if alpha_scales_coefficient else sign
-    )
+    if not alpha_scales_coefficient:
+        coefficient_sign = sign
+    elif isinstance(alpha_sign, int):
+        coefficient_sign = sign * alpha_sign
+    else:  # None (not finite) or UNREAD (complex)
+        coefficient_sign = alpha_sign
     addend = call.argument("other" if dtensor_is_self else "self")
     addend_signs = [addend.sign if isinstance(addend, PlainTensor) else scale_sign(addend)]
     if alpha_scales_addend:
