@@ -1,12 +1,13 @@
-"""In-place writes into a Partial that must be reduced first: ours vs torch.distributed.tensor, per call.
+"""In-place writes into a Partial: ours vs torch.distributed.tensor, per call.
 
     .venv/bin/python bench/bench_partial_writes.py               # 2 ranks, a 1-D mesh
     .venv/bin/python bench/bench_partial_writes.py --mesh 2 2    # 2x2
 
 `P(sum).add_(1.0)`, `P(max).mul_(-1.0)` and `P(sum).add_(torch.tensor(0.5))` on an 8x8 float32 Partial
-DTensor, the same tensor written again on every call. Ours reduces it (one all_reduce) and writes the
-result back as Partial operands, from a cached plan after the first call. Torch DTensor refuses the
-first two ("in-place operations that require placement changes"). Time per call is rank 0's CPU time
+DTensor, the same tensor written again on every call. Ours adds a scalar to one operand of a P(sum) (no
+collective), and reduces a P(max) scaled by a negative (one all_reduce), writing the result back as
+Partial operands, from a cached plan after the first call. Torch DTensor refuses the first two
+("in-place operations that require placement changes"). Time per call is rank 0's CPU time
 (`time.process_time`, gloo's threads included: the machine is shared), min and median over the repeats.
 """
 

@@ -42,8 +42,9 @@ def test_environment_variable_turns_it_on(mesh):
     try:
         modes.read_environment()
         with pytest.raises(RuntimeError, match="all_reduce|reduce_scatter"):
-            partial + 1  # P(sum) + scalar must reduce first
+            partial.exp()  # exp of a P(sum) must reduce first
         assert torch.equal((partial * 3).full_tensor(), torch.full((3,), 6.0))  # stays Partial: no move
+        assert torch.equal((partial + 1).full_tensor(), torch.full((3,), 3.0))  # added on one operand: no move
     finally:
         del os.environ["SHARDTENSOR_EXPLICIT_COMM"]
         modes.read_environment()

@@ -46,15 +46,17 @@ def test_partial_sum_plus_scalar_or_replicate_adds_it_once(mesh):
     _check(plus_scalar, value + 1.5)
     _check(plus_replicate, value + r_full)
     _check(minus, 2 - value)
-    assert not any(p.is_partial() for p in plus_scalar.placements + minus.placements)
+    # A scalar is added on one operand: the sum stays Partial (strict mode: no fallback).
+    assert plus_scalar.placements == minus.placements == (Partial("sum"),) * mesh.ndim
     # P(sum) + R may stay P(sum) by making R Partial too (R on one coordinate, zeros elsewhere): exact and local.
 
 
 @spmd()
 def test_a_scalar_added_in_place_or_by_a_list_op_to_a_partial_sum_is_added_once(mesh):
     """PEER_BUGS #163193 through the other doors: in place (the Partial itself holds the sum after), a
-    0-d plain tensor, `_foreach_add` with a scalar, a list of scalars or a 0-d tensor; each reduces the
-    Partial once (one all_reduce over every mesh dim at once) and adds the scalar once."""
+    0-d plain tensor, `_foreach_add` with a scalar, a list of scalars or a 0-d tensor; each adds the
+    scalar once: on one operand without a collective, or (a multi-tensor op, which has no local op per
+    element) after reducing the Partial once (one all_reduce over every mesh dim at once)."""
     scalar = torch.tensor(1.5, dtype=torch.float64)
     calls = {"add_": lambda t: t.add_(1.5), "+=": lambda t: t.__iadd__(1.5), "sub_": lambda t: t.sub_(2.0),
              "add(alpha)": lambda t: torch.add(t, 1.5, alpha=2), "rsub": lambda t: torch.rsub(t, 2.0),
@@ -68,7 +70,7 @@ def test_a_scalar_added_in_place_or_by_a_list_op_to_a_partial_sum_is_added_once(
         partial, value = _partial(mesh)
         with shardtensor.strict_mode(), comm.observe() as records:
             result = call(partial)
-        assert [record.kind for record in records] == reduced_once, (name, records)
+        assert [record.kind for record in records] == (reduced_once if name.startswith("_foreach") else []), (name, records)
         expected = call(value)
         _check(result, expected)
         if name.endswith("_") or name in ("+=", "add_(0-d)", "_foreach_sub_(0-d)"):
@@ -117,19 +119,18 @@ def test_max_and_min_partials(mesh):
     with shardtensor.strict_mode(), comm.observe() as records:
         kept = [(-high, minimum), (-low, maximum), (high.relu(), maximum), (high.exp(), maximum),
                 (low.clamp(-1, 1), minimum), (high * 2, maximum), (high * -2, minimum),
-                (torch.maximum(high, r), maximum)]
+                (torch.maximum(high, r), maximum), (high + 1, maximum), (1 - high, minimum)]
     assert list(records) == []
     expected = [-high_value, -low_value, high_value.relu(), high_value.exp(), low_value.clamp(-1, 1), high_value * 2,
-                high_value * -2, torch.maximum(high_value, r_full)]
+                high_value * -2, torch.maximum(high_value, r_full), high_value + 1, 1 - high_value]
     for (result, placements), reference in zip(kept, expected):
         _check(result, reference, placements, exact=True)
     with shardtensor.strict_mode():  # not monotone, or a sum of maxima: reduce first
-        reduced = [high + 1, high * high, high.sin(), high + low, torch.minimum(high, low)]
-    expected = [high_value + 1, high_value * high_value, high_value.sin(), high_value + low_value,
-                torch.minimum(high_value, low_value)]
+        reduced = [high * high, high.sin(), high + low, torch.minimum(high, low)]
+    expected = [high_value * high_value, high_value.sin(), high_value + low_value, torch.minimum(high_value, low_value)]
     for result, reference in zip(reduced, expected):
         _check(result, reference, exact=True)
-    assert not any(p.is_partial() for result in reduced[:4] for p in result.placements)
+    assert not any(p.is_partial() for result in reduced[:3] for p in result.placements)
 
 
 @spmd()
@@ -334,3 +335,93 @@ def test_partials_that_do_not_commute_are_not_reduced(mesh):
             mixed.full_tensor()
         reduced = comm.all_reduce(mixed.to_local(), mesh, 1, reduce_op=reduce_ops[1])
         _check(DTensor.from_local(reduced, mesh, [Partial(reduce_ops[0]), Replicate()]), value)
+
+
+# name -> call of `x` (a DTensor or its single-device value) and a scalar `s`: a Python number or a 0-d plain tensor
+SCALAR_SUMS = {
+    "x + s": lambda x, s: x + s,
+    "s + x": lambda x, s: s + x,
+    "x - s": lambda x, s: x - s,
+    "s - x": lambda x, s: s - x,
+    "add(x, s, alpha=-2)": lambda x, s: torch.add(x, s, alpha=-2),
+    "add(s, x, alpha=-2)": lambda x, s: torch.add(s, x, alpha=-2) if isinstance(s, torch.Tensor) else s - 2 * x,  # s, x: 2 ops
+    "sub(x, s, alpha=3)": lambda x, s: torch.sub(x, s, alpha=3),
+    "rsub(x, s, alpha=2)": lambda x, s: torch.rsub(x, s, alpha=2),
+    "x.add_(s)": lambda x, s: x.add_(s),
+    "x.sub_(s)": lambda x, s: x.sub_(s),
+    "sub(x, s, out=)": lambda x, s: torch.sub(x, s, out=x.clone()),  # out lies like the result
+}
+
+
+def _sum_placement(name: str, reduce_op: str) -> str:
+    """The reduce op of `name` on P(reduce_op) plus `scalar`: a negative coefficient of `x` swaps max and min."""
+    negated = name in ("s - x", "rsub(x, s, alpha=2)", "add(s, x, alpha=-2)")
+    return {"max": "min", "min": "max"}.get(reduce_op, reduce_op) if negated else reduce_op
+
+
+@pytest.mark.parametrize("name", sorted(SCALAR_SUMS))
+@spmd(meshes=[(2,), (2, 2)])
+def test_a_scalar_added_to_a_partial_keeps_it_without_a_collective(mesh, name):
+    """P(x) plus or minus a Python number or a 0-d plain tensor stays Partial, with no collective: a
+    P(sum) adds it on one operand (a P(sum) on either mesh dim of 2x2 with P(avg), or both), P(avg)/P(max)/P(min)
+    on every operand, and `s - P(max)` is P(min). Values of one device, ints too."""
+    call = SCALAR_SUMS[name]
+    layouts = [("sum",), ("avg",), ("max",), ("min",)]
+    if mesh.ndim == 2:
+        layouts += [("sum", "avg"), ("avg", "sum")]
+    scalars = [1.5, -3, torch.tensor(2.5, dtype=torch.float64), torch.tensor(-4.0)]
+    for reduce_ops in layouts:
+        reduce_ops = reduce_ops * mesh.ndim if len(reduce_ops) == 1 else reduce_ops
+        for scalar in scalars:
+            dtensor, value = partial_and_value(mesh, (7, 4), reduce_ops)
+            with CommDebugMode() as mode:
+                result = call(dtensor, scalar)
+            assert mode.get_total_counts() == 0, (reduce_ops, scalar, mode.get_comm_counts())
+            expected = tuple(Partial(_sum_placement(name, op)) for op in reduce_ops)
+            _check(result, call(value, scalar), expected)
+    if mesh.ndim == 2:  # uneven rows sharded over mesh dim 0, P(sum) over mesh dim 1
+        dtensor, value = partial_and_value(mesh, (7, 4), "sum")
+        dtensor = dtensor.redistribute(mesh, [Shard(0), Partial("sum")])
+        with CommDebugMode() as mode:
+            result = call(dtensor, scalars[2])
+        assert mode.get_total_counts() == 0
+        _check(result, call(value, scalars[2]), (Shard(0), Partial("sum")))
+    operands = torch.stack([torch.arange(28).reshape(7, 4) * (rank + 1) - 9 * rank for rank in range(mesh.size())])
+    for reduce_op, value in (("sum", operands.sum(0)), ("max", operands.amax(0))):  # ints: exact
+        dtensor = DTensor.from_local(operands[dist.get_rank()].clone(), mesh, [Partial(reduce_op)] * mesh.ndim)
+        with CommDebugMode() as mode:
+            result = call(dtensor, 3)
+        assert mode.get_total_counts() == 0
+        _check(result, call(value, 3), (Partial(_sum_placement(name, reduce_op)),) * mesh.ndim, exact=True)
+
+
+@spmd(meshes=[(2,), (2, 2)])
+def test_a_non_finite_addend_keeps_only_what_is_exact(mesh):
+    """`P(max) + inf` is reduced first (an operand of -inf would give NaN), `P(sum) + inf` and
+    `P(avg) - nan` stay Partial; an infinite alpha scaling the DTensor keeps no Partial (as a scale)."""
+    for reduce_op, call, stays in [
+        ("max", lambda x: x + math.inf, False),
+        ("min", lambda x: x - math.inf, False),
+        ("sum", lambda x: x + math.inf, True),
+        ("avg", lambda x: x - math.nan, True),
+        ("sum", lambda x: torch.add(torch.tensor(1.0, dtype=torch.float64), x, alpha=math.inf), False),
+    ]:
+        dtensor, value = partial_and_value(mesh, (7, 4), reduce_op)
+        with CommDebugMode() as mode:
+            result = call(dtensor)
+        assert (mode.get_total_counts() == 0) == stays, (reduce_op, mode.get_comm_counts())
+        assert result.placements[0].is_partial() == stays
+        torch.testing.assert_close(result.full_tensor(), call(value), equal_nan=True)
+
+
+@spmd(meshes=[(2,), (2, 2)])
+def test_foreach_add_of_a_scalar_to_a_partial_sum_reduces_it_first(mesh):
+    """A multi-tensor call cannot add on one operand only (no local op per element): its P(sum)
+    elements are reduced first, in one all_reduce, and P(max) ones stay Partial."""
+    sums, maxima = partial_and_value(mesh, (7, 4), "sum"), partial_and_value(mesh, (5,), "max", seed=3)
+    with CommDebugMode() as mode:
+        results = torch._foreach_add([sums[0], maxima[0]], 2.0)
+    assert mode.get_comm_counts() == {"all_reduce": 1}
+    assert results[1].placements == (Partial("max"),) * mesh.ndim
+    for result, (_, value) in zip(results, (sums, maxima)):
+        torch.testing.assert_close(result.full_tensor(), value + 2.0)

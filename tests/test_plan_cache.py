@@ -139,15 +139,19 @@ ZERO_DIM_CALLS = {
     "x.div_(t)": (aten.div_.Tensor, lambda x, t: x.div_(t)),
 }
 _SCALINGS = {"x * t", "t * x", "torch.mul(x, t)", "x / t", "x.mul_(t)", "x.div_(t)"}
+_SUMS = {"x + t", "x - t", "x.add_(t)", "x.sub_(t)"}
 
 
-def _expected_path(name: str, placement: str, scale: float) -> str:
+def _expected_path(name: str, placement: str, scale: float, coordinate) -> str:
     """How a call runs once learnt: "served" above the dispatcher (its result is computed where the input
-    lies) or "plan" (a cached aten plan that reduces a Partial input first: a scalar added to P(sum) or
-    P(max) is not linear, and P(max) scaled by a negative is P(min), not P(max); in place, the plan
-    writes the reduced copy back into the Partial)."""
+    lies) or "plan" (a cached aten plan: one that reduces a Partial input first, as P(max) scaled by a
+    negative is P(min), not P(max), and in place the plan writes the reduced copy back into the Partial;
+    or one that runs the rule's local op: a scalar added to a P(sum) is added on the operand at
+    coordinate 0 only, and the other ranks add a zero)."""
     if placement in ("S(0)", "R", "P(avg)"):
         return "served"
+    if name in _SUMS:
+        return "served" if placement == "P(max)" or not any(coordinate) else "plan"
     in_place = name.endswith("_(t)")
     if name in _SCALINGS and (not in_place or scale > 0 or placement == "P(sum)"):
         return "served"
@@ -183,7 +187,7 @@ def test_a_zero_dim_tensor_operand_whose_value_changes_hits_its_plan(mesh, name)
             torch.testing.assert_close(result.full_tensor(), expected, msg=lambda text: f"{placement} {scale}: {text}")
             if step < len(warm_up):
                 continue
-            path, context = _expected_path(name, placement, scale), (placement, scale)
+            path, context = _expected_path(name, placement, scale, mesh.get_coordinate()), (placement, scale)
             hits, misses = _counts(op).hits - before.hits, _counts(op).misses - before.misses
             assert (hits, misses) == (1, 0), context
             assert (dispatched == []) == (path == "served"), (context, dispatched)
@@ -191,8 +195,6 @@ def test_a_zero_dim_tensor_operand_whose_value_changes_hits_its_plan(mesh, name)
 
 # name -> (aten op, in-place write into a Partial that must be reduced first, the reduce ops it is tried on)
 REDUCED_WRITES = {
-    "p.add_(1.0)": (aten.add_.Tensor, lambda p: p.add_(1.0), ("sum", "max")),
-    "p.add_(t)": (aten.add_.Tensor, lambda p: p.add_(torch.tensor(2.5, dtype=torch.float64)), ("sum", "max")),
     "p.mul_(-2.0)": (aten.mul_.Tensor, lambda p: p.mul_(-2.0), ("max",)),
     "p.mul_(t)": (aten.mul_.Tensor, lambda p: p.mul_(torch.tensor(-0.5, dtype=torch.float64)), ("max",)),
 }
@@ -201,8 +203,8 @@ REDUCED_WRITES = {
 @pytest.mark.parametrize("name", sorted(REDUCED_WRITES))
 @spmd(meshes=[(2,), (2, 2)])
 def test_an_in_place_write_into_a_partial_reduced_first_is_planned_once(mesh, name):
-    """A loop of in-place writes that reduce their Partial DTensor first (a scalar added to P(sum) or
-    P(max), P(max) scaled by a negative) makes one decision and then hits its plan: every call still
+    """A loop of in-place writes that reduce their Partial DTensor first (P(max) scaled by a negative)
+    makes one decision and then hits its plan: every call still
     reduces (one all_reduce over every mesh dim, of the tensor's bytes) and stores the reduced result
     back into the Partial, which keeps its placements and holds the single-device value."""
     op, call, reduce_ops = REDUCED_WRITES[name]
@@ -217,6 +219,39 @@ def test_an_in_place_write_into_a_partial_reduced_first_is_planned_once(mesh, na
             assert result is dtensor and dtensor.placements == (Partial(reduce_op),) * mesh.ndim
             assert records == all_reduce_records(mesh, value.numel() * value.element_size()), (reduce_op, step)
             torch.testing.assert_close(dtensor.full_tensor(), call(value))
+        after = _counts(op)
+        assert (after.hits - before.hits, after.misses - before.misses, _new_decisions(op, before)) == (4, 0, 0)
+
+
+# name -> (aten op, a scalar `s` added to a Partial `p`, in place or not)
+SCALAR_ADDITIONS = {
+    "p.add_(s)": (aten.add_.Tensor, lambda p, s: p.add_(s)),
+    "p.add_(t)": (aten.add_.Tensor, lambda p, s: p.add_(torch.tensor(s, dtype=torch.float64))),
+    "p - s": (aten.sub.Tensor, lambda p, s: p - s),
+    "s - p": (aten.rsub.Scalar, lambda p, s: s - p),
+    "add(p, s, alpha)": (aten.add.Tensor, lambda p, s: torch.add(p, s, alpha=0.5)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCALAR_ADDITIONS))
+@spmd(meshes=[(2,), (2, 2)])
+def test_a_loop_adding_a_changing_scalar_to_a_partial_hits_one_plan_without_collectives(mesh, name):
+    """`p.add_(s)` with a new `s` every call (was one all_reduce per call on P(sum) and P(max)): after one
+    call that learns it, every call hits its plan, issues no collective, keeps the Partial (in place,
+    `p` itself) and gives the single-device value; P(sum) adds `s` on one operand (both mesh dims of 2x2)."""
+    op, call = SCALAR_ADDITIONS[name]
+    for reduce_op in ("sum", "max", "avg"):
+        dtensor, value = partial_and_value(mesh, (7, 4), reduce_op)
+        placements = call(dtensor, 0.25).placements  # learnt (or found, if an earlier test made the plan)
+        call(value, 0.25)
+        before = _counts(op)
+        for step in range(4):
+            scalar = 1.5 + step
+            with comm.observe() as records:
+                result = call(dtensor, scalar)
+            assert records == [] and result.placements == placements, (reduce_op, step, records)
+            torch.testing.assert_close(result.full_tensor(), call(value, scalar))
+            assert (result is dtensor) == name.startswith("p.add_")
         after = _counts(op)
         assert (after.hits - before.hits, after.misses - before.misses, _new_decisions(op, before)) == (4, 0, 0)
 

@@ -251,7 +251,7 @@ def _decide_and_run(dtensor_class: type, op, args: tuple, kwargs: dict, key: tup
     sends_value = rule.returns_value and has_ranks_outside(mesh)
     if sends_value:  # every call sends its value to the ranks outside the mesh, which a plan would not do
         key = None
-    if modes and (decision.local_arguments is not None or decision.local_op is not None):
+    if modes and (decision.local_arguments is not None or (decision.local_op is not None and not rule.local_op_reads_values)):
         raise _value_keys_error(op, rule)
     if key is not None and is_multi_tensor(op):
         list_plan = ListPlan.build(dtensor_class, op, rule, mesh, args, kwargs, flat, decision)

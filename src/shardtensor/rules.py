@@ -208,6 +208,12 @@ class ShardingRule:
     # rule's local arguments and local op must not depend on these values. Every argument not listed
     # decides with its value (views' sizes, dims, reduce ops...).
     value_keys: Mapping[str, str] = {}
+    # True: the rule's local op reads the values `value_keys` leaves out from each call's arguments, so
+    # that a plan may keep it for calls with other values (otherwise dispatch refuses the combination).
+    local_op_reads_values: bool = False
+    # The rule a multi-tensor op decides its elements with (`ops.foreach`: it runs no local op per
+    # element), when rows of this one need a local op; None: this one.
+    rule_for_lists: ShardingRule | None = None
     # True: the op returns one Python value read from the data (`item()`, `equal`), which meta tensors
     # cannot give; on a sub-mesh its ranks send it to the ranks outside (`sub_mesh`, from `dispatch`).
     returns_value: bool = False
@@ -302,6 +308,10 @@ class OutVariantRule(ShardingRule):
     @property
     def value_keys(self) -> Mapping[str, str]:
         return self.functional_rule().value_keys
+
+    @property
+    def local_op_reads_values(self) -> bool:
+        return self.functional_rule().local_op_reads_values
 
     def split(self, call: OpCall) -> tuple[OpCall, list[int], list[int]]:
         """The functional call, and the indices in `call.inputs` of its operands and of the out tensors."""

@@ -147,6 +147,7 @@ class ForeachRule(ComposedRule):
 
     def decision(self, call: OpCall, layouts: Sequence[Layout], coordinate: Sequence[int]) -> Decision:
         rule = self.element_rule()
+        rule = rule.rule_for_lists or rule
         input_layouts: list[Layout | None] = [None] * len(layouts)
         output_layouts, output_metas = [], []
         for element_call, inputs in self.element_calls(call):

@@ -9,6 +9,8 @@ input shards). On top of that, an op family may keep Partial inputs Partial wher
     monotone      P(max) -> P(max), P(min) -> P(min)          f non-decreasing: max f(a_i) = f(max a_i)
     sum           P(s) + P(s) -> P(s); P(avg) + R -> P(avg)   P(sum) + R is NOT P(sum): R would be
                                                               added once per rank (PEER_BUGS #163193)
+                  P(x) + c -> P(x), any x; c - P(max) -> P(min) c a Python number or 0-d plain tensor,
+                                                              added on one operand of a P(sum)
     product       P(s) * R, R * P(s), P(s) * c -> P(s);       P * P needs one side reduced first
                   c > 0 keeps P(max)/P(min), c < 0 swaps them;
                   c = +-inf or NaN keeps none                 inf * (a0 + a1) != inf * a0 + inf * a1
@@ -31,7 +33,7 @@ from collections.abc import Callable
 import torch
 
 from ..placement import Partial, Placement, Replicate
-from ..rules import SIGN, TYPE_ONLY, UNREAD, OpCall, PlainTensor, Row, RowsRule, TensorMeta, scale_sign
+from ..rules import SIGN, TYPE_ONLY, UNREAD, OpCall, PlainTensor, Row, RowsRule, TensorMeta, scale_sign, schema_positions
 from .registry import pointwise, register_rule
 
 __all__ = ["PARTIAL_FAMILIES", "ComparisonRule"]
@@ -98,7 +100,47 @@ def _sum(call: OpCall) -> list[PartialRow]:
         rows = [(Partial(op), (Partial(op), Partial(op))) for op in LINEAR_REDUCE_OPS]
         # avg(a_i) + r = avg(a_i + r): a replicated summand commutes with averaging, not with summing.
         return rows + [(Partial("avg"), (Partial("avg"), Replicate())), (Partial("avg"), (Replicate(), Partial("avg")))]
-    return [(Partial("avg"), (Partial("avg"),))] if operands == 1 else []
+    return _plus_scalar(call) if operands == 1 else []
+
+
+# op -> by whether the DTensor is `self`: its coefficient (a sign, times alpha or not) and whether alpha
+# scales the addend. add is self + alpha * other, sub self - alpha * other, rsub other - alpha * self.
+_ADDEND_TERMS = {
+    "add": {True: (1, False, True), False: (1, True, False)},
+    "sub": {True: (1, False, True), False: (-1, True, False)},
+    "rsub": {True: (-1, True, False), False: (1, False, True)},
+}
+
+
+def _plus_scalar(call: OpCall) -> list[PartialRow]:
+    """One DTensor operand plus or minus a Python number or a 0-d plain tensor `s`, maybe times alpha.
+
+    Linear rows: P(avg) adds `s` on every operand, P(sum) on the operand at coordinate 0 of its mesh
+    dims only (`AddendRule.local_op`); a coefficient of the DTensor that is not finite keeps none (as
+    a scale). P(max)/P(min) add `s` on every operand, swapped by a negative coefficient, for a finite
+    addend (rounding is monotone, so max(a_i + s) = max(a_i) + s exactly; -inf + inf is NaN).
+    """
+    dtensor_is_self = _first_argument_is_dtensor(call)
+    sign, alpha_scales_coefficient, alpha_scales_addend = _ADDEND_TERMS[call.op._opname.rstrip("_")][dtensor_is_self]
+    alpha_sign = scale_sign(call.argument("alpha"))
+    if not alpha_scales_coefficient:
+        coefficient_sign = sign
+    elif isinstance(alpha_sign, int):
+        coefficient_sign = sign * alpha_sign
+    else:  # None (not finite) or UNREAD (complex)
+        coefficient_sign = alpha_sign
+    addend = call.argument("other" if dtensor_is_self else "self")
+    addend_signs = [addend.sign if isinstance(addend, PlainTensor) else scale_sign(addend)]
+    if alpha_scales_addend:
+        addend_signs.append(alpha_sign)
+    if coefficient_sign is None:
+        return []
+    rows = [(Partial(op), (Partial(op),)) for op in LINEAR_REDUCE_OPS]
+    if not isinstance(coefficient_sign, int) or coefficient_sign == 0 or not all(isinstance(s, int) for s in addend_signs):
+        return rows
+    return rows + [
+        (Partial(_FLIPPED[op] if coefficient_sign < 0 else op), (Partial(op),)) for op in EXTREME_REDUCE_OPS
+    ]
 
 
 def _scaling_by_scalar(call: OpCall, dividing: bool = False) -> list[PartialRow]:
@@ -265,9 +307,10 @@ _BACKWARD = [
 
 # Scalar arguments whose value does not change a family's rows (`ShardingRule.value_keys`), so that
 # `x * step_size` with a new step size every call reuses the cached decision: only the sign of a
-# scale decides (it swaps P(max) and P(min)); an addend, `alpha`, `value` or `weight` does not.
+# scale or alpha decides (it swaps P(max) and P(min)), and of an addend whether it is finite; `value`
+# or `weight` does not.
 _VALUE_KEYS = {
-    "_sum": {"other": TYPE_ONLY, "alpha": TYPE_ONLY},
+    "_sum": {"other": SIGN, "alpha": SIGN},  # a non-finite addend or alpha keeps fewer rows (`_plus_scalar`)
     "_product": {"other": SIGN},
     "_quotient": {"other": SIGN},
     "_monotone_with_slope": {"negative_slope": SIGN},
@@ -315,6 +358,50 @@ def _elementwise_rule(partial_rows: Callable[[OpCall], list[PartialRow]]) -> Cal
     return rule
 
 
+class AddendRule(RowsRule):
+    """The sum family's rule: `P(sum) + s` of a Python number or 0-d plain tensor `s` stays P(sum), its
+    local op adding `s` only at coordinate 0 of every P(sum) mesh dim (a zero of its type elsewhere,
+    which keeps the result dtype), as torch's DTensor does; no collective. The local op reads `s` from
+    each call's arguments, so plans serve every value (`local_op_reads_values`)."""
+
+    local_op_reads_values = True
+
+    def __init__(self, rows, value_keys, adds_on_one_rank: bool = True):
+        super().__init__(rows, value_keys)
+        self.adds_on_one_rank = adds_on_one_rank
+
+    def rows(self, call: OpCall) -> list[Row]:
+        rows = super().rows(call)
+        if self.adds_on_one_rank or _operand_count(call) != 1:
+            return rows
+        return [row for row in rows if row.inputs[0] != Partial("sum")]
+
+    @functools.cached_property
+    def rule_for_lists(self) -> AddendRule:
+        """A multi-tensor op cannot run a local op per element: its elements reduce a P(sum) first."""
+        return AddendRule(self._rows, self.value_keys, adds_on_one_rank=False)
+
+    def local_op(self, call: OpCall, input_layouts, coordinate) -> Callable | None:
+        if not self.adds_on_one_rank or _operand_count(call) != 1:
+            return None
+        placements = input_layouts[0].placements
+        if all(index == 0 for placement, index in zip(placements, coordinate) if placement == Partial("sum")):
+            return None
+        return functools.partial(_without_addend, call.op, "other" if _first_argument_is_dtensor(call) else "self")
+
+
+def _without_addend(op, name: str, mesh, *args, **kwargs):
+    """`op` with its scalar argument `name` replaced by a zero of its type (dtype and device)."""
+    position = schema_positions(op)[name][0]
+    value = args[position] if position < len(args) else kwargs[name]
+    zero = torch.zeros_like(value) if isinstance(value, torch.Tensor) else type(value)(0)
+    if position < len(args):
+        args = args[:position] + (zero,) + args[position + 1:]
+    else:
+        kwargs = {**kwargs, name: zero}
+    return op(*args, **kwargs)
+
+
 def _with_in_place(packets: list) -> list:
     return packets + [getattr(aten, packet.__name__ + "_") for packet in packets if hasattr(aten, packet.__name__ + "_")]
 
@@ -340,6 +427,7 @@ class ComparisonRule(RowsRule):
 _COMPARISONS = [aten.eq, aten.ne, aten.lt, aten.le, aten.gt, aten.ge]
 
 for _packets, _partial_rows in PARTIAL_FAMILIES:
-    register_rule(_with_in_place(_packets), RowsRule(_elementwise_rule(_partial_rows), _VALUE_KEYS.get(_partial_rows.__name__)))
+    _rule_class = AddendRule if _partial_rows is _sum else RowsRule
+    register_rule(_with_in_place(_packets), _rule_class(_elementwise_rule(_partial_rows), _VALUE_KEYS.get(_partial_rows.__name__)))
 register_rule(_with_in_place(_COMPARISONS), ComparisonRule(_elementwise_rule(_no_partial)))
 register_rule([aten.log_sigmoid_forward.default, aten.frexp.Tensor], _two_outputs)

@@ -85,6 +85,15 @@ class InPlaceVariantRule(ShardingRule):
     def value_keys(self):
         return self._rules[self.functional_op].value_keys
 
+    @property
+    def local_op_reads_values(self) -> bool:
+        return self._rules[self.functional_op].local_op_reads_values
+
+    @property
+    def rule_for_lists(self) -> ShardingRule | None:
+        for_lists = self._rules[self.functional_op].rule_for_lists
+        return None if for_lists is None else InPlaceVariantRule(self.functional_op, {self.functional_op: for_lists})
+
     def rows_for_layouts(self, call, layouts):
         rule, functional_call = self._functional(call)
         return rows_keeping_self(rule.rows_for_layouts(functional_call, layouts), layouts[0])
