@@ -32,7 +32,8 @@ METADATA_ATTRIBUTES = (
 )
 # A DTensor's shards are dense strided tensors (sparse, nested and quantized ones are refused where
 # they would enter: `from_local`, `ops/sparse.py`), so these reads are class constants: an optimizer
-# asks `p.grad.is_sparse` of every parameter on every step.
+# asks `p.grad.is_sparse` of every parameter on every step. Being plain values, they are the one read
+# a torch function mode does not see.
 DENSE_CONSTANTS = {"is_sparse": False, "is_quantized": False, "is_nested": False}
 METADATA_METHODS = (
     "dim", "ndimension", "size", "stride", "numel", "nelement", "is_contiguous", "element_size",
