@@ -127,3 +127,26 @@ def test_margin_losses_shard_the_batch(mesh):
             loss.backward(grad_dtensor)
             expected.backward(grad)
             assert_close(x.grad.full_tensor(), reference.grad)
+
+
+@spmd(meshes=[(4,)])
+def test_margin_losses_of_a_rank_without_samples_add_zero(mesh):
+    """3 samples over 4 ranks: the last shard is empty, and torch's kernels return uninitialized memory
+    for an empty batch reduced by 'sum' or 'mean' (here dirtied on purpose): the Partial sum must hold 0
+    from that rank, so the loss is the one-device loss on every try."""
+    full = torch.randn(3, 4, dtype=torch.float64)
+    classes, labels = torch.tensor([0, 3, 1]), torch.tensor([[3, 0, -1, 1], [1, -1, 0, 0], [0, 1, 2, 3]])
+    functions = {
+        "multi_margin": (lambda x, target, reduction: F.multi_margin_loss(x, target, reduction=reduction), classes),
+        "multilabel_margin": (
+            lambda x, target, reduction: F.multilabel_margin_loss(x, target, reduction=reduction), labels),
+    }
+    for name, (function, target_full) in functions.items():
+        for reduction in ("sum", "mean"):
+            expected = function(full, target_full, reduction)
+            for attempt in range(20):
+                target = distribute_tensor(target_full, mesh, [Shard(0)])
+                torch.full((4096,), 1e200, dtype=torch.float64).add_(1)  # freed: the allocator's memory is dirty
+                x = distribute_tensor(full, mesh, [Shard(0)])
+                loss = function(x, target, reduction).full_tensor()
+                assert_close(loss, expected, msg=lambda m: f"{name} {reduction} #{attempt}: {m}")

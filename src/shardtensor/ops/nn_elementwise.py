@@ -109,6 +109,25 @@ class SampleLoss(ElementwiseLoss):
     def _count(self, call: OpCall) -> int:
         return call.inputs[0].shape[0]
 
+    def _global_mean(self, call, input_layouts):
+        """The sum (or global mean) of this rank's samples, which is 0 for a shard without samples:
+        torch's kernels return uninitialized memory for an empty batch reduced by 'sum' or 'mean'
+        (`multi_margin_loss`, `multilabel_margin_loss_forward` in torch 2.13), which would enter the Partial sum."""
+        if self._reduction(call) == _NONE or not any(any(layout.shard_order) for layout in input_layouts):
+            return None
+        reduced = super()._global_mean(call, input_layouts)
+        op = call.op
+
+        def without_empty_batches(mesh, *args, **kwargs):
+            result = op(*args, **kwargs) if reduced is None else reduced(mesh, *args, **kwargs)
+            if args[0].shape[0]:
+                return result
+            if isinstance(result, tuple):  # (loss, is_target): the empty is_target is fine
+                return (torch.zeros_like(result[0]), *result[1:])
+            return torch.zeros_like(result)
+
+        return without_empty_batches
+
 
 def glu(call: OpCall) -> list[Row]:
     """`glu(self, dim)`, `glu_backward(grad, self, dim)`, `_safe_softmax(self, dim, dtype)`: every
