@@ -93,6 +93,9 @@ class DeviceMesh:
         # Sliced (`mesh["tp"]`) from a mesh over the whole world, maybe through other slices: every rank of
         # the world is in this mesh or in a sibling it sliced for itself (`sub_mesh` reads this).
         self._sliced_from_world = _sliced_from_world
+        # Every rank of the world is in this mesh, so all of them can make its groups together (`comm`'s
+        # flattened groups) and none runs its ops from outside (`sub_mesh`).
+        self._spans_world = len(flat) == world_size
         # The mesh this one was sliced or flattened from (None: itself), and per mesh dim the dims of that
         # root it spans (one for a sliced dim, several for a flattened one); a root also keeps the mesh dims
         # flattened from it by name (`_flatten`), which slicing it accepts like its own names.
@@ -290,7 +293,7 @@ class DeviceMesh:
         sub_ranks = self.mesh[tuple(index)].permute([remaining.index(root_dim) for root_dim in kept])
         sub_ranks = sub_ranks.reshape([math.prod(self.mesh.shape[root_dim] for root_dim in span) for span in spans])
         tokens = tuple(self._group_tokens[span[0]] if len(span) == 1 else None for span in spans)
-        sliced_from_world = self._sliced_from_world or self.size() == dist.get_world_size()
+        sliced_from_world = self._sliced_from_world or self._spans_world
         return DeviceMesh(self.device_type, sub_ranks, mesh_dim_names=names, _groups_exist=True, _user_group_tokens=tokens,
                           _sliced_from_world=sliced_from_world, _root=self, _root_dims=spans)
 
@@ -343,7 +346,7 @@ class DeviceMesh:
         shape = self.shape[:mesh_dim] + sizes + self.shape[mesh_dim + 1:]
         self._create_split_groups(mesh_dim, sizes)
         tokens = self._group_tokens[:mesh_dim] + (None,) * len(sizes) + self._group_tokens[mesh_dim + 1:]
-        sliced_from_world = self._sliced_from_world or self.size() == dist.get_world_size()
+        sliced_from_world = self._sliced_from_world or self._spans_world
         return DeviceMesh(self.device_type, self.mesh.reshape(shape), mesh_dim_names=new_names, _groups_exist=True,
                           _user_group_tokens=tokens, _sliced_from_world=sliced_from_world)
 

@@ -25,7 +25,6 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-import torch.distributed as dist
 
 from .comm import share_object
 from .mesh import DeviceMesh, world_mesh
@@ -36,7 +35,7 @@ __all__ = ["has_ranks_outside", "sent_to_world", "received_from_mesh"]
 def has_ranks_outside(mesh: DeviceMesh) -> bool:
     """Whether ranks of the world may run ops on `mesh` from outside it: a sub-mesh not sliced from a
     mesh over the whole world."""
-    return mesh.size() < dist.get_world_size() and not mesh._sliced_from_world
+    return not mesh._spans_world and not mesh._sliced_from_world
 
 
 def _unchanged(result: Any) -> Any:

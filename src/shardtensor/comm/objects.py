@@ -7,7 +7,6 @@ import pickle
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ..mesh import DeviceMesh
 from .collectives import all_gather, all_reduce, broadcast
@@ -37,11 +36,11 @@ def all_gather_over_mesh(tensor: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor
     shape `(mesh.size(), *tensor.shape)`. One all_gather over the flattened mesh when the mesh spans
     the world (its group is the world's: none is made), else one per mesh dim of more than one rank.
 
-    >>> all_gather_over_mesh(torch.tensor([rank]), mesh).flatten().tolist()  # doctest: +SKIP
+    >>> all_gather_over_mesh(torch.tensor([rank], device=mesh.device_type), mesh).flatten().tolist()  # doctest: +SKIP
     [0, 1, 2, 3]
     """
     stacked = tensor.unsqueeze(0)
-    if mesh.ndim > 1 and mesh.size() == dist.get_world_size():
+    if mesh.ndim > 1 and mesh._spans_world:
         steps = [tuple(range(mesh.ndim))]
     else:  # the last mesh dim first, so that the rows end up row-major
         steps = list(reversed(range(mesh.ndim)))

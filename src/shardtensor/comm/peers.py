@@ -97,7 +97,7 @@ def _flattened_peers(mesh: DeviceMesh, mesh_dims: tuple) -> _Peers:
     sub_mesh = mesh.mesh[index].permute([kept.index(mesh_dim) for mesh_dim in indices])
     ranks = tuple(sub_mesh.flatten().tolist())
     key, names, coordinate = tuple(sorted(ranks)), _names(mesh, indices), ranks.index(mesh.get_rank())
-    if len(ranks) > 1 and mesh.size() == dist.get_world_size():
+    if len(ranks) > 1 and mesh._spans_world:
         # Every rank holds this mesh and runs its collectives (on its own plane): they make every such
         # group together (a no-op for groups that exist, e.g. the world's).
         mesh._create_flattened_groups(indices)

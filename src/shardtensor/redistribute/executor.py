@@ -12,7 +12,6 @@ import itertools
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 
 from .. import comm
 from ..placement import Partial, Replicate, flattened_partial
@@ -80,7 +79,7 @@ def cost_model_for(mesh) -> CostModel:
     """The cost model of what runs on `mesh`: on a mesh smaller than the world (a slice, e.g. a pipeline
     stage's), a reduction over several mesh dims runs as one collective per mesh dim (`comm`), so the
     planner plans and prices those steps (as torch's DTensor runs them) instead of one flattened step."""
-    return DEFAULT_COST_MODEL if mesh.size() == dist.get_world_size() else PER_MESH_DIM_COST_MODEL
+    return DEFAULT_COST_MODEL if mesh._spans_world else PER_MESH_DIM_COST_MODEL
 
 
 def _execute_error(local: torch.Tensor, plan: Plan, coordinate, expected) -> ValueError:
