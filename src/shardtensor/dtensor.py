@@ -20,11 +20,11 @@ import torch
 from .autograd import FromLocal, Redistribute, ToLocal
 from .checkpoint import CheckpointableMixin
 from .dispatch import dispatch
-from .from_local import from_local_layout
+from .from_local import from_local_layout, shard_sizes_from_shapes
 from .gradients import watch_leaf
 from .layout import Layout
 from .mesh import DeviceMesh, current_mesh
-from .placement import Partial, Placement, Replicate, check_partial_dtype
+from .placement import Partial, Placement, Replicate, Shard, check_partial_dtype
 from .spec import DTensorSpec, global_stride, interned_spec
 from .tensor_methods import FastTensorMethods
 
@@ -158,6 +158,32 @@ class DTensor(FastTensorMethods, CheckpointableMixin, torch.Tensor):
         """The exact `Layout`: placements, shard order and every rank's shard sizes (uneven included)."""
         return self._spec.layout
 
+    def offsets(self, mesh_dim: int | str | None = None) -> tuple[int, ...] | int:
+        """Where this rank's shard starts in the global tensor, exact for uneven shards.
+
+        Without `mesh_dim`: one global offset per tensor dim. With it: the offset along the tensor dim
+        that `mesh_dim` shards, counting the shards of the peers before this rank along `mesh_dim`
+        (the global offset unless another mesh dim splits that tensor dim too); 0 for a mesh dim
+        that does not shard (PhysicsNeMo ShardTensor's `offsets(mesh_dim)`).
+
+        >>> DTensor.from_local(torch.ones(rank + 1), mesh, [Shard(0)]).offsets()  # doctest: +SKIP
+        (1,)   # on rank 1 of 2: rank 0 holds one row
+        """
+        coordinate = self.device_mesh.get_coordinate()
+        if coordinate is None:
+            raise RuntimeError(
+                f"offsets: rank {self.device_mesh.get_rank()} is not in {self.device_mesh!r} and holds no shard; "
+                f"ask on a rank of the mesh"
+            )
+        layout = self._spec.layout
+        if mesh_dim is None:
+            return layout.local_offset(coordinate)
+        index = self.device_mesh._mesh_dim_index(mesh_dim, needed_for="offsets")
+        placement = layout.placements[index]
+        if not isinstance(placement, Shard):
+            return 0
+        return sum(layout.sizes_along(index, placement.dim, coordinate)[: coordinate[index]])
+
     def __repr__(self) -> str:
         sizes = _uneven_sizes_text(self._spec.layout)
         source = self._view_of_copy
@@ -184,6 +210,7 @@ class DTensor(FastTensorMethods, CheckpointableMixin, torch.Tensor):
         shape: Sequence[int] | None = None,
         stride: Sequence[int] | None = None,
         shard_sizes: str | Mapping[int, Sequence[int]] | None = None,
+        sharding_shapes: str | Mapping[int, Sequence[Sequence[int]]] | None = None,
     ) -> DTensor:
         """Make a DTensor from every rank's local shard (differentiable; no data moves by default).
 
@@ -192,7 +219,9 @@ class DTensor(FastTensorMethods, CheckpointableMixin, torch.Tensor):
         Without `shape`, a Shard placement makes every rank share its local shape once (one
         fixed-size all_gather), so uneven shards are exact (`shard_sizes="infer"`, the default);
         `shard_sizes="chunk"` skips that and assumes equal local shapes, as PyTorch does;
-        `shard_sizes={mesh_dim: sizes}` gives them explicitly. `run_check=True` checks shapes,
+        `shard_sizes={mesh_dim: sizes}` gives them explicitly. `sharding_shapes` is PhysicsNeMo
+        ShardTensor's spelling of the same: "infer", "chunk", or `{mesh_dim: [local shapes]}` (the
+        local shape of each coordinate along mesh_dim; pass one of the two). `run_check=True` checks shapes,
         dtypes and placements on all ranks (raising the same error everywhere) and broadcasts
         Replicate data from coordinate 0 of each mesh dim.
 
@@ -210,6 +239,13 @@ class DTensor(FastTensorMethods, CheckpointableMixin, torch.Tensor):
         if placements is None:
             placements = [Replicate()] * mesh.ndim
         placements = tuple(placements)
+        if sharding_shapes is not None:
+            if shard_sizes is not None:
+                raise ValueError(
+                    "from_local: pass shard_sizes or sharding_shapes, not both (sharding_shapes is "
+                    "PhysicsNeMo's name: local shapes per coordinate; shard_sizes: sizes along the sharded dim)"
+                )
+            shard_sizes = shard_sizes_from_shapes(sharding_shapes, local_tensor, mesh, placements)
         layout = from_local_layout(local_tensor, mesh, placements, shape, shard_sizes, run_check)
         global_strides = tuple(stride) if stride is not None else global_stride(local_tensor, layout.shape)
         spec = DTensorSpec(mesh, layout, global_strides, local_tensor.dtype)

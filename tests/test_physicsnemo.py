@@ -1,0 +1,162 @@
+"""PhysicsNeMo ShardTensor's calls on our DTensor (docs/physicsnemo.md): `from_local(sharding_shapes=...)`,
+`offsets`, `scatter_tensor`, the handler registry, and the exchange with PyTorch's DTensor; every value is
+compared with the single-device tensor it stands for."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from spmd import spmd
+
+from shardtensor import DTensor, Partial, Replicate, Shard, comm, distribute_tensor, scatter_tensor
+
+
+def _uneven_field(mesh):
+    """A global tensor whose tensor dim m is split unevenly (empty shards too) over mesh dim m, its
+    placements, this rank's shard, and the sizes along each mesh dim."""
+    sizes = {m: [(3 * c + m + 1) % 4 for c in range(mesh.size(m))] for m in range(mesh.ndim)}
+    shape = [sum(sizes[m]) for m in range(mesh.ndim)] + [3]
+    full = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
+    coordinate = mesh.get_coordinate()
+    local = full
+    for m in range(mesh.ndim):
+        local = local.narrow(m, sum(sizes[m][: coordinate[m]]), sizes[m][coordinate[m]])
+    return full, [Shard(m) for m in range(mesh.ndim)], local.clone(), sizes
+
+
+def _peer_shapes(local, mesh_dim: int, sizes: list[int]) -> list[tuple[int, ...]]:
+    shapes = []
+    for size in sizes:
+        shape = list(local.shape)
+        shape[mesh_dim] = size
+        shapes.append(tuple(shape))
+    return shapes
+
+
+@spmd()
+def test_from_local_takes_sharding_shapes_and_offsets_are_exact(mesh):
+    full, placements, local, sizes = _uneven_field(mesh)
+    shapes = {m: _peer_shapes(local, m, sizes[m]) for m in range(mesh.ndim)}
+    from_shapes = DTensor.from_local(local, mesh, placements, sharding_shapes=shapes)
+    from_sizes = DTensor.from_local(local, mesh, placements, shard_sizes=sizes)
+    inferred = DTensor.from_local(local, mesh, placements, sharding_shapes="infer")
+    assert from_shapes.sharding == from_sizes.sharding == inferred.sharding
+    assert torch.equal(from_shapes.full_tensor(), full)
+    coordinate = mesh.get_coordinate()
+    expected = tuple(sum(sizes[m][: coordinate[m]]) for m in range(mesh.ndim)) + (0,)
+    assert from_shapes.offsets() == expected
+    assert [from_shapes.offsets(m) for m in range(mesh.ndim)] == list(expected[: mesh.ndim])
+    region = full
+    for dim, (offset, length) in enumerate(zip(from_shapes.offsets(), local.shape)):
+        region = region.narrow(dim, offset, length)
+    assert torch.equal(region, local)
+    chunked = DTensor.from_local(torch.ones(2, 3), mesh, [Shard(1)] + [Replicate()] * (mesh.ndim - 1),
+                                 sharding_shapes="chunk")
+    assert chunked.shape == (2, 3 * mesh.size(0)) and chunked.offsets(0) == 3 * coordinate[0]
+    assert chunked.offsets() == (0, 3 * coordinate[0])
+    if mesh.ndim == 2:
+        assert chunked.offsets(1) == 0  # a Replicate mesh dim shards nothing
+        nested = distribute_tensor(torch.arange(7.0), mesh, [Shard(0), Shard(0)])  # pieces 2, 2, 2, 1
+        start = nested.offsets()[0]
+        assert torch.equal(torch.arange(7.0)[start:start + nested.to_local().shape[0]], nested.to_local())
+        assert start == [0, 2, 4, 6][2 * coordinate[0] + coordinate[1]]
+
+
+@spmd(meshes=[(2,), (2, 2)])
+def test_sharding_shapes_mistakes_name_what_was_expected(mesh):
+    _, placements, local, sizes = _uneven_field(mesh)
+    shapes = {0: _peer_shapes(local, 0, sizes[0])}
+    with pytest.raises(ValueError, match="not both"):
+        DTensor.from_local(local, mesh, placements, sharding_shapes=shapes, shard_sizes=sizes)
+    with pytest.raises(ValueError, match=r"expected 2 shapes \(one per coordinate along it\)"):
+        DTensor.from_local(local, mesh, placements, sharding_shapes={0: shapes[0] + shapes[0]})
+    wrong = [tuple(shape[:-1]) + (shape[-1] + 1,) for shape in shapes[0]]
+    with pytest.raises(ValueError, match=r"gives coordinate 0 of mesh dim 0 the shape .*; expected"):
+        DTensor.from_local(local, mesh, placements, sharding_shapes={0: wrong})
+    with pytest.raises(ValueError, match="not a mesh dim with a Shard placement"):
+        DTensor.from_local(local, mesh, [Replicate()] * mesh.ndim, sharding_shapes={0: shapes[0]})
+    with pytest.raises(ValueError, match="neither 'infer', 'chunk' nor a mapping"):
+        DTensor.from_local(local, mesh, placements, sharding_shapes="even")
+    if mesh.ndim == 2:
+        with pytest.raises(ValueError, match="sharded by several mesh dims"):
+            DTensor.from_local(torch.ones(2), mesh, [Shard(0), Shard(0)], sharding_shapes={0: [(2,), (2,)]})
+
+
+_SCATTER_PLACEMENTS = {
+    1: [[Shard(0)], [Shard(1)], [Replicate()]],
+    2: [[Shard(0), Shard(1)], [Replicate(), Shard(0)], [Shard(0), Shard(0)], [Partial(), Shard(1)]],
+}
+
+
+@spmd()
+def test_scatter_tensor_gives_each_rank_its_shard_of_the_source_tensor(mesh):
+    full = torch.arange(7 * 5, dtype=torch.float32).reshape(7, 5)  # uneven on every mesh
+    source = mesh.mesh.flatten().tolist()[-1]
+    mine = mesh.get_rank() == source
+    for placements in _SCATTER_PLACEMENTS[mesh.ndim]:
+        with comm.observe() as records:
+            scattered = scatter_tensor(full.clone() if mine else None, source, mesh, placements)
+        expected = distribute_tensor(full, mesh, placements)
+        assert scattered.sharding == expected.sharding and torch.equal(scattered.to_local(), expected.to_local())
+        assert torch.equal(scattered.full_tensor(), full) and not scattered.requires_grad
+        if mesh.size() > 1:  # the shape and dtype (two broadcasts: length, pickle), then one scatter
+            assert [record.kind for record in records] == ["broadcast", "broadcast", "scatter"]
+            if not mine:
+                assert records[-1].bytes_received == expected.to_local().nbytes
+    given = scatter_tensor(full.double() if mine else None, source, mesh, [Shard(0)] * mesh.ndim,
+                           global_shape=(7, 5), dtype=torch.float64, requires_grad=True)
+    assert given.is_leaf and given.requires_grad and given.dtype == torch.float64
+    (given * given).sum().backward()
+    assert torch.equal(given.grad.full_tensor(), 2 * full.double())
+
+
+@spmd(meshes=[(2,), (2, 2)])
+def test_scatter_tensor_refuses_alike_on_every_rank(mesh):
+    source = mesh.mesh.flatten().tolist()[-1]
+    mine = mesh.get_rank() == source
+    with pytest.raises(ValueError, match="the rank global_src must pass the plain torch.Tensor"):
+        scatter_tensor(None, source, mesh, [Shard(0)] * mesh.ndim)
+    with pytest.raises(ValueError, match=r"dtype=torch.float16 but the tensor on global_src=\d has dtype torch.float32"):
+        scatter_tensor(torch.ones(4) if mine else None, source, mesh, [Shard(0)] * mesh.ndim, dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"global_shape=\(5,\) but"):
+        scatter_tensor(torch.ones(4) if mine else None, source, mesh, [Shard(0)] * mesh.ndim, global_shape=(5,))
+    with pytest.raises(ValueError, match="is not a global rank of"):
+        scatter_tensor(None, mesh.size() + 3, mesh, [Shard(0)] * mesh.ndim)
+    with pytest.raises(ValueError, match="out of range|tensor dim"):
+        scatter_tensor(torch.ones(4) if mine else None, source, mesh, [Shard(2)] * mesh.ndim)
+
+
+def _peak_allocated_bytes(function) -> tuple[int, object]:
+    """The highest number of bytes the CPU allocator held at once while `function` ran, above what it held
+    before: the profiler's allocation and free events (each op's own allocations, and every free), summed
+    in time order. It sees every tensor allocated through torch's CPU allocator, whoever asks for it
+    (c10d's receive buffers included), which a TorchDispatchMode or tracemalloc would not."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+        result = function()
+    held = peak = 0
+    for event in sorted(profiler.events(), key=lambda event: event.time_range.start):
+        held += event.self_cpu_memory_usage
+        peak = max(peak, held)
+    return peak, result
+
+
+@spmd(meshes=[(4,), (2, 2)])
+def test_scatter_tensor_holds_no_more_than_the_shard_on_other_ranks(mesh):
+    full = torch.arange(1 << 18, dtype=torch.float32).reshape(512, 512)  # 1 MiB; 256 KiB shards
+    mine = mesh.get_rank() == 0
+    placements = [Shard(0)] if mesh.ndim == 1 else [Shard(0), Shard(1)]
+    peak, scattered = _peak_allocated_bytes(lambda: scatter_tensor(full if mine else None, 0, mesh, placements))
+    shard = scattered.to_local().nbytes
+    assert shard == full.nbytes // 4
+    if not mine:
+        assert shard <= peak <= 1.1 * shard, (peak, shard)
+        # The measure sees a receive buffer: PhysicsNeMo's way (broadcast the whole tensor) holds all of it.
+        broadcast_peak, _ = _peak_allocated_bytes(lambda: comm.broadcast(torch.empty_like(full), mesh, 0))
+        assert broadcast_peak >= full.nbytes
+    else:
+        comm.broadcast(full, mesh, 0)
+    assert torch.equal(scattered.full_tensor(), full)
