@@ -160,3 +160,155 @@ def test_scatter_tensor_holds_no_more_than_the_shard_on_other_ranks(mesh):
     else:
         comm.broadcast(full, mesh, 0)
     assert torch.equal(scattered.full_tensor(), full)
+
+
+# ---- handlers ----------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("physicsnemo_test::laplacian", mutates_args=())
+def laplacian(field: torch.Tensor) -> torch.Tensor:
+    """A periodic 1-d Laplacian along the last dim of a plain tensor (a stencil custom op)."""
+    return field.roll(1, -1) + field.roll(-1, -1) - 2 * field
+
+
+laplacian.register_autograd(lambda ctx, grad: laplacian(grad))  # symmetric: its own adjoint
+
+
+def _laplacian_handler(func, types, args, kwargs):
+    """The docs example: the custom op on a DTensor sharded along its last dim, by a halo exchange."""
+    from shardtensor.experimental import halo_map
+
+    return halo_map(func, dims=(-1,), halo=1, edge="circular")(*args, **kwargs)
+
+
+@spmd()
+def test_a_named_handler_runs_a_custom_stencil_op_with_a_halo_exchange_and_its_gradient(mesh):
+    full = torch.arange(2 * 11, dtype=torch.float64).reshape(2, 11).pow(2)  # uneven shards of the last dim
+    placements = [Replicate()] * (mesh.ndim - 1) + [Shard(1)]
+    expected = laplacian(full)
+    weights = torch.linspace(-1, 1, 22, dtype=torch.float64).reshape(2, 11)
+    single = full.clone().requires_grad_()
+    (laplacian(single) * weights).sum().backward()
+    DTensor.register_named_function_handler("physicsnemo_test.laplacian.default", _laplacian_handler)
+    try:
+        field = distribute_tensor(full.clone().requires_grad_(), mesh, placements)
+        with comm.observe() as records:
+            result = laplacian(field)
+        assert isinstance(result, DTensor) and result.placements == field.placements
+        assert torch.equal(result.full_tensor(), expected)
+        assert {record.kind for record in records} <= {"batch_p2p"}  # neighbours' rows only
+        (result * distribute_tensor(weights, mesh, placements)).sum().backward()
+        assert torch.allclose(field.grad.full_tensor(), single.grad)
+        with DTensor.enable_patches(False):  # the library's path: no rule for a custom op, so the fallback
+            assert not DTensor.patches_enabled()
+            assert torch.equal(laplacian(field.detach()).full_tensor(), expected)
+        assert DTensor.patches_enabled()
+    finally:
+        DTensor.register_named_function_handler("physicsnemo_test.laplacian.default", None)
+
+
+@spmd(meshes=[(1,), (2,), (2, 2)])
+def test_function_and_dispatch_handlers_come_before_rules_and_compose_with_autograd(mesh):
+    full = torch.linspace(-2, 2, 12, dtype=torch.float64).reshape(4, 3)
+    x = distribute_tensor(full, mesh, [Shard(0)] + [Replicate()] * (mesh.ndim - 1)).requires_grad_()
+    torch.nn.functional.gelu(x)  # a function plan learnt before the handlers: it must not bypass them
+    seen = []
+
+    def gelu_handler(func, types, args, kwargs):
+        seen.append((func, types, kwargs))
+        return func(*args, **kwargs) * 2  # inside its handler, `func` takes the library's path
+
+    def mul_handler(*args, **kwargs):
+        seen.append(("mul", len(args)))
+        return torch.ops.aten.mul.Tensor(*args, **kwargs)
+
+    DTensor.register_function_handler(torch.nn.functional.gelu, gelu_handler)
+    DTensor.register_dispatch_handler(torch.ops.aten.mul.Tensor, mul_handler)
+    try:
+        for _ in range(2):  # the second call finds no plan that skips the handlers
+            seen.clear()
+            y = torch.nn.functional.gelu(x, approximate="tanh")
+            assert seen[0] == (torch.nn.functional.gelu, (DTensor,), {"approximate": "tanh"})
+            single = full.clone().requires_grad_()
+            expected = torch.nn.functional.gelu(single, approximate="tanh") * 2
+            assert torch.allclose(y.full_tensor(), expected)
+            z = x * y  # through the dispatch handler, also in backward (mul's derivative is mul)
+            forward_muls = seen.count(("mul", 2))
+            assert forward_muls >= 1
+            z.sum().backward()
+            (single * expected).sum().backward()
+            assert seen.count(("mul", 2)) > forward_muls
+            assert torch.allclose(x.grad.full_tensor(), single.grad)
+            x.grad = None
+    finally:
+        DTensor.register_function_handler(torch.nn.functional.gelu, None)
+        DTensor.register_dispatch_handler(torch.ops.aten.mul.Tensor, None)
+    seen.clear()
+    torch.nn.functional.gelu(x) * x
+    assert not seen
+    with pytest.raises(TypeError, match="takes an aten overload"):
+        DTensor.register_dispatch_handler(torch.ops.aten.mul, mul_handler)
+    with pytest.raises(TypeError, match="must be callable"):
+        DTensor.register_function_handler(torch.add, "add")
+
+
+# ---- PyTorch's DTensor ---------------------------------------------------------------------------------
+
+
+def _torch_placements(placements):
+    import torch.distributed.tensor as torch_tensor
+
+    kinds = {Shard: lambda p: torch_tensor.Shard(p.dim), Replicate: lambda p: torch_tensor.Replicate(),
+             Partial: lambda p: torch_tensor.Partial(p.reduce_op)}
+    return [kinds[type(placement)](placement) for placement in placements]
+
+
+@spmd()
+def test_to_dtensor_and_back_share_the_shard_and_carry_gradients(mesh):
+    from torch.distributed.tensor import DTensor as TorchDTensor
+
+    full = torch.linspace(-1, 1, 7 * 3, dtype=torch.float64).reshape(7, 3)  # torch.chunk's uneven shards
+    for placements in ([Shard(0)] * mesh.ndim, [Replicate()] * (mesh.ndim - 1) + [Shard(1)]):
+        x = distribute_tensor(full, mesh, placements).requires_grad_()
+        theirs = x.to_dtensor()
+        assert isinstance(theirs, TorchDTensor) and list(theirs.placements) == _torch_placements(placements)
+        assert theirs.to_local().data_ptr() == x.to_local().data_ptr()
+        assert list(theirs.device_mesh.mesh.flatten().tolist()) == mesh.mesh.flatten().tolist()
+        assert torch.equal(theirs.full_tensor(), full)
+        ((theirs * theirs).sum() * 3).backward()  # torch's ops; the gradient comes back to our leaf
+        assert torch.allclose(x.grad.full_tensor(), 6 * full)
+        back = DTensor.from_dtensor(x.detach().to_dtensor())
+        assert back.device_mesh == mesh and back.sharding == x.sharding
+        assert back.to_local().data_ptr() == x.to_local().data_ptr()
+    partial = DTensor.from_local(torch.ones(2, 3), mesh, [Partial()] * mesh.ndim)
+    assert torch.equal(partial.to_dtensor().full_tensor(), torch.full((2, 3), float(mesh.size())))
+
+
+@spmd()
+def test_from_dtensor_takes_pytorchs_dtensors_with_their_gradients(mesh):
+    from torch.distributed.device_mesh import init_device_mesh as torch_mesh
+    from torch.distributed.tensor import distribute_tensor as torch_distribute
+
+    names = ("dp", "tp")[: mesh.ndim] if mesh.ndim == 2 else None
+    theirs_mesh = torch_mesh("cpu", mesh.shape, mesh_dim_names=names)
+    full = torch.linspace(-1, 1, 7 * 3, dtype=torch.float64).reshape(7, 3)
+    placements = [Shard(0)] + [Shard(1)] * (mesh.ndim - 1)
+    weight = torch_distribute(full, theirs_mesh, _torch_placements(placements)).requires_grad_()
+    ours = DTensor.from_dtensor(weight)
+    assert ours.placements == tuple(placements) and ours.to_local().data_ptr() == weight.to_local().data_ptr()
+    assert torch.equal(ours.full_tensor(), full)
+    assert DTensor.from_dtensor(weight.detach()).device_mesh == ours.device_mesh  # one mesh per torch mesh
+    (ours * ours * 3).sum().backward()  # our ops; the gradient reaches torch's leaf
+    assert torch.allclose(weight.grad.full_tensor(), 6 * full)
+    with pytest.raises(TypeError, match="takes a torch.distributed.tensor.DTensor"):
+        DTensor.from_dtensor(full)
+
+
+@spmd(meshes=[(2,), (4,), (2, 2)])
+def test_to_dtensor_refuses_shards_that_are_not_torch_chunks(mesh):
+    row = mesh.get_coordinate()[0]
+    uneven = DTensor.from_local(torch.ones(row % 2 * 2 + 1, 2), mesh, [Shard(0)] + [Replicate()] * (mesh.ndim - 1))
+    with pytest.raises(ValueError, match="PyTorch's DTensor holds torch.chunk shards only"):
+        uneven.to_dtensor()
+    mended = uneven.redistribute(placements=[Replicate()] * mesh.ndim).redistribute(placements=uneven.placements)
+    assert torch.equal(mended.to_dtensor().full_tensor(), uneven.full_tensor())

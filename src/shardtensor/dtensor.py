@@ -21,12 +21,14 @@ from .autograd import FromLocal, Redistribute, ToLocal
 from .checkpoint import CheckpointableMixin
 from .dispatch import dispatch
 from .from_local import from_local_layout, shard_sizes_from_shapes
+from . import handlers
 from .gradients import watch_leaf
 from .layout import Layout
 from .mesh import DeviceMesh, current_mesh
 from .placement import Partial, Placement, Replicate, Shard, check_partial_dtype
 from .spec import DTensorSpec, global_stride, interned_spec
 from .tensor_methods import FastTensorMethods
+from .torch_exchange import from_torch_dtensor, to_torch_dtensor
 
 __all__ = ["DTensor"]
 
@@ -325,6 +327,61 @@ class DTensor(FastTensorMethods, CheckpointableMixin, torch.Tensor):
         if target == self.sharding:
             target = self.sharding  # keep exact pieces and shard order: no communication
         return Redistribute.apply(self, mesh, target, async_op, forward_dtype, backward_dtype)
+
+
+    # ---- PhysicsNeMo ShardTensor's registry (handlers.py) and PyTorch's DTensor (torch_exchange.py) ----
+
+    @classmethod
+    def register_function_handler(cls, func, handler) -> None:
+        """Run `handler(func, types, args, kwargs)` instead of the library's path when the torch function
+        or method `func` gets a DTensor (above autograd; `handler=None` removes it; see `handlers.py`).
+
+        >>> DTensor.register_function_handler(torch.nn.functional.gelu, my_gelu)  # doctest: +SKIP
+        """
+        handlers.register_function_handler(func, handler)
+
+    @classmethod
+    def register_named_function_handler(cls, name: str, handler) -> None:
+        """`register_function_handler` by the function's name: a custom op `ns::op` is "ns.op.default"."""
+        handlers.register_named_function_handler(name, handler)
+
+    @classmethod
+    def register_dispatch_handler(cls, op, handler) -> None:
+        """Run `handler(*args, **kwargs)` instead of the library's rule for the aten overload `op` (below
+        autograd: the op's derivative formula stays torch's; `handler=None` removes it)."""
+        handlers.register_dispatch_handler(op, handler)
+
+    @classmethod
+    def patches_enabled(cls) -> bool:
+        """Whether registered handlers are used (on unless inside `DTensor.enable_patches(False)`)."""
+        return handlers.patches_enabled()
+
+    @classmethod
+    def enable_patches(cls, enabled: bool = True):
+        """A context in which registered handlers are used (True) or not (False).
+
+        >>> with DTensor.enable_patches(False):  # doctest: +SKIP
+        ...     y = torch.nn.functional.gelu(x)  # the library's rule, not the handler
+        """
+        return handlers.enable_patches(enabled)
+
+    @classmethod
+    def from_dtensor(cls, tensor) -> DTensor:
+        """This library's DTensor over the shard of PyTorch's `torch.distributed.tensor.DTensor` (the same
+        storage, mesh ranks and placements; no collective; differentiable both ways).
+
+        >>> ours = DTensor.from_dtensor(torch_dtensor)  # doctest: +SKIP
+        """
+        return from_torch_dtensor(cls, tensor)
+
+    def to_dtensor(self):
+        """PyTorch's `torch.distributed.tensor.DTensor` over this shard (the same storage, mesh ranks and
+        placements; no collective; differentiable). Uneven shards that are not `torch.chunk`'s raise
+        (PyTorch cannot describe them).
+
+        >>> torch_dtensor = x.to_dtensor()  # doctest: +SKIP
+        """
+        return to_torch_dtensor(self)
 
 
 def _cross_mesh_target(dtensor: DTensor, mesh: DeviceMesh, placements) -> Layout:
