@@ -11,6 +11,7 @@ import torch
 from spmd import spmd
 
 from shardtensor import DTensor, Partial, Replicate, Shard, comm, distribute_tensor, scatter_tensor
+from shardtensor.mesh import DeviceMesh
 
 
 def _uneven_field(mesh):
@@ -110,6 +111,18 @@ def test_scatter_tensor_gives_each_rank_its_shard_of_the_source_tensor(mesh):
     assert given.is_leaf and given.requires_grad and given.dtype == torch.float64
     (given * given).sum().backward()
     assert torch.equal(given.grad.full_tensor(), 2 * full.double())
+    if mesh.ndim == 2:  # a mesh of ranks 0 and 1 of the 4: ranks 2 and 3 are outside and take no part
+        pair = DeviceMesh("cpu", [0, 1])
+        outside = mesh.get_rank() >= 2
+        if outside:
+            with pytest.raises(ValueError, match="pass global_shape and dtype on ranks outside the mesh"):
+                scatter_tensor(None, 1, pair, [Shard(0)])
+        half = scatter_tensor(full if mesh.get_rank() == 1 else None, 1, pair, [Shard(0)],
+                              global_shape=(7, 5) if outside else None, dtype=torch.float32 if outside else None)
+        if outside:
+            assert half.shape == (7, 5) and half.to_local().numel() == 0
+        else:
+            assert torch.equal(half.to_local(), full[:4] if mesh.get_rank() == 0 else full[4:])
 
 
 @spmd(meshes=[(2,), (2, 2)])
@@ -277,6 +290,7 @@ def test_to_dtensor_and_back_share_the_shard_and_carry_gradients(mesh):
         assert torch.equal(theirs.full_tensor(), full)
         ((theirs * theirs).sum() * 3).backward()  # torch's ops; the gradient comes back to our leaf
         assert torch.allclose(x.grad.full_tensor(), 6 * full)
+        assert x.to_dtensor().device_mesh is theirs.device_mesh  # one torch mesh per mesh: no new groups
         back = DTensor.from_dtensor(x.detach().to_dtensor())
         assert back.device_mesh == mesh and back.sharding == x.sharding
         assert back.to_local().data_ptr() == x.to_local().data_ptr()
