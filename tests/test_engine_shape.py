@@ -28,7 +28,8 @@ LAYERS = [
     ["redistribute", "random", "log"],
     ["modes", "rules", "row_costs", "propagation", "ops"],  # rules, their costs, the decisions made from them,
     # and the switches rules read
-    ["handlers", "torch_exchange", "spec", "plain_tensors", "write_back", "input_moves", "plan_cache", "list_plans", "dispatch", "gradients",
+    ["handlers", "torch_exchange",  # users' handlers (read by dispatch, torch_function), PyTorch's DTensor
+     "spec", "plain_tensors", "write_back", "input_moves", "plan_cache", "list_plans", "dispatch", "gradients",
      "torch_function", "tensor_methods", "from_local", "autograd", "checkpoint"],  # the engine below the class, and the mixins it inherits
     ["dtensor", "api", "scatter"],
     ["debug", "experimental", "parallel", "fsdp", ""],  # "": the package's `__init__`, which exports it all

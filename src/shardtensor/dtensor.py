@@ -17,11 +17,11 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from . import handlers
 from .autograd import FromLocal, Redistribute, ToLocal
 from .checkpoint import CheckpointableMixin
 from .dispatch import dispatch
 from .from_local import from_local_layout, shard_sizes_from_shapes
-from . import handlers
 from .gradients import watch_leaf
 from .layout import Layout
 from .mesh import DeviceMesh, current_mesh
@@ -247,7 +247,8 @@ class DTensor(FastTensorMethods, CheckpointableMixin, torch.Tensor):
                     "from_local: pass shard_sizes or sharding_shapes, not both (sharding_shapes is "
                     "PhysicsNeMo's name: local shapes per coordinate; shard_sizes: sizes along the sharded dim)"
                 )
-            shard_sizes = shard_sizes_from_shapes(sharding_shapes, local_tensor, mesh, placements)
+            shard_sizes = shard_sizes_from_shapes(sharding_shapes, local_tensor, mesh, placements,
+                                                  check_local=not run_check)
         layout = from_local_layout(local_tensor, mesh, placements, shape, shard_sizes, run_check)
         global_strides = tuple(stride) if stride is not None else global_stride(local_tensor, layout.shape)
         spec = DTensorSpec(mesh, layout, global_strides, local_tensor.dtype)
@@ -327,7 +328,6 @@ class DTensor(FastTensorMethods, CheckpointableMixin, torch.Tensor):
         if target == self.sharding:
             target = self.sharding  # keep exact pieces and shard order: no communication
         return Redistribute.apply(self, mesh, target, async_op, forward_dtype, backward_dtype)
-
 
     # ---- PhysicsNeMo ShardTensor's registry (handlers.py) and PyTorch's DTensor (torch_exchange.py) ----
 

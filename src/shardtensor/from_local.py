@@ -80,10 +80,15 @@ def from_local_layout(local, mesh, placements, shape, shard_sizes, run_check: bo
     return _explicit_layout(local, mesh_shape, placements, shard_sizes, coordinate)
 
 
-def shard_sizes_from_shapes(sharding_shapes, local, mesh, placements):
+def shard_sizes_from_shapes(sharding_shapes, local, mesh, placements, check_local: bool):
     """PhysicsNeMo's `sharding_shapes` as our `shard_sizes`: "infer" and "chunk" as they are, and
-    `{mesh_dim: [local shape of each coordinate along mesh_dim]}` as `{mesh_dim: [sizes]}`, checked
-    against this rank's local tensor (the same arguments on every rank give the same error there)."""
+    `{mesh_dim: [local shape of each coordinate along mesh_dim]}` as `{mesh_dim: [sizes]}`.
+
+    The shapes must agree with each other off the dim `mesh_dim` shards (an argument check, alike on
+    every rank given alike arguments). `check_local` also compares them with this rank's local tensor
+    here, before any collective could be waiting for this rank; `from_local(run_check=True)` passes
+    False, as its exchange checks every rank's shape (`_explicit_layout`) after gathering them.
+    """
     if sharding_shapes in ("infer", "chunk"):
         return sharding_shapes
     if not isinstance(sharding_shapes, Mapping):
@@ -105,21 +110,23 @@ def shard_sizes_from_shapes(sharding_shapes, local, mesh, placements):
                 sharding_shapes, f"gives shapes for mesh dim {mesh_dim}, but tensor dim {dim} is sharded by "
                 f"several mesh dims; explicit shapes need a tensor dim sharded by one mesh dim: pass "
                 f"sharding_shapes='infer' for nested uneven shards"))
-        shapes = [tuple(shape) for shape in shapes]
+        shapes = [tuple(int(size) for size in shape) for shape in shapes]
         if len(shapes) != mesh.shape[mesh_dim] or any(len(shape) != local.ndim for shape in shapes):
             raise ValueError(_shapes_error(
                 sharding_shapes, f"gives {len(shapes)} shapes for mesh dim {mesh_dim}; expected "
                 f"{mesh.shape[mesh_dim]} shapes (one per coordinate along it) of {local.ndim} sizes each"))
+        reference = list(local.shape) if check_local else list(shapes[0])
         for position, shape in enumerate(shapes):
-            mine = coordinate is not None and position == coordinate[mesh_dim]
-            expected = list(local.shape)
-            if not mine:  # a peer along mesh_dim: this rank's sizes except on the dim mesh_dim shards
+            mine = check_local and coordinate is not None and position == coordinate[mesh_dim]
+            expected = list(reference)
+            if not mine:  # a peer along mesh_dim: the same sizes except on the dim mesh_dim shards
                 expected[dim] = shape[dim]
             if list(shape) != expected or min(shape, default=0) < 0:
-                why = "this rank's local shape" if mine else f"this rank's local shape {tuple(local.shape)} except on dim {dim}"
+                whose = f"this rank's local shape {tuple(local.shape)}" if check_local else f"the shape {shapes[0]}"
+                why = "this rank's local shape" if mine else f"{whose} except on dim {dim}"
                 raise ValueError(_shapes_error(
                     sharding_shapes, f"gives coordinate {position} of mesh dim {mesh_dim} the shape {shape}; "
-                    f"expected {tuple(expected)} ({why})"))
+                    f"expected {tuple(expected)} ({why}) with non-negative sizes"))
         sizes_by_mesh_dim[mesh_dim] = [shape[dim] for shape in shapes]
     return sizes_by_mesh_dim
 

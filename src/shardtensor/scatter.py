@@ -117,7 +117,8 @@ def _outside_mesh(mesh, placements, global_shape, dtype, requires_grad) -> DTens
         )
     layout = Layout.create(mesh.shape, placements, global_shape)
     local = torch.empty((0,) * max(len(layout.shape), 1), dtype=dtype, device=mesh.device_type)
-    return DTensor(local, DTensorSpec(mesh, layout, contiguous_stride(layout.shape), dtype), requires_grad=requires_grad)
+    spec = DTensorSpec(mesh, layout, contiguous_stride(layout.shape), dtype)
+    return DTensor(local, spec, requires_grad=requires_grad)
 
 
 def _coordinates(mesh: DeviceMesh) -> list[tuple[int, ...]]:

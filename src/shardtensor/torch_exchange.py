@@ -116,7 +116,8 @@ def _torch_mesh(mesh: DeviceMesh):
         raise RuntimeError(_outside_error("to_dtensor", mesh))
     names = mesh.mesh_dim_names
     if mesh.ndim == 1:
-        torch_mesh = TorchDeviceMesh.from_group(mesh.get_group(0), mesh.device_type, mesh=mesh.mesh, mesh_dim_names=names)
+        torch_mesh = TorchDeviceMesh.from_group(mesh.get_group(0), mesh.device_type, mesh=mesh.mesh,
+                                                mesh_dim_names=names)
     else:  # torch asks for names with several groups
         names = names or tuple(f"mesh_dim_{mesh_dim}" for mesh_dim in range(mesh.ndim))
         torch_mesh = TorchDeviceMesh.from_group(mesh.get_all_groups(), mesh.device_type, mesh=mesh.mesh,
