@@ -88,15 +88,20 @@ def _register(table: dict, key, handler, function: str) -> None:
 
 
 def _refresh() -> None:
-    """Fill the live tables from the registrations, and make cached plans stale: a plan learnt before
-    would run an op or function that now has a handler without asking it."""
-    FUNCTION_HANDLERS.clear()
-    DISPATCH_HANDLERS.clear()
+    """Fill the live tables from the registrations; when they change, make cached plans stale (a plan
+    learnt before would run an op or function that now has a handler without asking it)."""
+    functions, ops = {}, {}
     if _enabled:
-        FUNCTION_HANDLERS.update(_functions)
-        FUNCTION_HANDLERS.update(_names)
-        DISPATCH_HANDLERS.update(_ops)
-        DISPATCH_HANDLERS.update((str(op), handler) for op, handler in _ops.items())
+        functions.update(_functions)
+        functions.update(_names)
+        ops.update(_ops)
+        ops.update((str(op), handler) for op, handler in _ops.items())
+    if functions == FUNCTION_HANDLERS and ops == DISPATCH_HANDLERS:
+        return  # e.g. `enable_patches(False)` with nothing registered: the caches stay
+    FUNCTION_HANDLERS.clear()
+    FUNCTION_HANDLERS.update(functions)
+    DISPATCH_HANDLERS.clear()
+    DISPATCH_HANDLERS.update(ops)
     propagation.clear_cache()
 
 
