@@ -224,7 +224,7 @@ def test_a_named_handler_runs_a_custom_stencil_op_with_a_halo_exchange_and_its_g
         DTensor.register_named_function_handler("physicsnemo_test.laplacian.default", None)
 
 
-@spmd(meshes=[(1,), (2,), (2, 2)])
+@spmd()
 def test_function_and_dispatch_handlers_come_before_rules_and_compose_with_autograd(mesh):
     full = torch.linspace(-2, 2, 12, dtype=torch.float64).reshape(4, 3)
     x = distribute_tensor(full, mesh, [Shard(0)] + [Replicate()] * (mesh.ndim - 1)).requires_grad_()
