@@ -11,6 +11,7 @@ from .mesh import DeviceMesh, init_device_mesh
 from .modes import explicit_communication, strict_mode, trusted_indices
 from .placement import NormPartial, Partial, Placement, Replicate, Shard
 from .random import manual_seed
+from .scatter import scatter_tensor
 
 __all__ = [
     "DTensor",
@@ -23,6 +24,7 @@ __all__ = [
     "Placement",
     "distribute_tensor",
     "distribute_module",
+    "scatter_tensor",
     "zeros",
     "ones",
     "empty",
