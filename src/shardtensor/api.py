@@ -323,7 +323,8 @@ def _number(name: str, value):
     """A start or end point: a number, or a 0-dim tensor (a DTensor too) read as its number."""
     if isinstance(value, torch.Tensor):
         if value.dim() != 0:
-            raise ValueError(f"{name} must be a number or a 0-dimensional tensor, got a tensor of shape {tuple(value.shape)}")
+            raise ValueError(
+                f"{name} must be a number or a 0-dimensional tensor, got a tensor of shape {tuple(value.shape)}")
         return value.item()
     return value
 
@@ -359,4 +360,5 @@ def logspace(start, end, steps, base=10.0, *, dtype=None, layout=torch.strided, 
 
     >>> logspace(0.0, 3.0, 4, base=2.0, device_mesh=mesh, placements=[Shard(0)])  # doctest: +SKIP
     """
-    return _spaced(torch.logspace, start, end, steps, {"base": base}, requires_grad, dtype, layout, device_mesh, placements)
+    extra = {"base": base}
+    return _spaced(torch.logspace, start, end, steps, extra, requires_grad, dtype, layout, device_mesh, placements)

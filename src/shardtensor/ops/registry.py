@@ -9,7 +9,8 @@ moving Replicate to Shard is free, so on a tie the rule's order keeps a Replicat
 
 Op families name their ops through `aten` below, which reads a name the running torch lacks
 (`aten.cholesky` in torch 2.14) as a `MissingOp`: `register_rule` skips it (`skipped_ops()` lists
-it, with a DEBUG log line), so one table serves every torch version we support.
+it, with a DEBUG log line), so one table serves every torch version we support. (An overload that
+torch drops from an op it keeps would still fail at import; torch retires whole ops, as `cholesky`.)
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ from ..rules import (
 from .common import one_input_row
 
 __all__ = [
-    "RULES", "FUNCTION_REWRITES", "aten", "MissingOp", "skipped_ops", "register_rule", "register_function_rewrite", "register_variants",
-    "functional_overload", "InPlaceVariantRule", "same_layout", "like_factory", "pointwise",
+    "RULES", "FUNCTION_REWRITES", "aten", "MissingOp", "skipped_ops", "register_rule", "register_function_rewrite",
+    "register_variants", "functional_overload", "InPlaceVariantRule", "same_layout", "like_factory", "pointwise",
 ]
 
 _logger = logging.getLogger(__name__)
