@@ -403,8 +403,8 @@ def _without_addend(op, name: str, mesh, *args, **kwargs):
 
 def _with_in_place(packets: list) -> list:
     """The packets and the in-place packets (`abs_` of `abs`) this torch has."""
-    present = [packet for packet in packets if not isinstance(packet, MissingOp)]
-    return packets + [getattr(aten, packet.__name__ + "_") for packet in present if hasattr(torch.ops.aten, packet.__name__ + "_")]
+    names = [packet.__name__ + "_" for packet in packets if not isinstance(packet, MissingOp)]
+    return packets + [getattr(aten, name) for name in names if hasattr(torch.ops.aten, name)]
 
 
 def _two_outputs(call: OpCall) -> list[Row]:
