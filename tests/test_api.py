@@ -131,7 +131,7 @@ def test_linspace_and_logspace_give_the_values_of_one_device(mesh):
     start = distribute_tensor(torch.tensor(-1.5), mesh, [Replicate()] * mesh.ndim)
     with_dtensor = shardtensor.linspace(start, 1.5, 4, requires_grad=True, device_mesh=mesh)
     assert with_dtensor.requires_grad and torch.equal(with_dtensor.full_tensor(), torch.linspace(-1.5, 1.5, 4))
-    with pytest.raises(ValueError, match=r"start must be a number or a 0-dimensional tensor, got a tensor of shape \(2,\)"):
+    with pytest.raises(ValueError, match=r"^start must be a number or a 0-dimensional tensor, got .* shape \(2,\)"):
         shardtensor.linspace(torch.zeros(2), 1.0, 4, device_mesh=mesh)
     with pytest.raises(ValueError, match="size must be non-negative ints"):
         shardtensor.logspace(0.0, 1.0, -1, device_mesh=mesh)

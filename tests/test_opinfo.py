@@ -88,7 +88,6 @@ def test_summary_line_counts_each_status():
     )
 
 
-
 def test_an_op_tagged_seeded_is_random_only_when_it_draws():
     """torch 2.14 runs the 3-D samples of scaled_dot_product_attention through its CPU flash kernel:
     tagged `nondeterministic_seeded` for a dropout it does not support on CPU, it draws nothing."""

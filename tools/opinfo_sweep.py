@@ -267,8 +267,8 @@ def _gathered(library: _Library, value):
 class _SeededOps(TorchDispatchMode):
     """Records whether any aten op drew random numbers: one tagged `nondeterministic_seeded` that moved
     the default generator. The tag alone says that an op may draw: torch 2.14 runs the 3-D samples of
-    `scaled_dot_product_attention` through its CPU flash kernel, tagged for its dropout, which with
-    dropout_p = 0 draws nothing."""
+    `scaled_dot_product_attention` through its CPU flash kernel, tagged for a dropout that it does not
+    support on CPU, so it draws nothing."""
 
     def __init__(self):
         super().__init__()
