@@ -5,7 +5,7 @@
 >>> distribute_tensor(torch.arange(4.0), mesh, [Shard(0)])  # doctest: +SKIP
 """
 
-from .api import distribute_module, distribute_tensor, empty, full, ones, rand, randn, zeros
+from .api import distribute_module, distribute_tensor, empty, full, linspace, logspace, ones, rand, randn, zeros
 from .dtensor import DTensor
 from .mesh import DeviceMesh, init_device_mesh
 from .modes import explicit_communication, strict_mode, trusted_indices
@@ -29,6 +29,8 @@ __all__ = [
     "ones",
     "empty",
     "full",
+    "linspace",
+    "logspace",
     "rand",
     "randn",
     "manual_seed",
