@@ -61,6 +61,7 @@ import torch.utils.checkpoint
 
 from . import comm
 from .mesh import DeviceMesh, world_mesh
+from .rank_state import per_rank
 
 __all__ = [
     "BLOCK_SIZE", "FILLS", "checkpoint", "checkpoint_contexts", "checkpoint_sequential", "draws_in_backward",
@@ -79,6 +80,14 @@ _seed: int | None = None
 _counter = 0
 _replays = 0  # `checkpoint_contexts` recomputations and `draws_in_backward` blocks running (may draw in backward)
 _lock = threading.Lock()  # guards _seed, _counter and _replays
+
+
+def _restore_rank_state(state: tuple) -> None:
+    global _seed, _counter, _replays
+    _seed, _counter, _replays = state
+
+
+per_rank("random", lambda: (_seed, _counter, _replays), _restore_rank_state, lambda: (None, 0, 0))
 
 
 def manual_seed(seed: int) -> None:
