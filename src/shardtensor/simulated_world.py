@@ -334,6 +334,10 @@ class SimulatedGroup(dist.ProcessGroup):
     def getBackendName(self) -> str:
         return BACKEND
 
+    @property
+    def group_name(self) -> str:
+        return self._name
+
     def __repr__(self) -> str:
         return f"SimulatedGroup(ranks={self._global_ranks}, rank={self.rank()})"
 
