@@ -50,6 +50,7 @@ def _program(mesh_shape):
         summed = (x * x).sum(dim=0)
     results["moved"], results["summed"] = moved.to_local(), summed.full_tensor()
     results["comm_counts"] = {str(key): count for key, count in debug.get_comm_counts().items()}
+    results["rand_unseeded"] = shardtensor.rand(5, device_mesh=mesh, placements=[Shard(0)] * mesh.ndim).full_tensor()
     shardtensor.manual_seed(3)
     results["rand"] = shardtensor.rand(6, 4, device_mesh=mesh, placements=[Shard(1)] * mesh.ndim).full_tensor()
     tp = init_device_mesh("cpu", (mesh.size(),))

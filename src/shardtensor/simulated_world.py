@@ -146,8 +146,9 @@ class Simulation:
             self._ready.add(rank)
             if self._arrived == self.world_size:
                 self._schedule()
-            self._await_turn(rank)
         try:
+            with self._lock:
+                self._await_turn(rank)
             dist.init_process_group(BACKEND, store=self.store, rank=rank, world_size=self.world_size)
             return body()
         finally:
