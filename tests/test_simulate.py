@@ -59,7 +59,9 @@ def _program(mesh_shape):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(2):
         batch = torch.randn(5, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(step))
-        model(batch).square().sum().backward()
+        with CommDebugMode() as module_debug:  # per-module tables: torch's module hooks are global, ranks are not
+            model(batch).square().sum().backward()
+        results[f"module_counts_{step}"] = module_debug.comm_module_counts
         optimizer.step()
         optimizer.zero_grad()
     results["parameters"] = [parameter.full_tensor() for parameter in model.parameters()]
