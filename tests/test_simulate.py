@@ -7,6 +7,7 @@ checkpoints saved at one world size and loaded at another. Simulate itself: the 
 gloo ranks, a failing rank's traceback, and no hang.
 """
 
+import copy
 import itertools
 import random
 import time
@@ -264,3 +265,41 @@ def test_a_checkpoint_saved_on_8_ranks_loads_on_16_and_on_4(tmp_path):
 def _checkpoint_model_values(seed: int) -> torch.Tensor:
     torch.manual_seed(seed)
     return torch.nn.Linear(6, 10).weight.detach()
+
+
+# ---- 16 ranks: fully_shard with mostly empty shards; 64 ranks: tensor parallel on a 3-D mesh's tp dim ----
+def _fully_shard_on_16_ranks():
+    mesh = init_device_mesh("cpu", (16,))
+    generator = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(16, 5, generator=generator, dtype=torch.float64),
+                torch.randn(16, 7, generator=generator, dtype=torch.float64)) for _ in range(2)]
+    reference = fsdp_tests._train_reference(fsdp_tests._model(), batches)
+    sharded = fsdp_tests._shard(fsdp_tests._model(), mesh)  # 7 head rows over 16 ranks: 9 empty shards
+    fsdp_tests._train_sharded(sharded, batches, mesh.get_rank(), mesh.size())  # one row per rank
+    fsdp_tests._assert_same_parameters(sharded, reference)
+
+
+def test_fully_shard_on_16_ranks_trains_like_one_device():
+    launch.simulate(_fully_shard_on_16_ranks, 16)
+
+
+def _tensor_parallel_on_a_4x4x4_mesh():
+    cube = init_device_mesh("cpu", (4, 4, 4), mesh_dim_names=("dp", "cp", "tp"))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.GELU(), torch.nn.Linear(10, 6)).double()
+    single = copy.deepcopy(model)
+    parallelize_module(model, cube["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})  # 10 = 3 + 3 + 3 + 1
+    batch = torch.randn(3, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(cube.get_coordinate()[0]))
+    with comm.observe() as records:
+        output = model(batch)
+    assert [(record.kind, record.group_size) for record in records] == [("all_reduce", 4)]
+    expected = single(batch)
+    assert_close(output, expected)
+    output.square().sum().backward()
+    expected.square().sum().backward()
+    for (name, parameter), wanted in zip(model.named_parameters(), single.parameters()):
+        assert_close(parameter.grad.full_tensor(), wanted.grad, msg=name)
+
+
+def test_tensor_parallel_on_a_4x4x4_mesh_of_64_ranks_equals_one_device():
+    launch.simulate(_tensor_parallel_on_a_4x4x4_mesh, 64)
