@@ -18,9 +18,9 @@ def tp_mesh(mesh):
     """The 1-D mesh styles run on: the mesh itself, or the "tp" dim of a 2-D mesh (named dp x tp)."""
     if mesh.ndim == 1:
         return mesh
-    if mesh.shape not in _named_meshes:
-        _named_meshes[mesh.shape] = init_device_mesh("cpu", mesh.shape, mesh_dim_names=("dp", "tp"))
-    return _named_meshes[mesh.shape]["tp"]
+    if mesh not in _named_meshes:  # by mesh, not shape: each simulated rank (launch.simulate) has its own world
+        _named_meshes[mesh] = init_device_mesh("cpu", mesh.shape, mesh_dim_names=("dp", "tp"))
+    return _named_meshes[mesh]["tp"]
 
 
 def data_seed(mesh) -> int:

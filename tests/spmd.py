@@ -7,6 +7,8 @@
 The pytest side runs the body on a session-wide pool of `LocalWorkers` per world size (see
 conftest.py); the worker imports the test module, finds the body in `shardtensor.launch`'s registry
 and calls it with a mesh built by `init_device_mesh("cpu", shape)` (cached per shape per worker).
+Meshes listed in `simulated=` (ids `simulated=4x4x4`) run on ranks simulated in the pytest process
+(`launch.simulate`): no worker processes, so 8 to 64 ranks cost about what a real 4-rank run does.
 """
 
 from __future__ import annotations
@@ -27,8 +29,12 @@ DEFAULT_TIMEOUT = 60.0
 _worker_meshes: dict[tuple[int, ...], DeviceMesh] = {}
 
 
+class Simulated(tuple):
+    """A mesh shape whose ranks `launch.simulate` runs in the pytest process (no worker pool)."""
+
+
 def mesh_id(shape) -> str:
-    return "mesh=" + "x".join(str(size) for size in shape)
+    return ("simulated=" if isinstance(shape, Simulated) else "mesh=") + "x".join(str(size) for size in shape)
 
 
 def _run_body(body: launch.RegisteredFunction, mesh_shape: tuple[int, ...], params: dict):
@@ -84,9 +90,15 @@ def example_note(mesh, example):
         raise
 
 
-def spmd(meshes=DEFAULT_MESHES, *, timeout: float = DEFAULT_TIMEOUT):
-    """Turn `def test_x(mesh, ...)` into a pytest test parametrized over mesh shapes (ids `mesh=2x2`)."""
-    meshes = [tuple(shape) for shape in meshes]
+def _run_simulated_body(body, mesh_shape: tuple[int, ...], params: dict):
+    """A simulated rank's side: a mesh of its simulated world, then the body."""
+    return body(mesh=init_device_mesh("cpu", mesh_shape), **params)
+
+
+def spmd(meshes=DEFAULT_MESHES, *, timeout: float = DEFAULT_TIMEOUT, simulated=()):
+    """Turn `def test_x(mesh, ...)` into a pytest test parametrized over mesh shapes (ids `mesh=2x2`):
+    `meshes` on the worker pools' gloo ranks, `simulated` on ranks simulated in this process."""
+    meshes = [tuple(shape) for shape in meshes] + [Simulated(shape) for shape in simulated]
 
     def decorate(body):
         reference = launch.register(body)
@@ -96,9 +108,11 @@ def spmd(meshes=DEFAULT_MESHES, *, timeout: float = DEFAULT_TIMEOUT):
                             "fixture is never undone; patch inside the body with pytest.MonkeyPatch.context()")
 
         def test(mesh, spmd_pools, **params):
-            pool = spmd_pools.get(math.prod(mesh))
             try:
-                pool.run(_run_body, reference, mesh, params, timeout=timeout)
+                if isinstance(mesh, Simulated):
+                    launch.simulate(_run_simulated_body, math.prod(mesh), body, tuple(mesh), params)
+                else:
+                    spmd_pools.get(math.prod(mesh)).run(_run_body, reference, mesh, params, timeout=timeout)
             except launch.RankFailure as failure:
                 message = str(failure)
             else:

@@ -1,4 +1,7 @@
-"""Eight local ranks (meshes 8, 2x2x2, 2x4, 4x2) and the 1x4 / 4x1 meshes of four ranks.
+"""Eight ranks (meshes 8, 2x2x2, 2x4, 4x2) and the 1x4 / 4x1 meshes of four ranks.
+
+The ranks are simulated in the pytest process (`launch.simulate`, the same results as gloo ranks),
+except one end-to-end run of the placement chains on eight real gloo processes (2x2x2).
 
 2x4 and 4x2 (and 1x4 / 4x1) make a swap of mesh dims or of mesh sizes visible, which 2x2 cannot.
 Every check is against the single-device value: `full_tensor()` equals the global tensor and each
@@ -62,7 +65,7 @@ def _partial_operand(full, mesh, placements):
                               stride=full.stride()), count > 1
 
 
-@spmd(meshes=EIGHT + FOUR_SKEWED, timeout=SLOW_MACHINE_TIMEOUT)
+@spmd(meshes=[(2, 2, 2)], timeout=SLOW_MACHINE_TIMEOUT, simulated=EIGHT + FOUR_SKEWED)
 def test_random_placement_chains(mesh):
     for number, (shape, chain, partial_start) in enumerate(_random_chains(mesh.shape, CHAIN_EXAMPLES, seed=8)):
         full = exact_full(shape, seed=number)
@@ -78,7 +81,7 @@ def test_random_placement_chains(mesh):
             _check(dtensor, full, context + f" (at {[str(p) for p in placements]})")
 
 
-@spmd(meshes=[(2, 2, 2), (2, 4), (4, 2)], timeout=SLOW_MACHINE_TIMEOUT)
+@spmd(meshes=[], simulated=[(2, 2, 2), (2, 4), (4, 2)])
 def test_nested_shards_of_one_dim(mesh):
     full = exact_full((13, 6), seed=3)
     every_dim_on_zero = [Shard(0)] * mesh.ndim
@@ -89,7 +92,7 @@ def test_nested_shards_of_one_dim(mesh):
         _check(dtensor, full, [str(p) for p in placements])
 
 
-@spmd(meshes=EIGHT + FOUR_SKEWED, timeout=SLOW_MACHINE_TIMEOUT)
+@spmd(meshes=[], simulated=EIGHT + FOUR_SKEWED)
 def test_op_families_match_single_device(mesh):
     a_full, b_full = exact_full((8, 6), seed=1), exact_full((6, 5), seed=2)
     last = mesh.ndim - 1
@@ -118,7 +121,7 @@ def test_op_families_match_single_device(mesh):
         assert torch.equal(result.full_tensor(), expected), (mesh.shape, name)
 
 
-@spmd(meshes=[(8,)], timeout=SLOW_MACHINE_TIMEOUT)
+@spmd(meshes=[], simulated=[(8,)])
 def test_cross_mesh_moves(mesh):
     full = exact_full((9, 8), seed=4)
     world = torch.arange(8)
@@ -138,7 +141,7 @@ def test_cross_mesh_moves(mesh):
             _check(dtensor, full, name)
 
 
-@spmd(meshes=[(8,), (2, 2, 2), (2, 4)], timeout=SLOW_MACHINE_TIMEOUT)
+@spmd(meshes=[], simulated=[(8,), (2, 2, 2), (2, 4)])
 def test_random_ops_match_the_single_device_tensor(mesh):
     shape = (9, 5)
     for counter, placements in enumerate([[Shard(0)] * mesh.ndim, [R] * (mesh.ndim - 1) + [Shard(1)],
@@ -153,7 +156,7 @@ def test_random_ops_match_the_single_device_tensor(mesh):
     _check(target, documented_random("rand", shape, seed=21, counter=3, dtype=torch.float32), "uniform_ in place")
 
 
-@spmd(meshes=[(2, 2, 2)], timeout=SLOW_MACHINE_TIMEOUT)
+@spmd(meshes=[], simulated=[(2, 2, 2)])
 def test_from_local_on_a_sliced_mesh_learns_shapes_in_one_all_gather_per_mesh_dim(mesh):
     """A 2x2 slice of the 2x2x2 world does not span the world: the fixed-size records of the local shapes
     are gathered along each of its mesh dims (no group over the slice is made), in row-major order."""

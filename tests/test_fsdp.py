@@ -95,7 +95,7 @@ def _assert_same_parameters(sharded, reference):
         assert_close(parameter.full_tensor(), expected.detach(), msg=lambda message, name=name: f"{name}: {message}")
 
 
-@spmd(meshes=[(1,), (2,), (4,)])
+@spmd(meshes=[(1,), (2,), (4,)], simulated=[(8,)])
 def test_training_equals_single_device_with_uneven_rows(mesh):
     batches = _batches(3)
     reference = _train_reference(_model(), batches)
@@ -143,7 +143,7 @@ def _step_records(model, inputs, target):
     return _kinds(forward), _kinds(backward), _kinds(step)
 
 
-@spmd(meshes=[(2,), (4,)])
+@spmd(meshes=[(2,), (4,)], simulated=[(8,)])
 def test_one_all_gather_per_unit_forward_and_one_reduce_scatter_per_unit_backward(mesh):
     rank, ranks = _data_parallel_rank(mesh)
     inputs, target = (_local_batch(tensor, rank, ranks) for tensor in _batches(1)[0])

@@ -51,7 +51,7 @@ def test_flatten_and_slice(mesh):
     assert world["dp_cp"]._sliced_from_world, "a flattened slice of the world exchanges no values with other ranks"
 
 
-@spmd(meshes=[(2, 2, 2)], timeout=300.0)
+@spmd(meshes=[], simulated=[(2, 2, 2)])
 def test_dtensors_on_flattened_dims(mesh):
     world = init_device_mesh("cpu", mesh.shape, mesh_dim_names=NAMES)
     world["dp", "cp"]._flatten()

@@ -78,7 +78,7 @@ def test_rowwise_linear_and_embedding_reduce_a_partial_sum(mesh):
     assert sequence.weight.to_local().shape == (chunk_sizes(11, tp.size())[tp.get_local_rank()], 4)
 
 
-@spmd(meshes=MESHES)
+@spmd(meshes=MESHES, simulated=[(8,), (2, 8)])
 def test_megatron_mlp_trains_exactly_with_one_all_reduce_each_way(mesh):
     tp = tp_mesh(mesh)
     plan = {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
@@ -94,7 +94,7 @@ def test_megatron_mlp_trains_exactly_with_one_all_reduce_each_way(mesh):
     assert not isinstance(y, DTensor) and not isinstance(x.grad, DTensor)
 
 
-@spmd(meshes=MESHES)
+@spmd(meshes=MESHES, simulated=[(8,), (16,)])
 def test_sequence_parallel_norm_and_dropout_on_an_uneven_sequence(mesh):
     tp = tp_mesh(mesh)
 

@@ -41,6 +41,7 @@ import weakref
 
 import torch
 
+from .rank_state import per_rank_contents
 from .redistribute import is_relabel, redistribute_local_tensor
 from .redistribute.buckets import reduce_in_buckets, reduction_only
 from .spec import DTensorSpec, contiguous_stride
@@ -54,6 +55,9 @@ class _Pending:
     """Leaves whose gradient arrived in another layout during the running backward pass."""
 
     leaves: list = []
+
+
+per_rank_contents("gradients.pending", _Pending.leaves)
 
 
 def watch_leaves(dtensor_class: type, args: tuple, kwargs: dict) -> None:
@@ -117,7 +121,8 @@ def _on_accumulated(leaf) -> None:
 
 def _relay_pending() -> None:
     """At the end of backward: every set-aside gradient moved to its leaf's layout."""
-    leaves, _Pending.leaves = _Pending.leaves, []
+    leaves = list(_Pending.leaves)
+    _Pending.leaves.clear()  # the same list: `launch.simulate` swaps its contents per rank
     by_mesh: dict[int, list] = collections.defaultdict(list)
     for leaf in leaves:  # a gradient replaced meanwhile (the user's hook) may be there already
         if isinstance(leaf.grad, type(leaf)) and leaf.grad.sharding != leaf.sharding:

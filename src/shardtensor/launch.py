@@ -13,6 +13,7 @@ results come back in rank order, failures come back as one `RankFailure` with ev
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import datetime
 import importlib
@@ -22,12 +23,13 @@ import os
 import pickle
 import socket
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["LocalWorkers", "RankFailure", "RegisteredFunction", "register", "spawn"]
+__all__ = ["LocalWorkers", "RankFailure", "RegisteredFunction", "register", "simulate", "spawn"]
 
 # Starting a pool only waits on imports and the rendezvous; a dead worker is noticed at once, so this
 # bound is only against a stuck rendezvous and is generous for many ranks on a loaded machine.
@@ -70,16 +72,18 @@ def register(function: Callable) -> RegisteredFunction:
 class RankFailure(RuntimeError):
     """A task failed on some ranks: `failures` maps rank -> traceback, `timed_out` lists silent ranks."""
 
-    def __init__(self, failures: dict[int, str], timed_out: list[int], answered: list[int]):
+    def __init__(self, failures: dict[int, str], timed_out: list[int], answered: list[int], why_silent: str | None = None):
         self.failures = failures
         self.timed_out = timed_out
         self.answered = answered
-        super().__init__(_rank_failure_message(failures, timed_out, answered))
+        super().__init__(_rank_failure_message(failures, timed_out, answered, why_silent))
 
 
-def _rank_failure_message(failures: dict[int, str], timed_out: list[int], answered: list[int]) -> str:
+def _rank_failure_message(failures: dict[int, str], timed_out: list[int], answered: list[int], why_silent: str | None) -> str:
     lines = [f"task failed on rank(s) {sorted(failures)}" if failures else "task did not finish"]
-    if timed_out:
+    if timed_out and why_silent:
+        lines.append(f"rank(s) {timed_out} did not finish: {why_silent}")
+    elif timed_out:
         lines.append(
             f"rank(s) {timed_out} did not answer (probably stuck in a collective waiting for a "
             f"failed rank); ranks that answered: {answered}. The workers were killed and will "
@@ -309,3 +313,66 @@ def spawn(function: Callable, nprocs: int, *args: Any, **kwargs: Any) -> list:
     """Run `function(*args, **kwargs)` on `nprocs` fresh local ranks and return their results."""
     with LocalWorkers(nprocs) as workers:
         return workers.run(function, *args, **kwargs)
+
+
+def simulate(function: Callable, world_size: int, *args: Any, **kwargs: Any) -> list:
+    """Run `function(*args, **kwargs)` on `world_size` ranks simulated in this process; return their results.
+
+    What `spawn` returns (results in rank order, pickled and unpickled; `RankFailure` with each failed
+    rank's traceback), without processes: every rank is a thread over an in-memory process group, one
+    rank running at a time (`simulated_world`), so 64 ranks run on a laptop. Each rank gets its own copy
+    of the arguments and starts from `torch.manual_seed(0)`, as in `spawn`. A collective that some rank
+    never joins stops the simulation at once (RankFailure naming what each rank waits for); a rank that
+    computes for longer than `SHARDTENSOR_TIMEOUT` seconds (300) is reported, not killed.
+
+        >>> def body():
+        ...     import torch.distributed as dist
+        ...     return dist.get_rank()
+        >>> simulate(body, 4)
+        [0, 1, 2, 3]
+    """
+    import torch
+
+    from .process_groups import forget_worlds, timeout_seconds
+    from .simulated_world import Simulation, SimulationStopped, install_context, process_context
+
+    if world_size < 1:
+        raise ValueError(f"simulate needs world_size >= 1, got {world_size}")
+    simulation = Simulation(world_size)
+    outcomes: dict[int, tuple[str, Any]] = {}
+
+    def rank_main(rank: int) -> None:
+        def body():
+            rank_args, rank_kwargs = copy.deepcopy((args, kwargs))
+            return pickle.dumps(function(*rank_args, **rank_kwargs))
+
+        try:
+            outcomes[rank] = ("result", simulation.run_rank(rank, body))
+        except SimulationStopped:
+            outcomes[rank] = ("stopped", None)
+        except BaseException:
+            outcomes[rank] = ("failure", traceback.format_exc())
+
+    caller, excepthook = process_context(), sys.excepthook  # each rank's init_process_group wraps the hook
+    threads = [threading.Thread(target=rank_main, args=(rank,), name=f"shardtensor-simulated-rank{rank}", daemon=True)
+               for rank in range(world_size)]
+    deadline = time.monotonic() + timeout_seconds()
+    # c10d's registry of groups by name becomes one per thread, as torch's own threaded tests make it.
+    torch._C._distributed_c10d._set_thread_isolation_mode(True)
+    with torch.autograd.set_multithreading_enabled(False):
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(max(deadline - time.monotonic(), 0.0))
+        stuck = [rank for rank, thread in enumerate(threads) if thread.is_alive()]
+        if stuck:
+            simulation.stop(f"ranks {stuck} still ran after {timeout_seconds():.0f} s (SHARDTENSOR_TIMEOUT)")
+    torch._C._distributed_c10d._set_thread_isolation_mode(False)
+    install_context(caller)
+    sys.excepthook = excepthook
+    forget_worlds()  # caches of the simulated worlds (plans, specs, peers) hold their meshes and groups
+    failures = {rank: value for rank, (kind, value) in outcomes.items() if kind == "failure"}
+    silent = sorted(set(range(world_size)) - set(outcomes) | {rank for rank, (kind, _) in outcomes.items() if kind == "stopped"})
+    if failures or silent:
+        raise RankFailure(failures, silent, sorted(set(range(world_size)) - set(silent)), simulation.stopped)
+    return [pickle.loads(outcomes[rank][1]) for rank in range(world_size)]

@@ -33,6 +33,7 @@ from .modes import implicit_communication_error, is_explicit
 from .input_moves import moved_local
 from .ops.registry import RULES
 from .plain_tensors import scale_signs
+from .rank_state import per_rank_contents
 from .process_groups import on_new_world
 from .redistribute import is_relabel, redistribute_local_tensor
 from .rules import SIGN, Decision, PlainTensor, TensorMeta, sign_of
@@ -81,6 +82,7 @@ def counts_of(op) -> _OpCounts:
 
 # While `torch_function` learns a public function, the plan each aten op ran from (None: a miss).
 recording: list[list] = []
+per_rank_contents("plan_cache.recording", recording)
 
 
 class Recording(list):

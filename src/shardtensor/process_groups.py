@@ -25,9 +25,11 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from .rank_state import per_rank
+
 __all__ = [
     "DEVICE_BACKENDS", "ensure_default_group", "group_for", "named_group", "has_group",
-    "user_group_token", "world_generation", "on_new_world", "release_process_groups",
+    "user_group_token", "world_generation", "on_new_world", "forget_worlds", "release_process_groups", "timeout_seconds",
 ]
 
 # The backend of the groups a mesh of each device type runs over.
@@ -42,17 +44,24 @@ _user_groups: dict[int, dist.ProcessGroup] = {}
 _user_group_tokens = itertools.count()
 # Every group this library created in the current world, oldest first (destroyed at exit).
 _created_groups: list[dist.ProcessGroup] = []
-# The default group the caches above belong to, and a count of the worlds seen in this process (and of
-# releases: a mesh built before a release is of an old world).
+# The default group the caches above belong to, and the number of the world it is (a new number at every
+# change of world and at every release: a mesh built before is of an old world). Numbers come from one
+# counter for the process, so that no two worlds share one, even worlds of ranks simulated in this process.
 _world_group: dist.ProcessGroup | None = None
+_generations = itertools.count(1)
 _generation = 0
 _library_default_group: dist.ProcessGroup | None = None  # the default group `ensure_default_group` made
 _forget_callbacks: list[Callable[[], None]] = []
 _exit_handler_registered = False
 
 
+def timeout_seconds() -> float:
+    """How long a rank waits for the others (`SHARDTENSOR_TIMEOUT`, 300 s by default)."""
+    return float(os.environ.get("SHARDTENSOR_TIMEOUT", "300"))
+
+
 def _timeout() -> datetime.timedelta:
-    return datetime.timedelta(seconds=float(os.environ.get("SHARDTENSOR_TIMEOUT", "300")))
+    return datetime.timedelta(seconds=timeout_seconds())
 
 
 def ensure_default_group(device_type: str) -> None:
@@ -158,7 +167,7 @@ def world_generation() -> int:
             for forget in _forget_callbacks:
                 forget()
         _world_group = world
-        _generation += 1
+        _generation = next(_generations)
     return _generation
 
 
@@ -199,7 +208,25 @@ def release_process_groups() -> None:
         forget()
     _world_group = None
     _library_default_group = None
-    _generation += 1
+    _generation = next(_generations)
+
+
+def _save_rank_state() -> tuple:
+    return _groups, _one_rank_groups, _user_groups, _created_groups, _world_group, _generation, _library_default_group
+
+
+def _restore_rank_state(state: tuple) -> None:
+    global _groups, _one_rank_groups, _user_groups, _created_groups, _world_group, _generation, _library_default_group
+    _groups, _one_rank_groups, _user_groups, _created_groups, _world_group, _generation, _library_default_group = state
+
+
+per_rank("process_groups", _save_rank_state, _restore_rank_state, lambda: ({}, {}, {}, [], None, 0, None))
+
+
+def forget_worlds() -> None:
+    """Drop the caches of every world (`on_new_world`): `launch.simulate` calls it when its worlds end."""
+    for forget in _forget_callbacks:
+        forget()
 
 
 def _register_exit_handler() -> None:

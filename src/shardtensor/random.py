@@ -61,6 +61,7 @@ import torch.utils.checkpoint
 
 from . import comm
 from .mesh import DeviceMesh, world_mesh
+from .rank_state import per_rank
 
 __all__ = [
     "BLOCK_SIZE", "FILLS", "checkpoint", "checkpoint_contexts", "checkpoint_sequential", "draws_in_backward",
@@ -79,6 +80,14 @@ _seed: int | None = None
 _counter = 0
 _replays = 0  # `checkpoint_contexts` recomputations and `draws_in_backward` blocks running (may draw in backward)
 _lock = threading.Lock()  # guards _seed, _counter and _replays
+
+
+def _restore_rank_state(state: tuple) -> None:
+    global _seed, _counter, _replays
+    _seed, _counter, _replays = state
+
+
+per_rank("random", lambda: (_seed, _counter, _replays), _restore_rank_state, lambda: (None, 0, 0))
 
 
 def manual_seed(seed: int) -> None:
@@ -106,10 +115,12 @@ def next_random_call(mesh: DeviceMesh) -> tuple[int, int]:
     global _seed, _counter
     if not _replays and torch._C._current_graph_task_id() != -1:  # the test FSDP2 uses for "in backward"
         raise _random_in_backward_error()
+    if _seed is None:  # a collective, so not under the lock (`launch.simulate`'s ranks share the lock)
+        candidate = int(torch.randint(0, 2**62, (), device="cpu").item())  # torch's default CPU generator
+        agreed = comm.all_gather_object(candidate, world_mesh(mesh.device_type), None)[0]
+        with _lock:
+            _seed = agreed if _seed is None else _seed
     with _lock:
-        if _seed is None:
-            candidate = int(torch.randint(0, 2**62, (), device="cpu").item())  # torch's default CPU generator
-            _seed = comm.all_gather_object(candidate, world_mesh(mesh.device_type), None)[0]
         call = (_seed, _counter)
         _counter += 1
     return call

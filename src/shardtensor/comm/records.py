@@ -10,6 +10,8 @@ import collections
 import contextlib
 import dataclasses
 
+from ..rank_state import per_rank_contents
+
 __all__ = ["CommRecord", "observe", "call_counts"]
 
 
@@ -38,6 +40,8 @@ class CommRecord:
 
 _observers: list[list[CommRecord]] = []
 call_counts: collections.Counter[str] = collections.Counter()
+per_rank_contents("comm.observers", _observers)
+per_rank_contents("comm.call_counts", call_counts)
 
 
 @contextlib.contextmanager

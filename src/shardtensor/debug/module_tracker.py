@@ -12,6 +12,7 @@ gradients reduced together) count for Global's backward. Every hook is removed o
 from __future__ import annotations
 
 import dataclasses
+import threading
 import weakref
 from collections.abc import Callable
 
@@ -71,6 +72,7 @@ class ModuleTracker:
         self._in_backward = False
         self._handles: list = []
         self._hooked: weakref.WeakSet = weakref.WeakSet()
+        self._thread: int | None = None  # torch's module hooks are global: only this rank's thread is tracked
 
     @property
     def current(self) -> tuple[str, str]:
@@ -84,6 +86,7 @@ class ModuleTracker:
         self.modules = {GLOBAL: ModuleInfo(GLOBAL, "", 0, (), ())}
         self._names = weakref.WeakKeyDictionary()
         self._forward, self._backward, self._in_backward = [], [], False
+        self._thread = threading.get_ident()  # the rank's (`launch.simulate` runs ranks as threads)
         self._handles = [register_module_forward_pre_hook(self._enter_forward)]
         return self
 
@@ -103,6 +106,8 @@ class ModuleTracker:
         return self._names[module]
 
     def _enter_forward(self, module: torch.nn.Module, inputs) -> None:
+        if threading.get_ident() != self._thread:  # another simulated rank's module
+            return
         fqn = self._name(module)
         if fqn not in self.modules:
             parents = self.modules[self._forward[-1]] if self._forward else self.modules[GLOBAL]

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from .. import comm
+from ..rank_state import per_rank_contents
 from ..placement import Partial, Replicate, flattened_partial
 from .planner import (
     ALL_GATHER,
@@ -62,6 +63,7 @@ class PendingRedistribute:
 
 
 _plan_observers: list[list[Plan]] = []
+per_rank_contents("redistribute.plan_observers", _plan_observers)
 
 
 @contextlib.contextmanager
