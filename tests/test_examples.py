@@ -1,4 +1,4 @@
-"""The README's demos, run as test bodies on a real 2x2 mesh: they check themselves against one device."""
+"""The README's demos and examples/, run as test bodies on a real 2x2 mesh: they check themselves against one device."""
 
 import sys
 from pathlib import Path
@@ -7,6 +7,7 @@ from spmd import spmd
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
+import llama3_tp_sp  # noqa: E402
 import quickstart  # noqa: E402
 import train_mlp  # noqa: E402
 
@@ -19,3 +20,15 @@ def test_quickstart(mesh):
 @spmd(meshes=[(2, 2)], timeout=120)
 def test_training_on_a_2x2_mesh_matches_one_device(mesh):
     assert "losses" in train_mlp.main()
+
+
+@spmd(meshes=[(2, 2)], timeout=240)
+def test_llama3_with_tp_sp_and_fully_shard_saved_on_2x2_resumes_on_1x4_like_one_device(mesh):
+    assert "then 1x4" in llama3_tp_sp.main()
+
+
+@spmd(meshes=[(2, 2)], timeout=240)
+def test_hugging_face_llama_example_matches_one_device(mesh):
+    import hf_llama  # imports transformers: only the ranks that run it pay for that, once
+
+    assert "ops without a sharding rule: none" in hf_llama.main()
