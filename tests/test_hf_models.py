@@ -143,3 +143,17 @@ def test_unknown_and_unsupported_strings_raise_naming_them_and_the_known_ones():
         hf_tp_plan({"layers.*.mlp.experts.gate_up_proj": "packed_colwise"})
     with pytest.raises(ValueError, match=r"Module has no tensor-parallel plan"):
         hf_tp_plan(nn.Module())
+
+
+def test_the_input_embedding_is_split_by_vocabulary_unless_the_plan_names_it():
+    """transformers < 5.21 leaves it out of the plan; >= 5.21 adds "embedding_rowwise" itself."""
+    model = nn.Module()
+    model.model = nn.Module()
+    model.model.embed_tokens = nn.Embedding(10, 4)
+    model.lm_head = nn.Linear(4, 10, bias=False)
+    model.get_input_embeddings = lambda: model.model.embed_tokens
+    model.tp_plan = {"lm_head": "colwise_gather_output"}
+    assert hf_tp_plan(model) == {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
+                                 "lm_head": ColwiseParallel(output_layouts=Replicate())}
+    model.tp_plan = {"model.embed_tokens": "embedding_colwise"}
+    assert hf_tp_plan(model) == {"model.embed_tokens": ColwiseParallel(output_layouts=Replicate())}

@@ -13,6 +13,7 @@ plan is read from the model's attributes.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from fnmatch import fnmatchcase
 
 from torch import nn
 
@@ -68,6 +69,22 @@ def _style_error(key: str, value) -> ValueError:
     )
 
 
+def _with_input_embedding(model: nn.Module, plan: Mapping[str, str]) -> Mapping[str, str]:
+    """The plan with the input embedding split by vocabulary unless it names the embedding.
+
+    transformers >= 5.21 adds this entry itself; earlier 5.x plans leave the embedding whole, and a
+    head tied to it (split by "colwise_gather_output") could then not stay tied. Every 5.x plan is
+    read as 5.21's.
+    """
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if not isinstance(embedding, nn.Embedding):
+        return plan
+    name = next(name for name, module in model.named_modules() if module is embedding)
+    if any(fnmatchcase(name, key) for key in plan):
+        return plan
+    return {name: "embedding_rowwise", **plan}
+
+
 def _model_plan(model: nn.Module) -> Mapping[str, str]:
     """The model's whole plan, its base model's entries under their prefix (`model.layers.*...`)."""
     plan = getattr(model, "tp_plan", None) or getattr(model, "_tp_plan", None)
@@ -77,7 +94,7 @@ def _model_plan(model: nn.Module) -> Mapping[str, str]:
             f"model._tp_plan; the model's config.base_model_tp_plan is empty): pass the plan dict itself, "
             f"hf_tp_plan({{'layers.*.mlp.up_proj': 'colwise', ...}})"
         )
-    return plan
+    return _with_input_embedding(model, plan)
 
 
 def _heads_error(config, tp_size: int) -> ValueError:
