@@ -7,6 +7,8 @@ imported inside the bodies, so only the worker ranks pay for it, once each (the 
 session), and collecting the suite does not.
 """
 
+import shutil
+import tempfile
 import types
 
 import pytest
@@ -44,11 +46,15 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
-def _train_and_compare(mesh: DeviceMesh, family: str, tied: bool, shard_data_parallel: bool) -> nn.Module:
+def _train_and_compare(mesh: DeviceMesh, family: str, tied: bool, shard_data_parallel: bool, directory=None) -> nn.Module:
     """Train the model laid out by its own plan (and fully_shard over dp) beside one device: the step's
-    loss (averaged over dp), every gradient and, after the steps, every parameter must agree."""
+    loss (averaged over dp), every gradient and, after the steps, every parameter must agree. With a
+    `directory`, the model comes from `from_pretrained` there (the reference's weights, saved)."""
     reference = _tiny_model(family, tied)
-    model = _tiny_model(family, tied)
+    if directory is None:
+        model = _tiny_model(family, tied)
+    else:
+        model = type(reference).from_pretrained(directory, dtype=torch.float64)
     parallelize_module(model, mesh["tp"], hf_tp_plan(model, mesh["tp"]))
     if shard_data_parallel:
         for layer in model.model.layers:
@@ -99,9 +105,18 @@ def test_llama_and_qwen3_under_their_tensor_parallel_plans_on_four_ranks_train_l
 
 
 @spmd(meshes=[(2, 2)], timeout=240)
-def test_llama_with_tied_embeddings_under_fully_shard_x_tensor_parallel_trains_like_one_device(mesh):
+def test_pretrained_llama_with_tied_embeddings_under_fully_shard_x_tensor_parallel_trains_like_one_device(mesh):
     mesh = _named(mesh)
-    llama = _train_and_compare(mesh, "llama", tied=True, shard_data_parallel=True)
+    directory = tempfile.mkdtemp(prefix="hf_llama_") if mesh.get_rank() == 0 else None
+    if directory is not None:
+        _tiny_model("llama", tied=True).save_pretrained(directory)
+    directory = comm.all_gather_object(directory, mesh)[0]  # after rank 0 has saved
+    try:
+        llama = _train_and_compare(mesh, "llama", tied=True, shard_data_parallel=True, directory=directory)
+    finally:
+        comm.all_gather_object(None, mesh)  # every rank has read the files before rank 0 removes them
+        if mesh.get_rank() == 0:
+            shutil.rmtree(directory, ignore_errors=True)
     embedding = llama.model.embed_tokens.weight
     assert llama.lm_head.weight is embedding and embedding.placements == (Shard(0), Shard(0))
     assert sum(1 for _ in llama.parameters()) == 1 + 2 * 9 + 1  # the tied weight counted once
