@@ -104,3 +104,34 @@ def test_factories_allocate_only_the_local_shard(mesh):
         assert tuple(empty.to_local().shape) == layout.local_shape(coordinate)
     with mesh:
         assert shardtensor.ones(2).placements == (Replicate(),) * mesh.ndim
+
+
+@spmd()
+def test_linspace_and_logspace_give_the_values_of_one_device(mesh):
+    """Bit for bit: torch rounds a range by each value's place in the whole, which a shard keeps."""
+    placement_lists = [[Shard(0)], [Replicate()], [Partial()]] if mesh.ndim == 1 else [
+        [Shard(0), Shard(0)], [Replicate(), Shard(0)], [Partial(), Shard(0)]]
+    cases = [  # (factory, reference, args, kwargs)
+        (shardtensor.linspace, torch.linspace, (-1.0, 3.0, 1001), {}),
+        (shardtensor.linspace, torch.linspace, (0.1, 0.7, 7), {"dtype": torch.float64}),
+        (shardtensor.linspace, torch.linspace, (0, 10, 5), {"dtype": torch.int64}),
+        (shardtensor.linspace, torch.linspace, (0.0, 1 + 2j, 6), {}),
+        (shardtensor.linspace, torch.linspace, (torch.tensor(2.0), torch.tensor(-2.0), 3), {}),
+        (shardtensor.linspace, torch.linspace, (5.0, 5.0, 1), {}),
+        (shardtensor.linspace, torch.linspace, (0.0, 1.0, 0), {}),
+        (shardtensor.logspace, torch.logspace, (-2.0, 2.0, 999), {}),
+        (shardtensor.logspace, torch.logspace, (0.0, 3.0, 7), {"base": 2.0, "dtype": torch.float64}),
+    ]
+    for placements in placement_lists:
+        for factory, reference, args, kwargs in cases:
+            dtensor = factory(*args, **kwargs, device_mesh=mesh, placements=placements)
+            expected = reference(*args, **kwargs)
+            assert dtensor.placements == tuple(placements) and dtensor.dtype == expected.dtype
+            assert torch.equal(dtensor.full_tensor(), expected), (factory, args, kwargs, placements)
+    start = distribute_tensor(torch.tensor(-1.5), mesh, [Replicate()] * mesh.ndim)
+    with_dtensor = shardtensor.linspace(start, 1.5, 4, requires_grad=True, device_mesh=mesh)
+    assert with_dtensor.requires_grad and torch.equal(with_dtensor.full_tensor(), torch.linspace(-1.5, 1.5, 4))
+    with pytest.raises(ValueError, match=r"^start must be a number or a 0-dimensional tensor, got .* shape \(2,\)"):
+        shardtensor.linspace(torch.zeros(2), 1.0, 4, device_mesh=mesh)
+    with pytest.raises(ValueError, match="size must be non-negative ints"):
+        shardtensor.logspace(0.0, 1.0, -1, device_mesh=mesh)

@@ -178,3 +178,4 @@ def test_the_demo_trains_on_a_2x2_mesh_like_one_device_and_resumes_on_another_me
     resumed = _run([*common, "--steps", "4", "--mesh", "1x2", "--data-parallel", "ddp"])
     assert "replicated, gradients all-reduced" in " ".join(resumed.stdout.split())
     assert "4/4" in resumed.stdout and "losses agree with one device (2 steps" in resumed.stdout
+    assert "Warning" not in resumed.stderr, resumed.stderr  # saving over the checkpoint it resumed from is meant

@@ -28,9 +28,10 @@ LAYERS = [
     ["redistribute", "random", "log"],
     ["modes", "rules", "row_costs", "propagation", "ops"],  # rules, their costs, the decisions made from them,
     # and the switches rules read
-    ["spec", "plain_tensors", "write_back", "input_moves", "plan_cache", "list_plans", "dispatch", "gradients",
+    ["handlers", "torch_exchange",  # users' handlers (read by dispatch, torch_function), PyTorch's DTensor
+     "spec", "plain_tensors", "write_back", "input_moves", "plan_cache", "list_plans", "dispatch", "gradients",
      "torch_function", "tensor_methods", "from_local", "autograd", "checkpoint"],  # the engine below the class, and the mixins it inherits
-    ["dtensor", "api"],
+    ["dtensor", "api", "scatter"],
     ["debug", "experimental", "parallel", "fsdp", ""],  # "": the package's `__init__`, which exports it all
     ["demo"],  # the main job, built on the public API
 ]
@@ -122,6 +123,43 @@ def test_every_module_imports_in_a_fresh_process_and_the_import_graph_has_no_cyc
         if _layer(name) is not None and _layer(imported) is not None and _layer(imported) > _layer(name)
     ]
     assert not upward, "imports that go up the layers:\n" + "\n".join(upward)
+
+
+# Libraries src/ never imports (DESIGN.md's ground rules): PyTorch's own DTensor stack and PhysicsNeMo.
+_FORBIDDEN = ("torch.distributed.tensor", "torch.distributed.device_mesh", "torch.distributed._tensor",
+              "torch.distributed.fsdp", "physicsnemo")
+# The one exception: the exchange with PyTorch's DTensor (`DTensor.from_dtensor` / `to_dtensor`) must
+# build and read torch's DTensors and meshes; it imports them lazily, inside its functions only.
+_LAZY_EXCEPTION = "shardtensor.torch_exchange"
+
+
+def _forbidden_imports(name: str, path: pathlib.Path) -> list[str]:
+    """Each import of a forbidden library in a module, with where it is (`top level` or `in a function`)."""
+    found = []
+
+    def visit(node, in_function: bool):
+        for child in ast.iter_child_nodes(node):
+            inside = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            sources = []
+            if isinstance(child, ast.ImportFrom) and not child.level:
+                sources = [child.module or ""] + [f"{child.module}.{alias.name}" for alias in child.names]
+            elif isinstance(child, ast.Import):
+                sources = [alias.name for alias in child.names]
+            for source in sources:
+                if any(source == banned or source.startswith(banned + ".") for banned in _FORBIDDEN):
+                    found.append((source, "in a function" if inside else "at top level"))
+            visit(child, inside)
+
+    visit(ast.parse(path.read_text()), False)
+    return [f"{name}: {source} {where}" for source, where in dict.fromkeys(found)]
+
+
+def test_src_imports_no_torch_dtensor_stack_except_lazily_in_the_exchange():
+    modules = _module_names()
+    found = {name: _forbidden_imports(name, path) for name, path in modules.items()}
+    lazy = found.pop(_LAZY_EXCEPTION)
+    assert lazy and all(line.endswith("in a function") for line in lazy), lazy
+    assert not [line for lines in found.values() for line in lines]
 
 
 def test_the_cycle_finder_finds_cycles():

@@ -9,8 +9,10 @@ passing fails the test so that the list only shrinks.
 
 import pathlib
 import sys
+from types import SimpleNamespace
 
 import pytest
+import torch
 from spmd import spmd
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tools"))
@@ -84,3 +86,15 @@ def test_summary_line_counts_each_status():
     assert opinfo_sweep.summary_line(results) == (
         "ops: 4 total, 1 natively sharded, 1 via fallback, 1 refused up front, 1 failing (1 skipped)"
     )
+
+
+def test_an_op_tagged_seeded_is_random_only_when_it_draws():
+    """torch 2.14 runs the 3-D samples of scaled_dot_product_attention through its CPU flash kernel:
+    tagged `nondeterministic_seeded` for a dropout it does not support on CPU, it draws nothing."""
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    dropout = torch.ops.aten.native_dropout
+    assert all(torch.Tag.nondeterministic_seeded in op.default.tags for op in (flash, dropout))
+    query = torch.randn(1, 2, 3, 4)
+    attention = SimpleNamespace(op=lambda query: flash(query, query, query, 0.0)[0])
+    assert not opinfo_sweep._is_random(attention, (query, (), {}))
+    assert opinfo_sweep._is_random(SimpleNamespace(op=dropout), (query, (0.5, True), {}))

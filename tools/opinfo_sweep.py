@@ -265,23 +265,29 @@ def _gathered(library: _Library, value):
 
 
 class _SeededOps(TorchDispatchMode):
-    """Records whether any aten op that draws random numbers ran."""
+    """Records whether any aten op drew random numbers: one tagged `nondeterministic_seeded` that moved
+    the default generator. The tag alone says that an op may draw: torch 2.14 runs the 3-D samples of
+    `scaled_dot_product_attention` through its CPU flash kernel, tagged for a dropout that it does not
+    support on CPU, so it draws nothing."""
 
     def __init__(self):
         super().__init__()
         self.seen = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if torch.Tag.nondeterministic_seeded in func.tags:
-            self.seen = True
-        return func(*args, **(kwargs or {}))
+        if torch.Tag.nondeterministic_seeded not in func.tags:
+            return func(*args, **(kwargs or {}))
+        state = torch.random.get_rng_state()
+        result = func(*args, **(kwargs or {}))
+        self.seen = self.seen or not torch.equal(state, torch.random.get_rng_state())
+        return result
 
 
 def _is_random(info, arguments) -> bool:
     """True when the single-device op draws random numbers (dropout, bernoulli, ...).
 
-    OpInfos of random ops reseed inside the op, so their outputs look deterministic; the aten
-    ops' `nondeterministic_seeded` tag is what tells.
+    OpInfos of random ops reseed inside the op, so their outputs look deterministic; an aten op
+    that is tagged `nondeterministic_seeded` and moves the generator is what tells.
     """
     mode = _SeededOps()
     try:

@@ -5,12 +5,13 @@
 >>> distribute_tensor(torch.arange(4.0), mesh, [Shard(0)])  # doctest: +SKIP
 """
 
-from .api import distribute_module, distribute_tensor, empty, full, ones, rand, randn, zeros
+from .api import distribute_module, distribute_tensor, empty, full, linspace, logspace, ones, rand, randn, zeros
 from .dtensor import DTensor
 from .mesh import DeviceMesh, init_device_mesh
 from .modes import explicit_communication, strict_mode, trusted_indices
 from .placement import NormPartial, Partial, Placement, Replicate, Shard
 from .random import manual_seed
+from .scatter import scatter_tensor
 
 __all__ = [
     "DTensor",
@@ -23,10 +24,13 @@ __all__ = [
     "Placement",
     "distribute_tensor",
     "distribute_module",
+    "scatter_tensor",
     "zeros",
     "ones",
     "empty",
     "full",
+    "linspace",
+    "logspace",
     "rand",
     "randn",
     "manual_seed",

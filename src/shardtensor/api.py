@@ -23,7 +23,9 @@ from .placement import Placement, Replicate, Shard, check_partial_dtype
 from .random import next_random_call, random_shard
 from .spec import DTensorSpec, contiguous_stride
 
-__all__ = ["distribute_tensor", "distribute_module", "zeros", "ones", "empty", "full", "rand", "randn"]
+__all__ = [
+    "distribute_tensor", "distribute_module", "zeros", "ones", "empty", "full", "rand", "randn", "linspace", "logspace",
+]
 
 
 def _mesh_and_placements(device_mesh, placements) -> tuple[DeviceMesh, tuple[Placement, ...]]:
@@ -315,3 +317,48 @@ def randn(*size, requires_grad=False, dtype=None, layout=torch.strided, device_m
     >>> randn(4, 4, device_mesh=mesh, placements=[Shard(1)])  # doctest: +SKIP
     """
     return _random_factory("randn", size, requires_grad, dtype, layout, device_mesh, placements)
+
+
+def _number(name: str, value):
+    """A start or end point: a number, or a 0-dim tensor (a DTensor too) read as its number."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 0:
+            raise ValueError(
+                f"{name} must be a number or a 0-dimensional tensor, got a tensor of shape {tuple(value.shape)}")
+        return value.item()
+    return value
+
+
+def _spaced(function, start, end, steps, extra: dict, requires_grad, dtype, layout, device_mesh, placements) -> DTensor:
+    """`linspace` and `logspace`: each rank computes the whole 1-D range and keeps its piece, since torch
+    rounds a range by its position in the whole (a piece computed as a range of its own differs in
+    the last bit); the range's `steps` elements are held only while the factory runs."""
+    start, end = _number("start", start), _number("end", end)
+    if dtype is None:  # torch's choice: the default dtype, its complex peer for complex points
+        dtype = function(start, end, 0, **extra, device="meta").dtype
+
+    def make_local(shard_layout, coordinate, dtype, device):
+        values = function(start, end, steps, **extra, dtype=dtype, device=device)
+        piece = values.narrow(0, shard_layout.local_offset(coordinate)[0], shard_layout.local_shape(coordinate)[0])
+        return piece if piece.numel() == values.numel() else piece.clone()
+
+    return _factory(make_local, (steps,), requires_grad, dtype, layout, device_mesh, placements)
+
+
+def linspace(start, end, steps, *, dtype=None, layout=torch.strided, requires_grad=False, device_mesh=None,
+             placements=None) -> DTensor:
+    """`steps` evenly spaced values from `start` to `end`, the values of `torch.linspace` on one device.
+
+    >>> linspace(0.0, 1.0, 5, device_mesh=mesh, placements=[Shard(0)])  # doctest: +SKIP
+    """
+    return _spaced(torch.linspace, start, end, steps, {}, requires_grad, dtype, layout, device_mesh, placements)
+
+
+def logspace(start, end, steps, base=10.0, *, dtype=None, layout=torch.strided, requires_grad=False, device_mesh=None,
+             placements=None) -> DTensor:
+    """`steps` values from `base ** start` to `base ** end`, the values of `torch.logspace` on one device.
+
+    >>> logspace(0.0, 3.0, 4, base=2.0, device_mesh=mesh, placements=[Shard(0)])  # doctest: +SKIP
+    """
+    extra = {"base": base}
+    return _spaced(torch.logspace, start, end, steps, extra, requires_grad, dtype, layout, device_mesh, placements)

@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 from . import ops  # noqa: F401  (registers every op family)
 from . import plan_cache, propagation
+from .handlers import DISPATCH_HANDLERS, dispatch_handler, run_handler
 from .input_moves import KeptMoves, moved_local, moved_locals, with_kept_moves
 from .layout import Layout
 from .list_plans import ListPlan, is_multi_tensor, list_key
@@ -65,6 +66,12 @@ def dispatch(dtensor_class: type, op, types, args: tuple = (), kwargs: dict | No
     single-device value)."""
     if kwargs is None:
         kwargs = _NO_KEYWORDS
+    if DISPATCH_HANDLERS:  # the user's handler comes first (`handlers.py`)
+        handler = dispatch_handler(op)
+        if handler is not None:
+            if recording:  # a public call that ran a handler is never learnt as a function plan
+                record(None, args, kwargs)
+            return run_handler(op, handler, args, kwargs)
     if KeptMoves.count:  # a Partial input reduced before is seen where it was moved (`input_moves`)
         args, kwargs = with_kept_moves(dtensor_class, op, args, kwargs)
     key = fast_key(dtensor_class, op, args, kwargs)

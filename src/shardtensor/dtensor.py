@@ -17,16 +17,18 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from . import handlers
 from .autograd import FromLocal, Redistribute, ToLocal
 from .checkpoint import CheckpointableMixin
 from .dispatch import dispatch
-from .from_local import from_local_layout
+from .from_local import from_local_layout, shard_sizes_from_shapes
 from .gradients import watch_leaf
 from .layout import Layout
 from .mesh import DeviceMesh, current_mesh
-from .placement import Partial, Placement, Replicate, check_partial_dtype
+from .placement import Partial, Placement, Replicate, Shard, check_partial_dtype
 from .spec import DTensorSpec, global_stride, interned_spec
 from .tensor_methods import FastTensorMethods
+from .torch_exchange import from_torch_dtensor, to_torch_dtensor
 
 __all__ = ["DTensor"]
 
@@ -158,6 +160,32 @@ class DTensor(FastTensorMethods, CheckpointableMixin, torch.Tensor):
         """The exact `Layout`: placements, shard order and every rank's shard sizes (uneven included)."""
         return self._spec.layout
 
+    def offsets(self, mesh_dim: int | str | None = None) -> tuple[int, ...] | int:
+        """Where this rank's shard starts in the global tensor, exact for uneven shards.
+
+        Without `mesh_dim`: one global offset per tensor dim. With it: the offset along the tensor dim
+        that `mesh_dim` shards, counting the shards of the peers before this rank along `mesh_dim`
+        (the global offset unless another mesh dim splits that tensor dim too); 0 for a mesh dim
+        that does not shard (PhysicsNeMo ShardTensor's `offsets(mesh_dim)`).
+
+        >>> DTensor.from_local(torch.ones(rank + 1), mesh, [Shard(0)]).offsets()  # doctest: +SKIP
+        (1,)   # on rank 1 of 2: rank 0 holds one row
+        """
+        coordinate = self.device_mesh.get_coordinate()
+        if coordinate is None:
+            raise RuntimeError(
+                f"offsets: rank {self.device_mesh.get_rank()} is not in {self.device_mesh!r} and holds no shard; "
+                f"ask on a rank of the mesh"
+            )
+        layout = self._spec.layout
+        if mesh_dim is None:
+            return layout.local_offset(coordinate)
+        index = self.device_mesh._mesh_dim_index(mesh_dim, needed_for="offsets")
+        placement = layout.placements[index]
+        if not isinstance(placement, Shard):
+            return 0
+        return sum(layout.sizes_along(index, placement.dim, coordinate)[: coordinate[index]])
+
     def __repr__(self) -> str:
         sizes = _uneven_sizes_text(self._spec.layout)
         source = self._view_of_copy
@@ -184,6 +212,7 @@ class DTensor(FastTensorMethods, CheckpointableMixin, torch.Tensor):
         shape: Sequence[int] | None = None,
         stride: Sequence[int] | None = None,
         shard_sizes: str | Mapping[int, Sequence[int]] | None = None,
+        sharding_shapes: str | Mapping[int, Sequence[Sequence[int]]] | None = None,
     ) -> DTensor:
         """Make a DTensor from every rank's local shard (differentiable; no data moves by default).
 
@@ -192,7 +221,9 @@ class DTensor(FastTensorMethods, CheckpointableMixin, torch.Tensor):
         Without `shape`, a Shard placement makes every rank share its local shape once (one
         fixed-size all_gather), so uneven shards are exact (`shard_sizes="infer"`, the default);
         `shard_sizes="chunk"` skips that and assumes equal local shapes, as PyTorch does;
-        `shard_sizes={mesh_dim: sizes}` gives them explicitly. `run_check=True` checks shapes,
+        `shard_sizes={mesh_dim: sizes}` gives them explicitly. `sharding_shapes` is PhysicsNeMo
+        ShardTensor's spelling of the same: "infer", "chunk", or `{mesh_dim: [local shapes]}` (the
+        local shape of each coordinate along mesh_dim; pass one of the two). `run_check=True` checks shapes,
         dtypes and placements on all ranks (raising the same error everywhere) and broadcasts
         Replicate data from coordinate 0 of each mesh dim.
 
@@ -210,6 +241,14 @@ class DTensor(FastTensorMethods, CheckpointableMixin, torch.Tensor):
         if placements is None:
             placements = [Replicate()] * mesh.ndim
         placements = tuple(placements)
+        if sharding_shapes is not None:
+            if shard_sizes is not None:
+                raise ValueError(
+                    "from_local: pass shard_sizes or sharding_shapes, not both (sharding_shapes is "
+                    "PhysicsNeMo's name: local shapes per coordinate; shard_sizes: sizes along the sharded dim)"
+                )
+            shard_sizes = shard_sizes_from_shapes(sharding_shapes, local_tensor, mesh, placements,
+                                                  check_local=not run_check)
         layout = from_local_layout(local_tensor, mesh, placements, shape, shard_sizes, run_check)
         global_strides = tuple(stride) if stride is not None else global_stride(local_tensor, layout.shape)
         spec = DTensorSpec(mesh, layout, global_strides, local_tensor.dtype)
@@ -289,6 +328,60 @@ class DTensor(FastTensorMethods, CheckpointableMixin, torch.Tensor):
         if target == self.sharding:
             target = self.sharding  # keep exact pieces and shard order: no communication
         return Redistribute.apply(self, mesh, target, async_op, forward_dtype, backward_dtype)
+
+    # ---- PhysicsNeMo ShardTensor's registry (handlers.py) and PyTorch's DTensor (torch_exchange.py) ----
+
+    @classmethod
+    def register_function_handler(cls, func, handler) -> None:
+        """Run `handler(func, types, args, kwargs)` instead of the library's path when the torch function
+        or method `func` gets a DTensor (above autograd; `handler=None` removes it; see `handlers.py`).
+
+        >>> DTensor.register_function_handler(torch.nn.functional.gelu, my_gelu)  # doctest: +SKIP
+        """
+        handlers.register_function_handler(func, handler)
+
+    @classmethod
+    def register_named_function_handler(cls, name: str, handler) -> None:
+        """`register_function_handler` by the function's name: a custom op `ns::op` is "ns.op.default"."""
+        handlers.register_named_function_handler(name, handler)
+
+    @classmethod
+    def register_dispatch_handler(cls, op, handler) -> None:
+        """Run `handler(*args, **kwargs)` instead of the library's rule for the aten overload `op` (below
+        autograd: the op's derivative formula stays torch's; `handler=None` removes it)."""
+        handlers.register_dispatch_handler(op, handler)
+
+    @classmethod
+    def patches_enabled(cls) -> bool:
+        """Whether registered handlers are used (on unless inside `DTensor.enable_patches(False)`)."""
+        return handlers.patches_enabled()
+
+    @classmethod
+    def enable_patches(cls, enabled: bool = True):
+        """A context in which registered handlers are used (True) or not (False).
+
+        >>> with DTensor.enable_patches(False):  # doctest: +SKIP
+        ...     y = torch.nn.functional.gelu(x)  # the library's rule, not the handler
+        """
+        return handlers.enable_patches(enabled)
+
+    @classmethod
+    def from_dtensor(cls, tensor) -> DTensor:
+        """This library's DTensor over the shard of PyTorch's `torch.distributed.tensor.DTensor` (the same
+        storage, mesh ranks and placements; no collective; differentiable both ways).
+
+        >>> ours = DTensor.from_dtensor(torch_dtensor)  # doctest: +SKIP
+        """
+        return from_torch_dtensor(cls, tensor)
+
+    def to_dtensor(self):
+        """PyTorch's `torch.distributed.tensor.DTensor` over this shard (the same storage, mesh ranks and
+        placements; no collective; differentiable). Uneven shards that are not `torch.chunk`'s raise
+        (PyTorch cannot describe them).
+
+        >>> torch_dtensor = x.to_dtensor()  # doctest: +SKIP
+        """
+        return to_torch_dtensor(self)
 
 
 def _cross_mesh_target(dtensor: DTensor, mesh: DeviceMesh, placements) -> Layout:

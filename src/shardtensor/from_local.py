@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+from collections import Counter
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -19,7 +20,7 @@ from . import comm
 from .layout import Layout
 from .placement import Shard, check_partial_dtype
 
-__all__ = ["from_local_layout"]
+__all__ = ["from_local_layout", "shard_sizes_from_shapes"]
 
 
 def _coordinates(mesh_shape: Sequence[int]) -> list[tuple[int, ...]]:
@@ -77,6 +78,65 @@ def from_local_layout(local, mesh, placements, shape, shard_sizes, run_check: bo
     if shard_sizes in (None, "infer"):
         return Layout.from_local_shapes(mesh_shape, placements, {where: entry[0] for where, entry in gathered.items()})
     return _explicit_layout(local, mesh_shape, placements, shard_sizes, coordinate)
+
+
+def shard_sizes_from_shapes(sharding_shapes, local, mesh, placements, check_local: bool):
+    """PhysicsNeMo's `sharding_shapes` as our `shard_sizes`: "infer" and "chunk" as they are, and
+    `{mesh_dim: [local shape of each coordinate along mesh_dim]}` as `{mesh_dim: [sizes]}`.
+
+    The shapes must agree with each other off the dim `mesh_dim` shards (an argument check, alike on
+    every rank given alike arguments). `check_local` also compares them with this rank's local tensor
+    here, before any collective could be waiting for this rank; `from_local(run_check=True)` passes
+    False, as its exchange checks every rank's shape (`_explicit_layout`) after gathering them.
+    """
+    if sharding_shapes in ("infer", "chunk"):
+        return sharding_shapes
+    if not isinstance(sharding_shapes, Mapping):
+        raise ValueError(_shapes_error(sharding_shapes, "is neither 'infer', 'chunk' nor a mapping"))
+    coordinate = mesh.get_coordinate()
+    counts = Counter(p.dim % max(local.ndim, 1) for p in placements if isinstance(p, Shard))
+    sizes_by_mesh_dim = {}
+    for mesh_dim, shapes in sharding_shapes.items():
+        placement = placements[mesh_dim] if isinstance(mesh_dim, int) and 0 <= mesh_dim < len(placements) else None
+        if not isinstance(placement, Shard):
+            raise ValueError(_shapes_error(
+                sharding_shapes, f"has key {mesh_dim!r}, which is not a mesh dim with a Shard placement "
+                f"(placements {tuple(placements)!r})"))
+        if not -local.ndim <= placement.dim < local.ndim:
+            Layout.create(mesh.shape, placements, local.shape)  # raises the out-of-range message
+        dim = placement.dim % local.ndim
+        if counts[dim] > 1:
+            raise ValueError(_shapes_error(
+                sharding_shapes, f"gives shapes for mesh dim {mesh_dim}, but tensor dim {dim} is sharded by "
+                f"several mesh dims; explicit shapes need a tensor dim sharded by one mesh dim: pass "
+                f"sharding_shapes='infer' for nested uneven shards"))
+        shapes = [tuple(int(size) for size in shape) for shape in shapes]
+        if len(shapes) != mesh.shape[mesh_dim] or any(len(shape) != local.ndim for shape in shapes):
+            raise ValueError(_shapes_error(
+                sharding_shapes, f"gives {len(shapes)} shapes for mesh dim {mesh_dim}; expected "
+                f"{mesh.shape[mesh_dim]} shapes (one per coordinate along it) of {local.ndim} sizes each"))
+        reference = list(local.shape) if check_local else list(shapes[0])
+        for position, shape in enumerate(shapes):
+            mine = check_local and coordinate is not None and position == coordinate[mesh_dim]
+            expected = list(reference)
+            if not mine:  # a peer along mesh_dim: the same sizes except on the dim mesh_dim shards
+                expected[dim] = shape[dim]
+            if list(shape) != expected or min(shape, default=0) < 0:
+                whose = f"this rank's local shape {tuple(local.shape)}" if check_local else f"the shape {shapes[0]}"
+                why = "this rank's local shape" if mine else f"{whose} except on dim {dim}"
+                raise ValueError(_shapes_error(
+                    sharding_shapes, f"gives coordinate {position} of mesh dim {mesh_dim} the shape {shape}; "
+                    f"expected {tuple(expected)} ({why}) with non-negative sizes"))
+        sizes_by_mesh_dim[mesh_dim] = [shape[dim] for shape in shapes]
+    return sizes_by_mesh_dim
+
+
+def _shapes_error(sharding_shapes, problem: str) -> str:
+    return (
+        f"from_local: sharding_shapes={sharding_shapes!r} {problem}. Allowed: 'infer' (gather every rank's "
+        f"local shape), 'chunk' (torch.chunk shapes), or {{mesh_dim: [local shape of each coordinate along "
+        f"mesh_dim]}} for mesh dims with a Shard placement"
+    )
 
 
 # The fixed size of a rank's record in the exchange: its number of dims, a digest of its dtype and

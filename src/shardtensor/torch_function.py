@@ -46,6 +46,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import propagation
 from .gradients import watch_leaves
+from .handlers import FUNCTION_HANDLERS, function_handler, run_handler
 from .list_plans import is_multi_tensor_function, learn_function, list_key
 from .ops.common import meta_like
 from .ops.registry import FUNCTION_REWRITES
@@ -107,6 +108,10 @@ METADATA_FUNCTIONS = {
 
 def torch_function(cls, function, types, args=(), kwargs=None):
     """`DTensor.__torch_function__`: serve the call from a function plan, or run it normally."""
+    if FUNCTION_HANDLERS:  # the user's handler comes first (`handlers.py`)
+        handler = function_handler(function)
+        if handler is not None:
+            return run_handler(function, handler, (function, types, args, kwargs if kwargs is not None else {}), _NO_KEYWORDS)
     if args and ((first := type(args[0])) is list or first is tuple) and is_multi_tensor_function(function):
         # an optimizer's step (lists, or tuples: `_foreach_sqrt` returns one, which optimizers pass on)
         return _multi_tensor_call(cls, function, args, kwargs or _NO_KEYWORDS)

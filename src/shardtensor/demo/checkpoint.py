@@ -4,6 +4,7 @@ model of `--compare` lives on rank 0 only and is saved beside it with `torch.sav
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import torch
@@ -23,9 +24,17 @@ def _resume_error(directory: Path) -> RuntimeError:
 
 
 def save_checkpoint(directory: str, model, optimizer, step: int, reference=None, reference_optimizer=None) -> None:
-    """Every rank calls; the step count is saved with the states."""
+    """Every rank calls; the step count is saved with the states.
+
+    A resumed run saves over the checkpoint it resumed from, on purpose: the writer is told so
+    (`overwrite=True`, whose default torch announces it will flip), and its warning on every rank that
+    it overwrites a checkpoint is left out of the demo's output.
+    """
     model_state, optimizer_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optimizer": optimizer_state, "step": torch.tensor(step, device="cpu")}, checkpoint_id=directory)
+    state = {"model": model_state, "optimizer": optimizer_state, "step": torch.tensor(step, device="cpu")}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Detected an existing checkpoint", category=UserWarning)
+        dcp.save(state, checkpoint_id=directory, storage_writer=dcp.FileSystemWriter(directory, overwrite=True))
     if reference is not None:
         one_device = {"model": reference.state_dict(), "optimizer": reference_optimizer.state_dict()}
         torch.save(one_device, Path(directory) / _ONE_DEVICE_FILE)

@@ -23,16 +23,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from ..placement import Replicate, Shard
 from ..rules import OpCall, ReplicateFallback, Row, ShardingRule, TensorMeta
 from .common import empty_shard_results, on_shards
-from .registry import register_rule
+from .registry import aten, register_rule
 
 __all__ = ["Kernel", "KERNELS", "Attention"]
 
-aten = torch.ops.aten
 
 R = Replicate()
 

@@ -16,11 +16,10 @@ import torch
 
 from ..placement import Partial, Replicate, Shard
 from ..rules import OpCall, Row, TensorMeta
-from .registry import register_rule
+from .registry import aten, register_rule
 
 __all__ = ["cdist_forward", "cdist_backward", "pdist_forward", "pdist_backward"]
 
-aten = torch.ops.aten
 R = Replicate()
 
 

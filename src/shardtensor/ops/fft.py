@@ -26,18 +26,15 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
-import torch
-
 from ..layout import Layout
 from ..placement import Partial, Replicate, Shard
 from ..rules import OpCall, Row, ShardingRule
 from .pointwise import LINEAR_REDUCE_OPS
 from .common import empty_shard_results, one_input_row
-from .registry import pointwise, register_rule, same_layout
+from .registry import aten, pointwise, register_rule, same_layout
 
 __all__ = ["FftRule", "fft_rows", "view_as_real_rows", "view_as_complex_rows"]
 
-aten = torch.ops.aten
 
 _FLIPPED = {"max": "min", "min": "max"}
 

@@ -35,11 +35,10 @@ from ..layout import Layout
 from ..placement import Replicate, Shard
 from ..propagation import decide
 from ..rules import ComposedRule, Decision, OpCall, ResizesWritten, TensorMeta, run_on_meta, sign_of
-from .registry import RULES, InPlaceVariantRule, register_rule
+from .registry import InPlaceVariantRule, RULES, aten, register_rule
 
 __all__ = ["ForeachRule", "ListReductionRule", "FusedStepRule", "canonical_scalar", "canonical_arguments"]
 
-aten = torch.ops.aten
 
 # Element ops whose packet has no overload for the foreach op's arguments (`maximum(x, 0.5)`).
 _RENAMED = {("maximum", "Scalar"): "clamp_min", ("maximum", "ScalarList"): "clamp_min",

@@ -18,12 +18,11 @@ from ..placement import REDUCE_OPS, Partial, Placement, Replicate, Shard
 from ..rules import OpCall, Row
 from .common import dim_argument
 from .index_checks import IndexArgument
-from .registry import pointwise, register_rule
+from .registry import aten, pointwise, register_rule
 from .tensor_ops import TensorOpRule
 
 __all__ = ["LOOKUP_VALUES"]
 
-aten = torch.ops.aten
 R = Replicate()
 
 

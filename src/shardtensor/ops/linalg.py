@@ -13,8 +13,8 @@ are the batch dims; an output left empty by the op's flags (`compute_uv=False`) 
 
 Errors that depend on the data must be raised by every rank alike, or the ranks that did not raise
 wait forever in their next collective. `_linalg_check_errors` therefore reads a Replicate `info`
-(a gather of a few ints), and ops whose kernel checks the data itself (`cholesky`,
-`cholesky_inverse`, any `check_errors=True`) only offer the Replicate row.
+(a gather of a few ints), and ops whose kernel checks the data itself (`cholesky`, which torch 2.14
+removed, `cholesky_inverse`, any `check_errors=True`) only offer the Replicate row.
 
 `geqrf` and `linalg_lstsq` have no meta kernel in torch, so their output shapes cannot be known
 ahead of the data (and `lstsq`'s residuals are empty or not depending on the matrices' rank):
@@ -26,15 +26,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-
 from ..placement import Partial, Placement, Replicate, Shard
 from ..rules import OpCall, Row, ShardingRule, TensorMeta, run_on_meta
-from .registry import register_rule
+from .registry import aten, register_rule
 
 __all__ = ["BatchedLinalgRule"]
 
-aten = torch.ops.aten
 
 # A right-hand side that is a batch of vectors (*, n) or of matrices (*, n, k), as `linalg.solve`
 # decides: a vector when it is 1-D, or when it has the shape of A without A's last dim.

@@ -24,11 +24,9 @@ import torch
 
 from ..placement import Partial, Placement, Replicate, Shard
 from ..rules import OpCall, PlainTensor, Row, ShardingRule
-from .registry import register_rule
+from .registry import aten, register_rule
 
 __all__ = ["einsum_rows", "EinsumRule", "AddendEinsumRule", "AddmvRule"]
-
-aten = torch.ops.aten
 
 
 def einsum_rows(spec: str) -> list[Row]:

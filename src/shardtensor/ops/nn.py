@@ -27,9 +27,8 @@ from ..placement import Partial, Replicate, Shard
 from ..rules import LocalCollective, OpCall, Row, ShardingRule, TensorMeta
 from .common import dim_argument, on_shards
 from .index_checks import IndexArgument, with_index_checks
-from .registry import register_rule
+from .registry import aten, register_rule
 
-aten = torch.ops.aten
 
 R, P = Replicate(), Partial("sum")
 

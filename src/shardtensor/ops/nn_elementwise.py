@@ -16,10 +16,9 @@ import torch
 from ..placement import Partial, Replicate, Shard
 from ..rules import OpCall, Row, ShardingRule, schema_positions
 from .common import normalized_dim
-from .registry import pointwise, register_rule
+from .registry import aten, pointwise, register_rule
 from .value_checks import ValueRange, with_value_checks
 
-aten = torch.ops.aten
 
 R, P = Replicate(), Partial("sum")
 

@@ -26,9 +26,8 @@ from ..rules import DataDependentOutput, LocalCollective, OpCall, Row, ShardingR
 from ..redistribute import redistribute_local_tensor
 from .common import empty_shard_results
 from .nn import _masked_outputs as _masked
-from .registry import register_rule
+from .registry import aten, register_rule
 
-aten = torch.ops.aten
 
 R, P = Replicate(), Partial("sum")
 

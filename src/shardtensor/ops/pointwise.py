@@ -34,11 +34,10 @@ import torch
 
 from ..placement import Partial, Placement, Replicate
 from ..rules import SIGN, TYPE_ONLY, UNREAD, OpCall, PlainTensor, Row, RowsRule, TensorMeta, scale_sign, schema_positions
-from .registry import pointwise, register_rule
+from .registry import MissingOp, aten, pointwise, register_rule
 
 __all__ = ["PARTIAL_FAMILIES", "ComparisonRule"]
 
-aten = torch.ops.aten
 
 LINEAR_REDUCE_OPS = ("sum", "avg")
 EXTREME_REDUCE_OPS = ("max", "min")
@@ -403,7 +402,9 @@ def _without_addend(op, name: str, mesh, *args, **kwargs):
 
 
 def _with_in_place(packets: list) -> list:
-    return packets + [getattr(aten, packet.__name__ + "_") for packet in packets if hasattr(aten, packet.__name__ + "_")]
+    """The packets and the in-place packets (`abs_` of `abs`) this torch has."""
+    names = [packet.__name__ + "_" for packet in packets if not isinstance(packet, MissingOp)]
+    return packets + [getattr(aten, name) for name in names if hasattr(torch.ops.aten, name)]
 
 
 def _two_outputs(call: OpCall) -> list[Row]:

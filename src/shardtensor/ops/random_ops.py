@@ -21,10 +21,8 @@ from ..placement import REDUCE_OPS, Partial, Replicate, Shard
 from ..rules import OpCall, Row, ShardingRule
 from ..random import next_random_call, random_shard
 from .common import on_shards
-from .registry import pointwise, register_rule
+from .registry import aten, pointwise, register_rule
 from .value_checks import ValueRange, with_value_checks
-
-aten = torch.ops.aten
 
 
 def _draw(kind: str, layout: Layout, coordinate: Sequence[int], parameters: tuple = ()):

@@ -26,12 +26,10 @@ from ..layout import Layout
 from ..placement import NormPartial, Partial, Replicate, Shard
 from ..rules import LocalCollective, OpCall, Row, ShardingRule, TensorMeta
 from .common import dim_argument, normalized_dim
-from .registry import pointwise, register_rule
+from .registry import aten, pointwise, register_rule
 from .tensor_ops import TensorOpRule
 
 __all__ = ["ReductionRule", "VectorNormRule", "ScanRule"]
-
-aten = torch.ops.aten
 
 
 def _tensor_outputs(call: OpCall) -> int:

@@ -6,12 +6,18 @@ N-D meshes and picks the cheapest. Here live the registry and the generic rules 
 reuse: ops that keep their input's layout, `*_like` factories, and the broadcast rows of
 elementwise ops (the elementwise family itself is `ops/pointwise.py`). Replicate rows come first:
 moving Replicate to Shard is free, so on a tie the rule's order keeps a Replicate input where it is.
+
+Op families name their ops through `aten` below, which reads a name the running torch lacks
+(`aten.cholesky` in torch 2.14) as a `MissingOp`: `register_rule` skips it (`skipped_ops()` lists
+it, with a DEBUG log line), so one table serves every torch version we support. (An overload that
+torch drops from an op it keeps would still fail at import; torch retires whole ops, as `cholesky`.)
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from collections.abc import Iterable
 
 import torch
@@ -24,11 +30,46 @@ from ..rules import (
 from .common import one_input_row
 
 __all__ = [
-    "RULES", "FUNCTION_REWRITES", "register_rule", "register_function_rewrite", "register_variants",
-    "functional_overload", "InPlaceVariantRule", "same_layout", "like_factory", "pointwise",
+    "RULES", "FUNCTION_REWRITES", "aten", "MissingOp", "skipped_ops", "register_rule", "register_function_rewrite",
+    "register_variants", "functional_overload", "InPlaceVariantRule", "same_layout", "like_factory", "pointwise",
 ]
 
-aten = torch.ops.aten
+_logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MissingOp:
+    """An aten op (`overload=None`: its packet) that the running torch does not have; its rule is
+    skipped at registration. Reading an overload of a missing packet gives a missing overload."""
+
+    name: str
+    overload: str | None = None
+
+    def __getattr__(self, overload: str) -> MissingOp:
+        if self.overload is not None or overload.startswith("__"):
+            raise AttributeError(f"{self} is not in torch {torch.__version__}, so it has no attribute {overload!r}")
+        return MissingOp(self.name, overload)
+
+    def __str__(self) -> str:
+        return f"aten.{self.name}" + ("" if self.overload is None else f".{self.overload}")
+
+
+class _OptionalOps:
+    """`torch.ops.aten` for rule tables: an op this torch lacks reads as a `MissingOp` instead of
+    raising at import. Each name resolves once (then it is a plain attribute), so calls cost nothing."""
+
+    def __getattr__(self, name: str):
+        try:
+            op = getattr(torch.ops.aten, name)
+        except AttributeError:
+            if name.startswith("__"):  # a Python protocol probe (`__deepcopy__`), not an op name
+                raise
+            op = MissingOp(name)
+        setattr(self, name, op)
+        return op
+
+
+aten = _OptionalOps()
 
 RULES: dict[torch._ops.OpOverload, ShardingRule] = {}
 
@@ -37,16 +78,30 @@ RULES: dict[torch._ops.OpOverload, ShardingRule] = {}
 # no rule can shard (F.pad's circular mode: slices copied into a new tensor).
 FUNCTION_REWRITES: dict = {}
 
+# Ops whose rules were not registered because this torch does not have them (`skipped_ops()`).
+_SKIPPED: set[str] = set()
+
+
+def skipped_ops() -> list[str]:
+    """The names of the ops whose rules this torch version skipped (`['aten.cholesky.default']` on
+    torch 2.14): a call of them cannot reach `dispatch` on this version anyway."""
+    return sorted(_SKIPPED)
+
 
 def register_rule(ops: Iterable, rule, *, override: bool = False) -> None:
     """Register `rule` (a `ShardingRule`, or a function from `OpCall` to rows) for each op.
 
     A packet (`aten.add`) stands for its overloads that return one Tensor. Registering an op that
-    has a rule is an error unless `override=True` (what `experimental.register_sharding` does).
+    has a rule is an error unless `override=True` (what `experimental.register_sharding` does). An
+    op this torch does not have (a `MissingOp`) is skipped and listed by `skipped_ops()`.
     """
     if not isinstance(rule, ShardingRule):
         rule = RowsRule(rule)
     for op in ops:
+        if isinstance(op, MissingOp):
+            _logger.debug("skipped the rule of %s: torch %s has no such op", op, torch.__version__)
+            _SKIPPED.add(str(op))
+            continue
         overloads = [op]
         if isinstance(op, torch._ops.OpOverloadPacket):
             overloads = [getattr(op, name) for name in op.overloads()]
@@ -145,7 +200,7 @@ def register_variants() -> None:
     for name in names:
         if name not in ruled and not (name.endswith("_") and name[:-1] in ruled):
             continue
-        packet = getattr(aten, name, None)
+        packet = getattr(torch.ops.aten, name, None)
         if not isinstance(packet, torch._ops.OpOverloadPacket):
             continue
         overloads = [getattr(packet, overload) for overload in packet.overloads()]
@@ -157,7 +212,7 @@ def register_variants() -> None:
                 continue  # no functional rule, or an out= rule of its own
             if len(match._schema.returns) in (len(overload._schema.returns), len(out_names)):
                 RULES[overload] = OutVariantRule(overload, match, RULES)
-        functional_packet = getattr(aten, name[:-1], None) if name.endswith("_") and not name.startswith("_") else None
+        functional_packet = getattr(torch.ops.aten, name[:-1], None) if name.endswith("_") and not name.startswith("_") else None
         if isinstance(functional_packet, torch._ops.OpOverloadPacket):
             functional_overloads = [getattr(functional_packet, overload) for overload in functional_packet.overloads()]
             by_signature = {_argument_signature(overload): overload for overload in functional_overloads}
@@ -175,7 +230,7 @@ def functional_overload(overload):
     out_names = OutVariantRule.out_names_of(overload)
     if not out_names:
         return None
-    packet = getattr(aten, overload._schema.name.split("::")[1])
+    packet = getattr(torch.ops.aten, overload._schema.name.split("::")[1])
     return _functional_by_signature(packet).get(_argument_signature(overload, out_names))
 
 

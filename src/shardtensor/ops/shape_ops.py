@@ -12,17 +12,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-import torch
-
 from ..layout import Layout
 from ..placement import REDUCE_OPS, Partial, Replicate, Shard
 from ..rules import OpCall, Row, ShardingRule, run_on_meta
 from .common import dim_argument, normalized_dim
-from .registry import register_rule
+from .registry import aten, register_rule
 
 __all__ = ["DiagonalFillRule", "DiagonalScatterRule", "ConstantPadRule", "diagonal_piece"]
-
-aten = torch.ops.aten
 
 
 def _partial_rows(outputs: int, inputs: int, reduce_ops: Sequence[str] = REDUCE_OPS) -> list[Row]:

@@ -9,14 +9,11 @@ have gathered the inputs and then failed to wrap a sparse result).
 
 from __future__ import annotations
 
-import torch
-
 from ..rules import OpCall, ShardingRule
-from .registry import register_rule
+from .registry import aten, register_rule
 
 __all__ = ["sparse_layout_error"]
 
-aten = torch.ops.aten
 
 # The aten ops whose result has a sparse layout (COO, CSR, CSC, BSR, BSC).
 SPARSE_RESULT_OPS = (

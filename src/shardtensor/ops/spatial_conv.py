@@ -42,9 +42,8 @@ from .spatial_conv_transpose import (
     transposed_backward_local_op, transposed_backward_rows, transposed_local_op, transposed_local_shape_key,
     transposed_rows,
 )
-from .registry import register_rule
+from .registry import aten, register_rule
 
-aten = torch.ops.aten
 
 R, P = Replicate(), Partial("sum")
 

@@ -34,11 +34,11 @@ from ..halo import shard_bounds
 from ..layout import Layout
 from ..placement import Partial, Replicate, Shard
 from ..rules import LocalCollective, OpCall, Row, TensorMeta
+from .registry import aten
 
 __all__ = ["TransposedDim", "transposed_rows", "transposed_backward_rows", "transposed_local_op",
            "transposed_backward_local_op", "transposed_local_shape_key"]
 
-aten = torch.ops.aten
 
 R, P = Replicate(), Partial("sum")
 

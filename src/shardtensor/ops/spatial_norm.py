@@ -37,9 +37,8 @@ from ..placement import Partial, Replicate, Shard
 from ..rules import DataDependentOutput, LocalCollective, OpCall, Row, ShardingRule, TensorMeta, run_on_meta, schema_positions
 from .nn import GroupNorm, _masked_outputs, layer_norm, layer_norm_backward
 from .nn_spatial import _BATCH_NORM_FORWARD, BatchNorm, BatchNormBackward, _channels_or_zeros, _running_statistics, _training
-from .registry import register_rule
+from .registry import aten, register_rule
 
-aten = torch.ops.aten
 
 R, P = Replicate(), Partial("sum")
 

@@ -40,11 +40,10 @@ from ..layout import Layout
 from ..placement import Replicate, Shard
 from ..rules import LocalCollective, OpCall, Row, schema_positions
 from .nn_spatial import PlaneRule
-from .registry import register_rule
+from .registry import aten, register_rule
 
 __all__ = ["PoolDim", "AdaptiveDim", "SpatialPool", "SpatialPoolBackward"]
 
-aten = torch.ops.aten
 
 R = Replicate()
 

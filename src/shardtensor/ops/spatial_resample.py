@@ -45,14 +45,13 @@ from ..layout import Layout
 from ..placement import REDUCE_OPS, Partial, Replicate, Shard
 from ..rules import LocalCollective, OpCall, Row, ShardingRule
 from .nn_spatial import PlaneRule
-from .registry import register_function_rewrite, register_rule
+from .registry import aten, register_function_rewrite, register_rule
 from .resample_geometry import (
     Taps, input_windows, interpolation_taps, owned_outputs, owners_from_outputs,
 )
 
 __all__ = ["PadRule", "UpsampleRule"]
 
-aten = torch.ops.aten
 
 R = Replicate()
 

@@ -25,19 +25,15 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-
 from ..halo import Bounds, Exchange, SlidingWindow, exchange, exchange_gradient, exchange_shape, exchanged_bytes
 from ..halo import shard_bounds
 from ..layout import Layout
 from ..placement import Shard
 from ..rules import LocalCollective, OpCall, Row
 from .nn_spatial import PlaneRule
-from .registry import register_rule
+from .registry import aten, register_rule
 
 __all__ = ["Unfold", "Fold"]
-
-aten = torch.ops.aten
 
 
 def _windows(call: OpCall) -> tuple[SlidingWindow, SlidingWindow]:

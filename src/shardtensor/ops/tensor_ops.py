@@ -19,11 +19,10 @@ from ..placement import REDUCE_OPS, Partial, Replicate, Shard
 from ..rules import OpCall, Row, RowsRule
 from .common import dim_argument
 from .index_checks import IndexArgument, with_index_checks
-from .registry import pointwise, register_rule, same_layout
+from .registry import aten, pointwise, register_rule, same_layout
 
 __all__ = ["TensorOpRule"]
 
-aten = torch.ops.aten
 R = Replicate()
 
 

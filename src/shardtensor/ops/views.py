@@ -29,11 +29,9 @@ from ..layout import Layout
 from ..placement import REDUCE_OPS, Partial, Replicate, Shard
 from ..rules import OpCall, Row, ShardingRule, run_on_meta
 from .common import normalized_dim
-from .registry import RULES, register_rule
+from .registry import RULES, aten, register_rule
 
 __all__ = ["KeptDim", "ViewRule", "CopyOfView", "view_dim_map"]
-
-aten = torch.ops.aten
 
 
 @dataclass(frozen=True, slots=True)
