@@ -29,8 +29,9 @@ def _tiny_model(family: str, tied: bool) -> nn.Module:
     """A two-layer model of `family` with grouped-query attention (8 query heads, 4 key/value heads), float64."""
     import transformers
 
-    sizes = dict(vocab_size=VOCABULARY, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
-                 num_key_value_heads=4, head_dim=8, max_position_embeddings=LENGTH, tie_word_embeddings=tied)
+    sizes = dict(vocab_size=VOCABULARY, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                 num_attention_heads=8, num_key_value_heads=4, head_dim=8, max_position_embeddings=LENGTH,
+                 tie_word_embeddings=tied)
     config_class, model_class = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
                                  "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[family]
     torch.manual_seed(0)
@@ -46,7 +47,8 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
-def _train_and_compare(mesh: DeviceMesh, family: str, tied: bool, shard_data_parallel: bool, directory=None) -> nn.Module:
+def _train_and_compare(mesh: DeviceMesh, family: str, tied: bool, shard_data_parallel: bool,
+                       directory: str | None = None) -> nn.Module:
     """Train the model laid out by its own plan (and fully_shard over dp) beside one device: the step's
     loss (averaged over dp), every gradient and, after the steps, every parameter must agree. With a
     `directory`, the model comes from `from_pretrained` there (the reference's weights, saved)."""

@@ -346,13 +346,16 @@ class TiedLanguageModel(nn.Module):
 
 @spmd(meshes=[(4,)])
 def test_tied_parameters_stay_tied_and_train_like_one_device(mesh):
-    plan = {"embedding": RowwiseParallel(input_layouts=Replicate()), "head": ColwiseParallel(output_layouts=Replicate())}
+    plan = {"embedding": RowwiseParallel(input_layouts=Replicate()),
+            "head": ColwiseParallel(output_layouts=Replicate())}
     model = train_and_compare(mesh, TiedLanguageModel, plan, _indices(11, 3, 5))
     assert model.head.weight is model.embedding.weight and model.head.weight.placements == (Shard(0),)
     assert len(list(model.parameters())) == 1
     # A Linear under RowwiseParallel wants Shard(1) of the weight the embedding holds as Shard(0): no tie possible.
-    with pytest.raises(ValueError, match=r"a tied parameter would be laid out differently where it is shared "
-                                         r"\(embedding.weight: \(Shard\(dim=0\),\); head.weight: \(Shard\(dim=1\),\)\)"):
-        parallelize_module(TiedLanguageModel(), tp_mesh(mesh), {"embedding": plan["embedding"], "head": RowwiseParallel()})
+    differently = (r"a tied parameter would be laid out differently where it is shared "
+                   r"\(embedding.weight: \(Shard\(dim=0\),\); head.weight: \(Shard\(dim=1\),\)\)")
+    with pytest.raises(ValueError, match=differently):
+        parallelize_module(TiedLanguageModel(), tp_mesh(mesh),
+                           {"embedding": plan["embedding"], "head": RowwiseParallel()})
     with pytest.raises(ValueError, match=r"head.weight: a plain tensor \(no style laid it out\)"):
         parallelize_module(TiedLanguageModel(), tp_mesh(mesh), {"embedding": plan["embedding"]})

@@ -55,14 +55,17 @@ HF_TP_STYLES: dict[str, Callable[[], ParallelStyle] | None] = {
 # Strings transformers defines that have no style here (mixture-of-experts and packed layouts).
 _UNSUPPORTED = (
     "packed_colwise", "packed_rowwise", "local_packed_rowwise", "moe_tp_experts", "moe_identity_expert",
-    "grouped_gemm", "ep_dispatch_experts", "ep_router", "megamoe_router", "megamoe_experts", "mla_kv_a_proj", "all_reduce", "gather", "local",
-    "local_params", "isolate",
+    "grouped_gemm", "ep_dispatch_experts", "ep_router", "megamoe_router", "megamoe_experts", "mla_kv_a_proj",
+    "all_reduce", "gather", "local", "local_params", "isolate",
 )
 
 
 def _style_error(key: str, value) -> ValueError:
     known = ", ".join(repr(name) for name in HF_TP_STYLES)
-    what = "has no shardtensor style yet" if value in _UNSUPPORTED else "is not a tensor-parallel style string known here"
+    if value in _UNSUPPORTED:
+        what = "has no shardtensor style yet"
+    else:
+        what = "is not a tensor-parallel style string known here"
     return ValueError(
         f"hf_tp_plan: tp_plan[{key!r}] = {value!r} {what}; the known strings are {known}. Lay out that "
         f"module with a style of your own (add it to the returned dict), or leave it out of the plan"
@@ -124,8 +127,8 @@ def hf_tp_plan(model: nn.Module | Mapping[str, str], device_mesh: DeviceMesh | N
     `device_mesh`, the attention heads are checked to divide over it. Strings that need no layout
     ("replicate") are left out; one without a style here raises, naming it and the known strings.
 
-    >>> hf_tp_plan({"layers.*.mlp.down_proj": "rowwise"})
-    {'layers.*.mlp.down_proj': RowwiseParallel(src_data_rank=0, input_layouts=None, output_layouts=None, use_local_output=True)}
+    >>> hf_tp_plan({"layers.*.mlp.down_proj": "rowwise"})["layers.*.mlp.down_proj"] == RowwiseParallel()
+    True
     """
     plan = model if isinstance(model, Mapping) else _model_plan(model)
     if device_mesh is not None and isinstance(model, nn.Module):
