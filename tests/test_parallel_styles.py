@@ -329,3 +329,33 @@ def test_a_two_dimensional_mesh_is_refused_with_the_fix(mesh):
     named = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     with pytest.raises(ValueError, match=r"1-D device mesh.*mesh\['tp'\]"):
         parallelize_module(nn.Linear(2, 2), named, ColwiseParallel())
+
+
+class TiedLanguageModel(nn.Module):
+    """An embedding and an output head that share one weight (tied embeddings); 11 rows over 4 ranks."""
+
+    def __init__(self, vocabulary=11, width=6):
+        super().__init__()
+        self.embedding = nn.Embedding(vocabulary, width)
+        self.head = nn.Linear(width, vocabulary, bias=False)
+        self.head.weight = self.embedding.weight
+
+    def forward(self, tokens):
+        return self.head(torch.tanh(self.embedding(tokens)))
+
+
+@spmd(meshes=[(4,)])
+def test_tied_parameters_stay_tied_and_train_like_one_device(mesh):
+    plan = {"embedding": RowwiseParallel(input_layouts=Replicate()),
+            "head": ColwiseParallel(output_layouts=Replicate())}
+    model = train_and_compare(mesh, TiedLanguageModel, plan, _indices(11, 3, 5))
+    assert model.head.weight is model.embedding.weight and model.head.weight.placements == (Shard(0),)
+    assert len(list(model.parameters())) == 1
+    # A Linear under RowwiseParallel wants Shard(1) of the weight the embedding holds as Shard(0): no tie possible.
+    differently = (r"a tied parameter would be laid out differently where it is shared "
+                   r"\(embedding.weight: \(Shard\(dim=0\),\); head.weight: \(Shard\(dim=1\),\)\)")
+    with pytest.raises(ValueError, match=differently):
+        parallelize_module(TiedLanguageModel(), tp_mesh(mesh),
+                           {"embedding": plan["embedding"], "head": RowwiseParallel()})
+    with pytest.raises(ValueError, match=r"head.weight: a plain tensor \(no style laid it out\)"):
+        parallelize_module(TiedLanguageModel(), tp_mesh(mesh), {"embedding": plan["embedding"]})
