@@ -16,7 +16,9 @@ from spmd import spmd
 
 from shardtensor import DeviceMesh, DTensor, Partial
 from shardtensor.demo.model import GPT, GPTConfig
+from shardtensor.demo.cli import parse_options
 from shardtensor.demo.pipeline import GPTStage, pipeline_schedule, shard_stage, split_blocks
+from shardtensor.demo.pipeline_train import PipelineOptions, train_pipeline
 
 CONFIG = GPTConfig(vocab_size=11, block_size=8, layers=3, heads=2, width=8)
 BATCH, MICROBATCHES, STEPS, LEARNING_RATE = 8, 2, 2, 0.5
@@ -115,3 +117,25 @@ def test_stages_split_the_blocks_and_hold_the_whole_models_parameters():
     torch.testing.assert_close(stages[1](stages[0](tokens)), model(tokens), rtol=0, atol=0)
     with pytest.raises(ValueError, match="at least 4 blocks"):
         split_blocks(3, 4)
+
+
+def test_pipeline_options_check_the_mesh_the_stages_and_the_microbatches():
+    options, size = parse_options(["--pipeline"])
+    assert isinstance(options, PipelineOptions) and size == 8
+    assert options.mesh == (2, 2, 2) and options.steps == PipelineOptions.steps and options.schedule == "1f1b"
+    options, size = parse_options(["--pipeline", "--mesh", "2x1x2", "--schedule", "gpipe", "--microbatches", "4", "--steps", "3"])
+    assert (options.mesh, size, options.schedule, options.microbatches, options.steps) == ((2, 1, 2), 4, "gpipe", 4, 3)
+    assert not isinstance(parse_options([])[0], PipelineOptions)
+    for wrong in (["--pipeline", "--mesh", "2x2"], ["--mesh", "2x2x2"], ["--pipeline", "--mesh", "4x1x1", "--layers", "2"],
+                  ["--pipeline", "--batch-size", "6"], ["--pipeline", "--microbatches", "3"],
+                  ["--pipeline", "--nproc", "4"], ["--pipeline", "--checkpoint", "run"]):
+        with pytest.raises(SystemExit):
+            parse_options(wrong)
+
+
+@spmd(meshes=[(8,)], timeout=SLOW_MACHINE_TIMEOUT)
+def test_the_pipelined_demo_trains_like_one_device(mesh):
+    """The demo's --pipeline loop on 2x2x2 with --compare: rank 0 raises ComparisonError unless every step's
+    loss is the one-device loss."""
+    train_pipeline(PipelineOptions(steps=2, layers=2, heads=2, width=16, batch_size=8, block_size=16, sample_length=4,
+                                   compare=True))
