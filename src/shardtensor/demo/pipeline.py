@@ -13,24 +13,18 @@ mean over the dp rank's batch, which fully_shard averages over "dp".
 
 from __future__ import annotations
 
-import copy
-import time
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import comm
 from ..dtensor import DTensor
 from ..fsdp import fully_shard
-from ..mesh import DeviceMesh, init_device_mesh
+from ..mesh import DeviceMesh
 from ..parallel import loss_parallel, parallelize_module
 from ..placement import Shard
-from . import report
-from .data import batch_for_step, load_corpus
 from .model import GPT, _heads_error, tensor_parallel_plan
 
-__all__ = ["GPTStage", "SCHEDULES", "split_blocks", "shard_stage", "pipeline_schedule", "pipeline_loss", "train_pipeline"]
+__all__ = ["GPTStage", "MESH_DIM_NAMES", "SCHEDULES", "split_blocks", "shard_stage", "pipeline_schedule", "pipeline_loss"]
 
 MESH_DIM_NAMES = ("pp", "dp", "tp")
 SCHEDULES = ("1f1b", "gpipe")
