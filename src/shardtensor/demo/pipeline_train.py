@@ -38,7 +38,7 @@ class PipelineOptions(Options):
     mesh: tuple[int, int, int] = (2, 2, 2)
     schedule: str = "1f1b"  # one of pipeline.SCHEDULES
     microbatches: int = 2  # per dp rank's batch and step
-    steps: int = 40  # eight processes share this machine's cores: a shorter default run
+    steps: int = 80  # a short run: eight processes share the cores of a small machine
 
 
 def _adamw(module: torch.nn.Module, options: Options) -> torch.optim.Optimizer:
