@@ -8,13 +8,15 @@ afterwards (float64; SGD, unlike Adam, shows a gradient off by a constant factor
 scaling). Three blocks on two stages: the first stage holds two, the second one.
 """
 
+import collections
+
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from spmd import spmd
 
-from shardtensor import DeviceMesh, DTensor, Partial
+from shardtensor import DeviceMesh, DTensor, Partial, comm
 from shardtensor.demo.model import GPT, GPTConfig
 from shardtensor.demo.cli import parse_options
 from shardtensor.demo.pipeline import GPTStage, pipeline_schedule, shard_stage, split_blocks
@@ -59,10 +61,13 @@ def _train_and_compare(mesh: DeviceMesh, schedule_name: str, expected_losses, ex
     for step, (tokens, targets) in enumerate(batches):
         tokens, targets = tokens.tensor_split(dp_size)[dp], targets.tensor_split(dp_size)[dp]
         microbatch_losses = []
-        if stage.is_first:
-            schedule.step(tokens)
-        else:
-            schedule.step(target=targets, losses=microbatch_losses)
+        with comm.observe() as records:
+            if stage.is_first:
+                schedule.step(tokens)
+            else:
+                schedule.step(target=targets, losses=microbatch_losses)
+        if dp_size > 1 and step > 0:  # the first step also runs PipelineStage's shape inference
+            _check_data_parallel_collectives(records, len(stage.blocks))
         optimizer.step()
         optimizer.zero_grad()
         if stage.is_last:
@@ -79,6 +84,14 @@ def _train_and_compare(mesh: DeviceMesh, schedule_name: str, expected_losses, ex
         assert parameter.placements[0].is_shard(), (name, parameter.placements)  # fully_shard over "dp"
         torch.testing.assert_close(parameter.full_tensor(), expected_parameters[name].detach(), rtol=0, atol=TOLERANCE,
                                    msg=lambda text: f"{schedule_name}, parameter {name}: {text}")
+
+
+def _check_data_parallel_collectives(records, blocks: int):
+    """fully_shard knows nothing of the schedule: every microbatch gathers each block in forward and again in
+    backward and reduce-scatters every unit (the blocks and the stage's root); the root, kept gathered after
+    its forward, is gathered once per microbatch too, as the end of each microbatch's backward reshards it."""
+    kinds = collections.Counter(record.kind for record in records if record.mesh_dim_names == ("dp",))
+    assert kinds == {"all_gather": MICROBATCHES * (2 * blocks + 1), "reduce_scatter": MICROBATCHES * (blocks + 1)}, kinds
 
 
 def _named_world(shape) -> DeviceMesh:
