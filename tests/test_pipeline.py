@@ -141,7 +141,7 @@ def test_pipeline_options_check_the_mesh_the_stages_and_the_microbatches():
     assert not isinstance(parse_options([])[0], PipelineOptions)
     for wrong in (["--pipeline", "--mesh", "2x2"], ["--mesh", "2x2x2"], ["--pipeline", "--mesh", "4x1x1", "--layers", "2"],
                   ["--pipeline", "--batch-size", "6"], ["--pipeline", "--microbatches", "3"],
-                  ["--pipeline", "--nproc", "4"], ["--pipeline", "--checkpoint", "run"]):
+                  ["--pipeline", "--nproc", "4"], ["--pipeline", "--checkpoint", "run"], ["--pipeline", "--data-parallel", "ddp"]):
         with pytest.raises(SystemExit):
             parse_options(wrong)
 

@@ -85,8 +85,8 @@ def _pipeline_options(parser: argparse.ArgumentParser, arguments, world_size: in
                      f"--microbatches {arguments.microbatches} equal microbatches")
     if arguments.data is not None and not os.path.isfile(arguments.data):
         parser.error(f"--data {arguments.data}: no such file")
-    if arguments.checkpoint is not None:
-        parser.error("--checkpoint is not supported with --pipeline")
+    if arguments.checkpoint is not None or arguments.data_parallel != "fsdp":
+        parser.error("--pipeline runs fully_shard on dp and saves no checkpoint: leave out --checkpoint and --data-parallel")
     options = PipelineOptions(
         mesh=mesh, steps=PipelineOptions.steps if arguments.steps is None else arguments.steps, batch_size=arguments.batch_size, block_size=arguments.block_size,
         layers=arguments.layers, heads=arguments.heads, width=arguments.width, learning_rate=arguments.lr,
