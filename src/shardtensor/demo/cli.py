@@ -1,6 +1,7 @@
-"""`python -m shardtensor.demo` / `shardtensor-demo`: parse the flags, then run `train.train` on every
-rank: under `torchrun` on this process's rank (nccl when CUDA is present), otherwise on local CPU
-ranks spawned here. The process group is torn down before the interpreter exits."""
+"""`python -m shardtensor.demo` / `shardtensor-demo`: parse the flags, then run `train.train` (with
+`--pipeline`, `pipeline_train.train_pipeline`) on every rank: under `torchrun` on this process's rank
+(nccl when CUDA is present), otherwise on local CPU ranks spawned here. The process group is torn down
+before the interpreter exits."""
 
 from __future__ import annotations
 
