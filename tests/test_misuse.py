@@ -63,6 +63,31 @@ def test_sparse_ops_on_dtensors_raise_naming_the_op_on_every_rank_without_commun
 
 
 @spmd(meshes=[(2,), (2, 2)])
+def test_torch_distributed_calls_on_a_dtensor_raise_on_every_rank_without_communication(mesh):
+    """torch.distributed's own calls (a pipeline stage's hand-off is an isend) move plain tensors. Given a DTensor,
+    each raises naming the op and how to send a shard, instead of gathering it over its mesh first (which hung a
+    point-to-point peer inside the mesh, and sent a peer outside it the gathered full tensor)."""
+    import torch.distributed as dist
+
+    dense = torch.arange(12.0).reshape(3, 4)
+    x = distribute_tensor(dense, mesh, [Shard(0)] * mesh.ndim)
+    peer = (mesh.get_rank() + 1) % mesh.size()  # every rank sends, none receives: a hang unless each raises first
+    calls = [
+        ("c10d.send.default", lambda: dist.send(x, peer)),
+        ("c10d.send.default", lambda: dist.isend(x, peer)),
+        ("c10d.send.default", lambda: dist.batch_isend_irecv([dist.P2POp(dist.isend, x, peer)])),
+        ("c10d.allreduce_.default", lambda: dist.all_reduce(x)),
+        ("c10d.broadcast_.default", lambda: dist.broadcast(x, 0)),
+    ]
+    with comm.observe() as records:
+        for op, call in calls:
+            with pytest.raises(TypeError, match=rf"^{re.escape(op)} got a DTensor: .*dtensor\.to_local\(\)"):
+                call()
+    assert records == []
+    assert torch.equal((x * 2).full_tensor(), dense * 2)
+
+
+@spmd(meshes=[(2,), (2, 2)])
 def test_a_meta_tensor_shards_without_communication(mesh):
     x = distribute_tensor(torch.empty(8, 4, device="meta"), mesh, [Shard(0)] * mesh.ndim)
     assert x.to_local().is_meta and tuple(x.shape) == (8, 4)

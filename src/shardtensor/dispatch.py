@@ -181,9 +181,22 @@ def _value_keys_error(op, rule) -> RuntimeError:
     )
 
 
+def _process_group_call_error(op) -> TypeError:
+    return TypeError(
+        f"{op} got a DTensor: torch.distributed's own collectives and point-to-point calls (send, recv, isend, "
+        f"batch_isend_irecv, a pipeline stage's hand-off, all_reduce, ...) move plain tensors, and a DTensor's "
+        f"value is spread over the ranks of its mesh (gathering it there first would hang a peer outside the mesh). "
+        f"Send this rank's shard, dtensor.to_local(), and rebuild it on the receiving ranks with "
+        f"DTensor.from_local(local, mesh, placements, shape=..., stride=...), or send dtensor.full_tensor(); "
+        f"over a DTensor's own mesh use redistribute() or shardtensor.comm"
+    )
+
+
 def _dispatch_slowly(dtensor_class: type, op, args: tuple, kwargs: dict, key: tuple | None):
     """The miss path: flatten the arguments, decide (or fall back), run, and store a plan; what the op
     wrote into views of moved copies is then stored into the tensors they view."""
+    if op.namespace == "c10d":  # a process group's own call: no layout to decide, and the fallback's gather hangs
+        raise _process_group_call_error(op)
     if torch.Tag.inplace_view in op.tags:
         return inplace_view(op, args, kwargs)
     sources = written_copy_sources(dtensor_class, op, args, kwargs) if writes(op) else ()

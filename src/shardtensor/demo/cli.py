@@ -1,6 +1,7 @@
-"""`python -m shardtensor.demo` / `shardtensor-demo`: parse the flags, then run `train.train` on every
-rank: under `torchrun` on this process's rank (nccl when CUDA is present), otherwise on local CPU
-ranks spawned here. The process group is torn down before the interpreter exits."""
+"""`python -m shardtensor.demo` / `shardtensor-demo`: parse the flags, then run `train.train` (with
+`--pipeline`, `pipeline_train.train_pipeline`) on every rank: under `torchrun` on this process's rank
+(nccl when CUDA is present), otherwise on local CPU ranks spawned here. The process group is torn down
+before the interpreter exits."""
 
 from __future__ import annotations
 
@@ -11,19 +12,23 @@ import torch
 import torch.distributed as dist
 
 from ..launch import RankFailure, spawn
+from .pipeline import SCHEDULES
+from .pipeline_train import PipelineOptions, train_pipeline
 from .train import DATA_PARALLEL_MODES, Options, train
 
 __all__ = ["main", "parse_options"]
 
 
-def _mesh_shape(text: str) -> tuple[int, int]:
+def _mesh_shape(text: str) -> tuple[int, ...]:
     try:
-        dp, tp = (int(size) for size in text.lower().split("x"))
+        sizes = tuple(int(size) for size in text.lower().split("x"))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--mesh takes DPxTP, e.g. 2x2 or 1x4; got {text!r}") from None
-    if dp < 1 or tp < 1:
+        sizes = ()
+    if len(sizes) not in (2, 3):
+        raise argparse.ArgumentTypeError(f"--mesh takes DPxTP, e.g. 2x2 or 1x4 (PPxDPxTP with --pipeline, e.g. 2x2x2); got {text!r}")
+    if min(sizes) < 1:
         raise argparse.ArgumentTypeError(f"--mesh sizes must be positive, got {text!r}")
-    return dp, tp
+    return sizes
 
 
 def _default_mesh(world_size: int) -> tuple[int, int]:
@@ -42,7 +47,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--data-parallel", choices=DATA_PARALLEL_MODES, default=defaults.data_parallel,
                         help="how the dp mesh dim holds the parameters: fsdp shards them (fully_shard, the default), "
                              "ddp replicates them and all-reduces the gradients")
-    parser.add_argument("--steps", type=int, default=defaults.steps)
+    parser.add_argument("--steps", type=int, default=None, help=f"training steps (default {defaults.steps}; {PipelineOptions.steps} with --pipeline)")
     parser.add_argument("--batch-size", type=int, default=defaults.batch_size, help="global batch (sequences per step)")
     parser.add_argument("--block-size", type=int, default=defaults.block_size, help="characters per sequence")
     parser.add_argument("--layers", type=int, default=defaults.layers)
@@ -54,13 +59,53 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--checkpoint", default=None, metavar="DIR", help="resume from DIR if it holds a checkpoint; save there at the end")
     parser.add_argument("--compare", action="store_true", help="train the same model on one process alongside and check the losses agree")
     parser.add_argument("--sample-length", type=int, default=defaults.sample_length, help="characters of text to generate at the end")
+    parser.add_argument("--pipeline", action="store_true",
+                        help="pipeline parallelism too: --mesh PPxDPxTP (default 2x2x2), the blocks cut into PP stages "
+                             "run by torch.distributed.pipelining, each stage fully_shard on dp x tensor parallel on tp")
+    parser.add_argument("--schedule", choices=SCHEDULES, default=PipelineOptions.schedule, help="the pipeline's schedule (with --pipeline)")
+    parser.add_argument("--microbatches", type=int, default=PipelineOptions.microbatches,
+                        help="microbatches each dp rank's batch is split into per step (with --pipeline)")
     return parser
+
+
+def _pipeline_options(parser: argparse.ArgumentParser, arguments, world_size: int | None) -> tuple[PipelineOptions, int]:
+    """The options of a --pipeline run (PPxDPxTP mesh), checked like the others."""
+    mesh = arguments.mesh or (2, 2, 2)
+    if len(mesh) != 3:
+        parser.error(f"--pipeline takes --mesh PPxDPxTP (e.g. 2x2x2), got {'x'.join(map(str, mesh))}")
+    pp, dp, tp = mesh
+    size = world_size or arguments.nproc or pp * dp * tp
+    if pp * dp * tp != size:
+        parser.error(f"--mesh {pp}x{dp}x{tp} needs {pp * dp * tp} ranks, but there are {size}")
+    if arguments.heads % tp or arguments.width % arguments.heads:
+        parser.error(f"--heads {arguments.heads} must divide --width {arguments.width} and be a multiple of the {tp} tensor-parallel ranks")
+    if arguments.layers < pp:
+        parser.error(f"--layers {arguments.layers}: each of the {pp} pipeline stages needs at least one block")
+    if arguments.microbatches < 1 or arguments.batch_size % (dp * arguments.microbatches):
+        parser.error(f"--batch-size {arguments.batch_size} must split into {dp} data-parallel shares of "
+                     f"--microbatches {arguments.microbatches} equal microbatches")
+    if arguments.data is not None and not os.path.isfile(arguments.data):
+        parser.error(f"--data {arguments.data}: no such file")
+    if arguments.checkpoint is not None or arguments.data_parallel != "fsdp":
+        parser.error("--pipeline runs fully_shard on dp and saves no checkpoint: leave out --checkpoint and --data-parallel")
+    options = PipelineOptions(
+        mesh=mesh, steps=PipelineOptions.steps if arguments.steps is None else arguments.steps, batch_size=arguments.batch_size, block_size=arguments.block_size,
+        layers=arguments.layers, heads=arguments.heads, width=arguments.width, learning_rate=arguments.lr,
+        seed=arguments.seed, data=arguments.data, compare=arguments.compare, sample_length=arguments.sample_length,
+        device_type="cuda" if world_size and torch.cuda.is_available() else "cpu",
+        schedule=arguments.schedule, microbatches=arguments.microbatches,
+    )
+    return options, size
 
 
 def parse_options(argv=None, world_size: int | None = None) -> tuple[Options, int]:
     """The run's options and its number of ranks (`world_size` under a launcher, else --nproc/--mesh)."""
     parser = _parser()
     arguments = parser.parse_args(argv)
+    if arguments.pipeline:
+        return _pipeline_options(parser, arguments, world_size)
+    if arguments.mesh is not None and len(arguments.mesh) != 2:
+        parser.error("--mesh PPxDPxTP needs --pipeline; without it --mesh takes DPxTP")
     size = world_size or arguments.nproc or (arguments.mesh[0] * arguments.mesh[1] if arguments.mesh else 4)
     mesh = arguments.mesh or _default_mesh(size)
     if mesh[0] * mesh[1] != size:
@@ -75,7 +120,7 @@ def parse_options(argv=None, world_size: int | None = None) -> tuple[Options, in
     if arguments.batch_size % mesh[0]:
         parser.error(f"--batch-size {arguments.batch_size} must divide over the {mesh[0]} data-parallel ranks")
     options = Options(
-        mesh=mesh, data_parallel=arguments.data_parallel, steps=arguments.steps, batch_size=arguments.batch_size, block_size=arguments.block_size,
+        mesh=mesh, data_parallel=arguments.data_parallel, steps=Options.steps if arguments.steps is None else arguments.steps, batch_size=arguments.batch_size, block_size=arguments.block_size,
         layers=arguments.layers, heads=arguments.heads, width=arguments.width, learning_rate=arguments.lr,
         seed=arguments.seed, data=arguments.data, checkpoint=arguments.checkpoint, compare=arguments.compare,
         sample_length=arguments.sample_length,
@@ -90,9 +135,13 @@ def _run_under_launcher(options: Options) -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl" if options.device_type == "cuda" else "gloo")
     try:
-        train(options)
+        _train_function(options)(options)
     finally:
         dist.destroy_process_group()
+
+
+def _train_function(options: Options):
+    return train_pipeline if isinstance(options, PipelineOptions) else train
 
 
 def main(argv=None) -> int:
@@ -102,7 +151,7 @@ def main(argv=None) -> int:
         _run_under_launcher(options)
         return 0
     try:
-        spawn(train, size, options)
+        spawn(_train_function(options), size, options)
     except RankFailure as failure:
         print(failure)
         return 1
