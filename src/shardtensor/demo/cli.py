@@ -54,7 +54,20 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--checkpoint", default=None, metavar="DIR", help="resume from DIR if it holds a checkpoint; save there at the end")
     parser.add_argument("--compare", action="store_true", help="train the same model on one process alongside and check the losses agree")
     parser.add_argument("--sample-length", type=int, default=defaults.sample_length, help="characters of text to generate at the end")
+    parser.add_argument("--forecast", type=_forecast_shape, default=None, metavar="RxDPxTP",
+                        help="print the forecast of one training step on a mesh of this shape (replicas x dp x tp, "
+                             "or dp x tp) instead of training: one rank, shapes only, no data (docs/forecast.md)")
     return parser
+
+
+def _forecast_shape(text: str) -> tuple[int, ...]:
+    try:
+        shape = tuple(int(size) for size in text.lower().split("x"))
+    except ValueError:
+        shape = ()
+    if len(shape) not in (2, 3) or min(shape) < 1:
+        raise argparse.ArgumentTypeError(f"--forecast takes RxDPxTP or DPxTP positive sizes, e.g. 8x8x16; got {text!r}")
+    return shape
 
 
 def parse_options(argv=None, world_size: int | None = None) -> tuple[Options, int]:
@@ -96,6 +109,10 @@ def _run_under_launcher(options: Options) -> None:
 
 
 def main(argv=None) -> int:
+    arguments = _parser().parse_args(argv)
+    if arguments.forecast:
+        from .forecast import print_forecast
+        return print_forecast(arguments)
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     options, size = parse_options(argv, int(os.environ["WORLD_SIZE"]) if launched else None)
     if launched:
