@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import json
 import pathlib
+import statistics
 from dataclasses import dataclass
 
 from ..redistribute.planner import CostModel
 
-__all__ = ["HardwareProfile", "PROFILES", "profile_named", "calibrated_profile", "CALIBRATION_FILE"]
+__all__ = ["HardwareProfile", "PROFILES", "profile_named", "calibrated_profile", "cost_model", "CALIBRATION_FILE"]
 
 CALIBRATION_FILE = pathlib.Path(__file__).with_name("calibrated_gloo.json")
 INTRA_NODE, INTER_NODE = "intra_node", "inter_node"
@@ -58,14 +59,21 @@ PROFILES = {
 }
 
 
+def cost_model(latencies: dict[str, float], bytes_per_us: float) -> CostModel:
+    """The `CostModel` of a calibration (`calibrate.fit`): every measured kind's own latency, the all_reduce
+    one as the default, the slowest one for the planner's whole-mesh exchange."""
+    default = latencies.get("all_reduce", statistics.median(latencies.values()))
+    return CostModel(latency_us=default, exchange_latency_us=max(latencies.values()), bytes_per_us=bytes_per_us,
+                     latency_by_kind=tuple(sorted(latencies.items())))
+
+
 def calibrated_profile(path: pathlib.Path = CALIBRATION_FILE) -> HardwareProfile:
     """This machine's gloo over loopback, as measured by `python -m shardtensor.forecast.calibrate`.
 
     Every local rank shares one node, so both link classes are the measured one.
     """
     measured = json.loads(path.read_text())
-    link = CostModel(latency_us=measured["latency_us"], exchange_latency_us=measured["exchange_latency_us"],
-                     bytes_per_us=measured["bytes_per_us"])
+    link = cost_model(measured["latency_by_kind_us"], measured["bytes_per_us"])
     source = f"measured with gloo on {measured['ranks']} local ranks on {measured['date']} ({measured['machine']})"
     return HardwareProfile("gloo-local", measured["ranks_per_node"], intra_node=link, inter_node=link, source=source)
 

@@ -81,6 +81,9 @@ class CostModel:
     `CostModel(latency_us=5.0)`. `flattened_groups`: whether a reduction over several Partial mesh
     dims runs as one collective; on a slice of the world it runs as one per mesh dim (`comm`), so the
     planner plans those steps and prices them as such (`PER_MESH_DIM_COST_MODEL`).
+    `latency_by_kind`: (collective, latency_us) pairs that replace `latency_us` for those collectives
+    (a calibrated machine's reduce_scatter may start slower than its all_gather). The same model prices
+    a forecast's collectives (`shardtensor.forecast`), one per link class.
     """
 
     latency_us: float = 20.0
@@ -88,12 +91,26 @@ class CostModel:
     bytes_per_us: float = 1000.0
     local_step_us: float = 0.01
     flattened_groups: bool = True
+    latency_by_kind: tuple[tuple[str, float], ...] = ()
 
     def step_cost(self, collective: str, bytes_per_rank: int) -> float:
         if collective in LOCAL_STEPS:
             return self.local_step_us
-        latency = self.exchange_latency_us if collective == EXCHANGE else self.latency_us
-        return latency + bytes_per_rank / self.bytes_per_us
+        return self.latency_of(collective) + bytes_per_rank / self.bytes_per_us
+
+    def latency_of(self, collective: str) -> float:
+        """The start-up time of one `collective` (any communicating kind, `batch_p2p` included)."""
+        for kind, latency in self.latency_by_kind:
+            if kind == collective:
+                return latency
+        return self.exchange_latency_us if collective == EXCHANGE else self.latency_us
+
+    @property
+    def least_latency_us(self) -> float:
+        """The smallest start-up time of a collective along mesh dims (the search's admissible estimate)."""
+        if not self.latency_by_kind:
+            return self.latency_us
+        return min([self.latency_us, *(latency for kind, latency in self.latency_by_kind if kind != EXCHANGE)])
 
 
 DEFAULT_COST_MODEL = CostModel()
@@ -385,9 +402,10 @@ def _remaining_cost(state: Layout, target: Layout, itemsize: int, cost_model: Co
     shard_moves = len(moving_dims)
     # with Partial mesh dims to reduce, the lower bound also counts the reduction's bytes
     missing = lower_bound_bytes(state, target, 1) if partial_moves else most_missing(state, target)
-    latency = partial_moves * cost_model.latency_us
+    least = cost_model.least_latency_us
+    latency = partial_moves * least
     if shard_moves:
-        latency += min(shard_moves * cost_model.latency_us, cost_model.exchange_latency_us)
+        latency += min(shard_moves * least, cost_model.latency_of(EXCHANGE))
     return latency + missing * itemsize / cost_model.bytes_per_us
 
 
