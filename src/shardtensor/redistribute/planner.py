@@ -466,13 +466,40 @@ def plan(source: Layout, target: Layout, itemsize: int, cost_model: CostModel = 
     return _cached_plan(source, target, int(itemsize), cost_model)
 
 
+def _step_between(state: Layout, after: Layout, mesh_dim, itemsize: int, cost_model: CostModel) -> Step:
+    if mesh_dim is None:
+        return _exchange_step(state, after, itemsize, cost_model)
+    if isinstance(mesh_dim, tuple):
+        return _flattened_step(state, after, mesh_dim, itemsize, cost_model)
+    return _make_step(state, after, mesh_dim, itemsize, cost_model)
+
+
+def _one_step_at_the_bound(source: Layout, target: Layout, neighbors, estimate: float, itemsize: int,
+                           cost_model: CostModel) -> Step | None:
+    """The cheapest single step among `neighbors` of `source` that lands on `target`, when it costs no more
+    than the search's admissible `estimate` (so no plan is cheaper: the search would return it too), else
+    None. Most redistributes are one collective; this finds them without pricing every neighbour."""
+    best = None
+    for mesh_dim, after in neighbors:
+        if after == target:
+            step = _step_between(source, after, mesh_dim, itemsize, cost_model)
+            if best is None or step.cost_us < best.cost_us:
+                best = step
+    return best if best is not None and best.cost_us <= estimate * (1 + 1e-12) else None
+
+
 @functools.lru_cache(maxsize=4096)
 def _cached_plan(source: Layout, target: Layout, itemsize: int, cost_model: CostModel) -> Plan:
     _check(source, target)
+    estimate = _remaining_cost(source, target, itemsize, cost_model)
+    source_neighbors = list(_neighbors(source, target, cost_model.flattened_groups)) if source != target else []
+    direct = _one_step_at_the_bound(source, target, source_neighbors, estimate, itemsize, cost_model)
+    if direct is not None:
+        return _logged(Plan(source, target, itemsize, (direct,), lower_bound_bytes(source, target, itemsize)))
     best = {source: 0.0}
     arrival: dict[Layout, Step] = {}
     counter = itertools.count()
-    frontier = [(_remaining_cost(source, target, itemsize, cost_model), 0.0, next(counter), source)]
+    frontier = [(estimate, 0.0, next(counter), source)]
     expanded = 0
     while frontier:
         _, cost, _, state = heapq.heappop(frontier)
@@ -483,15 +510,11 @@ def _cached_plan(source: Layout, target: Layout, itemsize: int, cost_model: Cost
         expanded += 1
         if expanded > _MAX_EXPANDED_STATES:
             raise _plan_error(source, target, f"search expanded {expanded} layouts", "This is a bug; please report it.")
-        for mesh_dim, after in _neighbors(state, target, cost_model.flattened_groups):
+        neighbors = source_neighbors if state is source else _neighbors(state, target, cost_model.flattened_groups)
+        for mesh_dim, after in neighbors:
             if best.get(after, math.inf) <= cost:
                 continue
-            if mesh_dim is None:
-                step = _exchange_step(state, after, itemsize, cost_model)
-            elif isinstance(mesh_dim, tuple):
-                step = _flattened_step(state, after, mesh_dim, itemsize, cost_model)
-            else:
-                step = _make_step(state, after, mesh_dim, itemsize, cost_model)
+            step = _step_between(state, after, mesh_dim, itemsize, cost_model)
             new_cost = cost + step.cost_us
             if new_cost < best.get(step.after, math.inf):
                 best[step.after] = new_cost
@@ -509,7 +532,10 @@ def _cached_plan(source: Layout, target: Layout, itemsize: int, cost_model: Cost
         step = arrival[state]
         steps.append(step)
         state = step.before
-    result = Plan(source, target, itemsize, tuple(reversed(steps)), lower_bound_bytes(source, target, itemsize))
+    return _logged(Plan(source, target, itemsize, tuple(reversed(steps)), lower_bound_bytes(source, target, itemsize)))
+
+
+def _logged(result: Plan) -> Plan:
     if _logger.isEnabledFor(logging.DEBUG):
         _logger.debug("planned %s", result)
     return result
