@@ -237,3 +237,21 @@ def test_demo_forecast_at_8x8x16_is_fast_and_small():
     if not dist.is_initialized():  # measured here: the forecast's CPU time and this process's memory
         assert cpu_seconds <= 30
         assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 <= 4e9
+
+
+def test_live_bytes_counts_each_storage_once_with_its_peak_and_role():
+    model = torch.nn.Linear(4, 4)  # 16 + 4 floats: 80 bytes
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with LiveBytes() as counter, counter.learning_roles():
+        counter.track(list(model.parameters()))
+        scratch = torch.empty(100)  # 400 bytes
+        view = scratch.view(10, 10)  # no new storage
+        del scratch, view
+        assert (counter.current, counter.peak) == (80, 480)
+        counter.reset_peak()
+        model(torch.ones(2, 4)).sum().backward()
+        optimizer.step()
+    by_category = counter.peak_by_category()
+    assert by_category["parameters"] == 80 and by_category["gradients"] == 80
+    assert by_category["optimizer_state"] == 80  # the momentum buffers, made by the step
+    assert counter.peak == sum(by_category.values())
