@@ -233,7 +233,7 @@ def test_demo_forecast_at_8x8x16_is_fast_and_small():
     dims = {dims for dims in result.by_mesh_dims()}
     assert {("dp",), ("tp",), ("replicate",)} <= dims
     assert result.peak_by_category["parameters"] > 0 and result.peak_by_category["activations"] > 0
-    assert result.profile is PROFILES["dgx-h100"]
+    assert result.profile == PROFILES["dgx-h100"]
     if not dist.is_initialized():  # measured here: the forecast's CPU time and this process's memory
         assert cpu_seconds <= 30
         assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 <= 4e9
