@@ -32,7 +32,7 @@ LAYERS = [
      "spec", "plain_tensors", "write_back", "input_moves", "plan_cache", "list_plans", "dispatch", "gradients",
      "torch_function", "tensor_methods", "from_local", "autograd", "checkpoint"],  # the engine below the class, and the mixins it inherits
     ["dtensor", "api", "scatter"],
-    ["debug", "experimental", "parallel", "fsdp", ""],  # "": the package's `__init__`, which exports it all
+    ["debug", "experimental", "parallel", "fsdp", "forecast", ""],  # "": the package's `__init__`, which exports it all
     ["demo"],  # the main job, built on the public API
 ]
 

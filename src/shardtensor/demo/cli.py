@@ -65,6 +65,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--schedule", choices=SCHEDULES, default=PipelineOptions.schedule, help="the pipeline's schedule (with --pipeline)")
     parser.add_argument("--microbatches", type=int, default=PipelineOptions.microbatches,
                         help="microbatches each dp rank's batch is split into per step (with --pipeline)")
+    parser.add_argument("--forecast", type=_forecast_shape, default=None, metavar="RxDPxTP",
+                        help="print the forecast of one training step on a mesh of this shape (replicas x dp x tp, "
+                             "or dp x tp) instead of training: one rank, shapes only, no data (docs/forecast.md)")
     return parser
 
 
@@ -96,6 +99,16 @@ def _pipeline_options(parser: argparse.ArgumentParser, arguments, world_size: in
         schedule=arguments.schedule, microbatches=arguments.microbatches,
     )
     return options, size
+
+
+def _forecast_shape(text: str) -> tuple[int, ...]:
+    try:
+        shape = tuple(int(size) for size in text.lower().split("x"))
+    except ValueError:
+        shape = ()
+    if len(shape) not in (2, 3) or min(shape) < 1:
+        raise argparse.ArgumentTypeError(f"--forecast takes RxDPxTP or DPxTP positive sizes, e.g. 8x8x16; got {text!r}")
+    return shape
 
 
 def parse_options(argv=None, world_size: int | None = None) -> tuple[Options, int]:
@@ -145,6 +158,10 @@ def _train_function(options: Options):
 
 
 def main(argv=None) -> int:
+    arguments = _parser().parse_args(argv)
+    if arguments.forecast:
+        from .forecast import print_forecast
+        return print_forecast(arguments)
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     options, size = parse_options(argv, int(os.environ["WORLD_SIZE"]) if launched else None)
     if launched:

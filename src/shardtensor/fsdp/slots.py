@@ -83,11 +83,26 @@ def managed_parameters(modules: Sequence[nn.Module], ignored: set[int], is_manag
     return found
 
 
+def _lines_from_root(data_parallel: DeviceMesh, tensor_parallel: DeviceMesh) -> torch.Tensor | None:
+    """The combined mesh's ranks without communication when both meshes are slices of one root mesh
+    (`mesh["dp"]`, `mesh["tp"]`): the root's ranks over the data-parallel dims then the tensor-parallel
+    ones, at this rank's coordinate on the others. None when they are not (then the lines are gathered)."""
+    root = data_parallel._root
+    if root is None or tensor_parallel._root is not root:
+        return None
+    kept = [root_dim for mesh in (data_parallel, tensor_parallel) for span in mesh._root_dims for root_dim in span]
+    others = [root_dim for root_dim in range(root.ndim) if root_dim not in kept]
+    coordinate = root.get_coordinate()
+    ranks = root.mesh.permute(kept + others)[(Ellipsis, *(coordinate[root_dim] for root_dim in others))]
+    return ranks.reshape(*data_parallel.shape, *tensor_parallel.shape).clone()
+
+
 def combined_mesh(data_parallel: DeviceMesh, tensor_parallel: DeviceMesh) -> DeviceMesh:
     """The mesh with the data-parallel mesh dims first and the tensor-parallel ones after.
 
     Each rank knows only the two lines through it, so the ranks of the data-parallel line share
-    their tensor-parallel lines once (one object all-gather at `fully_shard` time).
+    their tensor-parallel lines once (one object all-gather at `fully_shard` time), unless both meshes
+    were sliced from one root mesh, which holds every line.
     """
     if set(data_parallel.mesh.flatten().tolist()) & set(tensor_parallel.mesh.flatten().tolist()) != {data_parallel.get_rank()}:
         raise unit_error(
@@ -96,8 +111,10 @@ def combined_mesh(data_parallel: DeviceMesh, tensor_parallel: DeviceMesh) -> Dev
             "shard with the mesh dims that the parameter's mesh does not use, e.g. mesh['dp'] after parallelize_module "
             "on mesh['tp']",
         )
-    lines = comm.all_gather_object(tensor_parallel.mesh.tolist(), data_parallel, None)
-    ranks = torch.tensor(lines, dtype=torch.int64, device="cpu").view(*data_parallel.shape, *tensor_parallel.shape)
+    ranks = _lines_from_root(data_parallel, tensor_parallel)
+    if ranks is None:
+        lines = comm.all_gather_object(tensor_parallel.mesh.tolist(), data_parallel, None)
+        ranks = torch.tensor(lines, dtype=torch.int64, device="cpu").view(*data_parallel.shape, *tensor_parallel.shape)
     names = None
     if data_parallel.mesh_dim_names is not None and tensor_parallel.mesh_dim_names is not None:
         names = data_parallel.mesh_dim_names + tensor_parallel.mesh_dim_names

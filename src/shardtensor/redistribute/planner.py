@@ -81,6 +81,9 @@ class CostModel:
     `CostModel(latency_us=5.0)`. `flattened_groups`: whether a reduction over several Partial mesh
     dims runs as one collective; on a slice of the world it runs as one per mesh dim (`comm`), so the
     planner plans those steps and prices them as such (`PER_MESH_DIM_COST_MODEL`).
+    `latency_by_kind`: (collective, latency_us) pairs that replace `latency_us` for those collectives
+    (a calibrated machine's reduce_scatter may start slower than its all_gather). The same model prices
+    a forecast's collectives (`shardtensor.forecast`), one per link class.
     """
 
     latency_us: float = 20.0
@@ -88,12 +91,26 @@ class CostModel:
     bytes_per_us: float = 1000.0
     local_step_us: float = 0.01
     flattened_groups: bool = True
+    latency_by_kind: tuple[tuple[str, float], ...] = ()
 
     def step_cost(self, collective: str, bytes_per_rank: int) -> float:
         if collective in LOCAL_STEPS:
             return self.local_step_us
-        latency = self.exchange_latency_us if collective == EXCHANGE else self.latency_us
-        return latency + bytes_per_rank / self.bytes_per_us
+        return self.latency_of(collective) + bytes_per_rank / self.bytes_per_us
+
+    def latency_of(self, collective: str) -> float:
+        """The start-up time of one `collective` (any communicating kind, `batch_p2p` included)."""
+        for kind, latency in self.latency_by_kind:
+            if kind == collective:
+                return latency
+        return self.exchange_latency_us if collective == EXCHANGE else self.latency_us
+
+    @property
+    def least_latency_us(self) -> float:
+        """The smallest start-up time of a collective along mesh dims (the search's admissible estimate)."""
+        if not self.latency_by_kind:
+            return self.latency_us
+        return min([self.latency_us, *(latency for kind, latency in self.latency_by_kind if kind != EXCHANGE)])
 
 
 DEFAULT_COST_MODEL = CostModel()
@@ -385,9 +402,10 @@ def _remaining_cost(state: Layout, target: Layout, itemsize: int, cost_model: Co
     shard_moves = len(moving_dims)
     # with Partial mesh dims to reduce, the lower bound also counts the reduction's bytes
     missing = lower_bound_bytes(state, target, 1) if partial_moves else most_missing(state, target)
-    latency = partial_moves * cost_model.latency_us
+    least = cost_model.least_latency_us
+    latency = partial_moves * least
     if shard_moves:
-        latency += min(shard_moves * cost_model.latency_us, cost_model.exchange_latency_us)
+        latency += min(shard_moves * least, cost_model.latency_of(EXCHANGE))
     return latency + missing * itemsize / cost_model.bytes_per_us
 
 
@@ -448,13 +466,40 @@ def plan(source: Layout, target: Layout, itemsize: int, cost_model: CostModel = 
     return _cached_plan(source, target, int(itemsize), cost_model)
 
 
+def _step_between(state: Layout, after: Layout, mesh_dim, itemsize: int, cost_model: CostModel) -> Step:
+    if mesh_dim is None:
+        return _exchange_step(state, after, itemsize, cost_model)
+    if isinstance(mesh_dim, tuple):
+        return _flattened_step(state, after, mesh_dim, itemsize, cost_model)
+    return _make_step(state, after, mesh_dim, itemsize, cost_model)
+
+
+def _one_step_at_the_bound(source: Layout, target: Layout, neighbors, estimate: float, itemsize: int,
+                           cost_model: CostModel) -> Step | None:
+    """The cheapest single step among `neighbors` of `source` that lands on `target`, when it costs no more
+    than the search's admissible `estimate` (so no plan is cheaper: the search would return it too), else
+    None. Most redistributes are one collective; this finds them without pricing every neighbour."""
+    best = None
+    for mesh_dim, after in neighbors:
+        if after == target:
+            step = _step_between(source, after, mesh_dim, itemsize, cost_model)
+            if best is None or step.cost_us < best.cost_us:
+                best = step
+    return best if best is not None and best.cost_us <= estimate * (1 + 1e-12) else None
+
+
 @functools.lru_cache(maxsize=4096)
 def _cached_plan(source: Layout, target: Layout, itemsize: int, cost_model: CostModel) -> Plan:
     _check(source, target)
+    estimate = _remaining_cost(source, target, itemsize, cost_model)
+    source_neighbors = list(_neighbors(source, target, cost_model.flattened_groups)) if source != target else []
+    direct = _one_step_at_the_bound(source, target, source_neighbors, estimate, itemsize, cost_model)
+    if direct is not None:
+        return _logged(Plan(source, target, itemsize, (direct,), lower_bound_bytes(source, target, itemsize)))
     best = {source: 0.0}
     arrival: dict[Layout, Step] = {}
     counter = itertools.count()
-    frontier = [(_remaining_cost(source, target, itemsize, cost_model), 0.0, next(counter), source)]
+    frontier = [(estimate, 0.0, next(counter), source)]
     expanded = 0
     while frontier:
         _, cost, _, state = heapq.heappop(frontier)
@@ -465,15 +510,11 @@ def _cached_plan(source: Layout, target: Layout, itemsize: int, cost_model: Cost
         expanded += 1
         if expanded > _MAX_EXPANDED_STATES:
             raise _plan_error(source, target, f"search expanded {expanded} layouts", "This is a bug; please report it.")
-        for mesh_dim, after in _neighbors(state, target, cost_model.flattened_groups):
+        neighbors = source_neighbors if state is source else _neighbors(state, target, cost_model.flattened_groups)
+        for mesh_dim, after in neighbors:
             if best.get(after, math.inf) <= cost:
                 continue
-            if mesh_dim is None:
-                step = _exchange_step(state, after, itemsize, cost_model)
-            elif isinstance(mesh_dim, tuple):
-                step = _flattened_step(state, after, mesh_dim, itemsize, cost_model)
-            else:
-                step = _make_step(state, after, mesh_dim, itemsize, cost_model)
+            step = _step_between(state, after, mesh_dim, itemsize, cost_model)
             new_cost = cost + step.cost_us
             if new_cost < best.get(step.after, math.inf):
                 best[step.after] = new_cost
@@ -491,7 +532,10 @@ def _cached_plan(source: Layout, target: Layout, itemsize: int, cost_model: Cost
         step = arrival[state]
         steps.append(step)
         state = step.before
-    result = Plan(source, target, itemsize, tuple(reversed(steps)), lower_bound_bytes(source, target, itemsize))
+    return _logged(Plan(source, target, itemsize, tuple(reversed(steps)), lower_bound_bytes(source, target, itemsize)))
+
+
+def _logged(result: Plan) -> Plan:
     if _logger.isEnabledFor(logging.DEBUG):
         _logger.debug("planned %s", result)
     return result
