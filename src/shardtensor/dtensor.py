@@ -27,6 +27,7 @@ from .mesh import DeviceMesh, current_mesh
 from .placement import Partial, Placement, Replicate, check_partial_dtype
 from .spec import DTensorSpec, global_stride, interned_spec
 from .tensor_methods import FastTensorMethods
+from .tracing import TraceableMixin
 
 __all__ = ["DTensor"]
 
@@ -45,7 +46,14 @@ def _mirror_math_bits(wrapper: torch.Tensor, local_tensor: torch.Tensor) -> None
     torch._C._set_neg(wrapper, local_tensor.is_neg())
 
 
-class DTensor(FastTensorMethods, CheckpointableMixin, torch.Tensor):
+def _runs_eagerly(method):
+    """`method` graph-breaks under `torch.compile` and runs eagerly, its own calls uncompiled: its mesh
+    argument cannot stand in a graph yet (docs/compile.md); `fullgraph=True` raises naming it."""
+    return torch.compiler.disable(method, reason=f"DTensor.{method.__name__} takes a DeviceMesh, which "
+                                  "cannot stand in a torch.compile graph yet; it runs eagerly")
+
+
+class DTensor(FastTensorMethods, CheckpointableMixin, TraceableMixin, torch.Tensor):
     """A distributed tensor: global metadata on the wrapper, this rank's shard in `_local_tensor`.
 
     Build one with `distribute_tensor`, `DTensor.from_local` or a factory (`shardtensor.zeros`, ...).
@@ -174,6 +182,7 @@ class DTensor(FastTensorMethods, CheckpointableMixin, torch.Tensor):
     # ---- conversions -----------------------------------------------------------------------------
 
     @classmethod
+    @_runs_eagerly
     def from_local(
         cls,
         local_tensor: torch.Tensor,
@@ -238,6 +247,7 @@ class DTensor(FastTensorMethods, CheckpointableMixin, torch.Tensor):
         replicated = self.redistribute(placements=[Replicate()] * self.device_mesh.ndim)
         return replicated.to_local(grad_placements=grad_placements)
 
+    @_runs_eagerly
     def redistribute(
         self,
         device_mesh: DeviceMesh | None = None,

@@ -48,6 +48,7 @@ from .spec import DTensorSpec, contiguous_stride
 __all__ = ["watch_leaves", "watch_leaf"]
 
 _grad_enabled = torch.is_grad_enabled
+_compiling = torch.compiler.is_compiling  # True while dynamo traces and while AOTAutograd traces its graph
 
 
 class _Pending:
@@ -73,7 +74,12 @@ def watch_leaves(dtensor_class: type, args: tuple, kwargs: dict) -> None:
 
 
 def watch_leaf(dtensor) -> None:
-    """Hook `dtensor` (once) if it is a leaf that requires grad, so its gradient is re-laid to its layout."""
+    """Hook `dtensor` (once) if it is a leaf that requires grad, so its gradient is re-laid to its layout.
+
+    Not while compiling: a traced graph's leaves are stand-ins, and a compiled backward returns each
+    gradient in the layout its ops produced (docs/compile.md)."""
+    if _compiling():
+        return
     if dtensor.requires_grad and dtensor.is_leaf and not dtensor.__dict__.get("_gradient_watched"):
         dtensor._gradient_watched = True
         with torch._C.DisableTorchFunctionSubclass():  # registering is itself a torch function
