@@ -10,7 +10,6 @@ import pathlib
 
 _FSDP1 = "FSDP1 (FullyShardedDataParallel) and its configuration: shardtensor implements FSDP2 (fully_shard) only"
 _CUDA_ONLY = "CUDA streams, events or NCCL memory: this library runs collectives through comm without managing streams"
-_COMPILE = "opaque value types for torch.compile: placements are frozen dataclasses, which dynamo traces as constants without it"
 
 ALLOWED_MISSING = {
     # --- device mesh ------------------------------------------------------------------------------------
@@ -37,8 +36,6 @@ ALLOWED_MISSING = {
         "OptimStateKeyType", "ShardedOptimStateDictConfig", "ShardedStateDictConfig", "ShardingStrategy",
         "StateDictConfig", "StateDictSettings", "StateDictType")},
     # --- DTensor and placements ----------------------------------------------------------------------------
-    "torch.distributed.tensor.Placement.__fx_repr__": _COMPILE,
-    "torch.distributed.tensor.placement_types.Placement.__fx_repr__": _COMPILE,
 }
 
 

@@ -82,5 +82,57 @@ def _train_tp_mlp(mesh, compile_options: dict, steps: int = 3):
 @spmd(meshes=[(2,)])
 def test_tp_mlp_eager_backend(mesh):
     """Issue 24's first row: was a dynamo internal error (`'dict' object has no attribute 'node'`)."""
-    _fresh_counter("eager")
-    _train_tp_mlp(mesh, {"backend": "eager"})
+    counter = _fresh_counter("eager")
+    _train_tp_mlp(mesh, {"backend": counter, "fullgraph": True})
+    assert counter.frame_count == 1 and _graph_breaks() == 0
+
+
+@spmd(meshes=[(2,), (4,)])
+def test_tp_mlp_aot_eager_fullgraph(mesh):
+    """Issue 24's second row: the styles' from_local / redistribute and every op are in one graph,
+    compiled once for 3 steps, with functional collectives (forward: the Rowwise all_reduce)."""
+    from torch._dynamo.testing import AotEagerAndRecordGraphs
+
+    counter = _fresh_counter("aot_eager")
+    recorder = AotEagerAndRecordGraphs()
+    counter.backend = recorder
+    _train_tp_mlp(mesh, {"backend": counter, "fullgraph": True})
+    assert counter.frame_count == 1 and _graph_breaks() == 0
+    assert _collectives(recorder.fw_graphs) == ["all_reduce", "wait_tensor"]
+
+
+def _collectives(graphs) -> list[str]:
+    """The collective ops of traced graphs, in order (functional `_c10d_functional` or in-place `c10d`)."""
+    names = []
+    for graph in graphs:
+        for node in graph.graph.nodes:
+            if node.op == "call_function" and "c10d" in str(node.target):
+                names.append(str(node.target).split("::")[-1].replace(".default", "").split(".")[-1])
+    return names
+
+
+@spmd(meshes=[(2,)])
+def test_traced_collectives_are_functional(mesh):
+    """Inside a compiled function every collective is a `_c10d_functional` op followed by its
+    `wait_tensor` (uneven shards through all_to_all_single with split sizes); values and gradients
+    equal eager, with fullgraph=True and no graph break."""
+    from torch._dynamo.testing import AotEagerAndRecordGraphs
+
+    cases = [
+        ("gather", lambda t: t.full_tensor() * 2, [Shard(0)], 6, ["all_gather_into_tensor", "wait_tensor"]),
+        ("partial", lambda t: (t.T @ t).full_tensor(), [Shard(0)], 6, ["all_reduce", "wait_tensor"]),
+        ("uneven", lambda t: (t * 3).full_tensor(), [Shard(0)], 5, ["all_to_all_single", "wait_tensor"]),
+    ]
+    for name, function, placements, rows, expected in cases:
+        _fresh_counter("aot_eager")
+        backend = AotEagerAndRecordGraphs()
+        full = torch.randn(rows, 4, generator=torch.Generator().manual_seed(0))
+        x = distribute_tensor(full, mesh, placements).requires_grad_()
+        y = distribute_tensor(full, mesh, placements).requires_grad_()
+        out, wanted = torch.compile(function, backend=backend, fullgraph=True)(x), function(y)
+        assert_close(out, wanted)
+        out.square().sum().backward()
+        wanted.square().sum().backward()
+        assert_close(x.grad.full_tensor(), y.grad.full_tensor(), msg=lambda m: f"{name}: {m}")
+        assert _collectives(backend.fw_graphs) == expected, (name, _collectives(backend.fw_graphs))
+        assert _graph_breaks() == 0, name

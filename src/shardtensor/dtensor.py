@@ -46,11 +46,12 @@ def _mirror_math_bits(wrapper: torch.Tensor, local_tensor: torch.Tensor) -> None
     torch._C._set_neg(wrapper, local_tensor.is_neg())
 
 
-def _runs_eagerly(method):
-    """`method` graph-breaks under `torch.compile` and runs eagerly, its own calls uncompiled: its mesh
-    argument cannot stand in a graph yet (docs/compile.md); `fullgraph=True` raises naming it."""
-    return torch.compiler.disable(method, reason=f"DTensor.{method.__name__} takes a DeviceMesh, which "
-                                  "cannot stand in a torch.compile graph yet; it runs eagerly")
+def _from_local(cls, local_tensor, mesh, placements, run_check, shape, stride, shard_sizes) -> DTensor:
+    """`cls.from_local` once its defaults are filled in."""
+    layout = from_local_layout(local_tensor, mesh, placements, shape, shard_sizes, run_check)
+    global_strides = tuple(stride) if stride is not None else global_stride(local_tensor, layout.shape)
+    spec = DTensorSpec(mesh, layout, global_strides, local_tensor.dtype)
+    return FromLocal.apply(local_tensor, spec, run_check, cls)
 
 
 class DTensor(FastTensorMethods, CheckpointableMixin, TraceableMixin, torch.Tensor):
@@ -182,7 +183,6 @@ class DTensor(FastTensorMethods, CheckpointableMixin, TraceableMixin, torch.Tens
     # ---- conversions -----------------------------------------------------------------------------
 
     @classmethod
-    @_runs_eagerly
     def from_local(
         cls,
         local_tensor: torch.Tensor,
@@ -218,11 +218,10 @@ class DTensor(FastTensorMethods, CheckpointableMixin, TraceableMixin, torch.Tens
         mesh = device_mesh if device_mesh is not None else current_mesh()
         if placements is None:
             placements = [Replicate()] * mesh.ndim
-        placements = tuple(placements)
-        layout = from_local_layout(local_tensor, mesh, placements, shape, shard_sizes, run_check)
-        global_strides = tuple(stride) if stride is not None else global_stride(local_tensor, layout.shape)
-        spec = DTensorSpec(mesh, layout, global_strides, local_tensor.dtype)
-        return FromLocal.apply(local_tensor, spec, run_check, cls)
+        arguments = (local_tensor, mesh, tuple(placements), run_check, shape, stride, shard_sizes)
+        if cls is DTensor:
+            return _from_local_node(*arguments)
+        return _from_local(cls, *arguments)
 
     def to_local(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
         """This rank's shard as a plain tensor (differentiable).
@@ -247,7 +246,6 @@ class DTensor(FastTensorMethods, CheckpointableMixin, TraceableMixin, torch.Tens
         replicated = self.redistribute(placements=[Replicate()] * self.device_mesh.ndim)
         return replicated.to_local(grad_placements=grad_placements)
 
-    @_runs_eagerly
     def redistribute(
         self,
         device_mesh: DeviceMesh | None = None,
@@ -299,6 +297,13 @@ class DTensor(FastTensorMethods, CheckpointableMixin, TraceableMixin, torch.Tens
         if target == self.sharding:
             target = self.sharding  # keep exact pieces and shard order: no communication
         return Redistribute.apply(self, mesh, target, async_op, forward_dtype, backward_dtype)
+
+
+@torch.compiler.allow_in_graph
+def _from_local_node(local_tensor, mesh, placements, run_check, shape, stride, shard_sizes) -> DTensor:
+    """`DTensor.from_local` as one node of a torch.compile graph (the mesh and placements are its
+    constants), which AOTAutograd traces into."""
+    return _from_local(DTensor, local_tensor, mesh, placements, run_check, shape, stride, shard_sizes)
 
 
 def _cross_mesh_target(dtensor: DTensor, mesh: DeviceMesh, placements) -> Layout:

@@ -152,5 +152,6 @@ def to_output(value, placements: Sequence[Placement] | None, use_local_output: b
     if not use_local_output:
         return value
     local = value.to_local()
-    setattr(local, _LAYOUT_ATTRIBUTE, (value.device_mesh, value.sharding))
+    if not torch.compiler.is_compiling():  # a compiled graph's tensors carry no attributes: the next style reads chunk sizes
+        setattr(local, _LAYOUT_ATTRIBUTE, (value.device_mesh, value.sharding))
     return local
