@@ -145,6 +145,15 @@ class DTensor(FastTensorMethods, CheckpointableMixin, TraceableMixin, torch.Tens
             source.refresh()
         return self._local_value
 
+    @_local_tensor.setter
+    def _local_tensor(self, local_tensor: torch.Tensor) -> None:
+        """Replace the shard by one of the same shape: torch's subclass protocol does this to a gradient
+        entering a compiled backward (made contiguous)."""
+        if self._pending is not None:
+            self._pending = None
+            _waiting.pop(id(self), None)
+        self._local_value = local_tensor
+
     def _take_value_of(self, other: DTensor) -> None:
         """Become `other` in place (its shard and spec): how in-place views such as `squeeze_` and
         `x.data = y` land. What `x` views follows too: a view of a copy no longer reads or writes
