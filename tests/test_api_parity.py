@@ -13,7 +13,6 @@ import torch
 
 _FSDP1 = "FSDP1 (FullyShardedDataParallel) and its configuration: shardtensor implements FSDP2 (fully_shard) only"
 _CUDA_ONLY = "CUDA streams, events or NCCL memory: this library runs collectives through comm without managing streams"
-_COMPILE = "torch.compile protocol (tensor-subclass tracing, FX code generation): shardtensor runs eagerly"
 
 ALLOWED_MISSING = {
     # --- device mesh ------------------------------------------------------------------------------------
@@ -40,12 +39,6 @@ ALLOWED_MISSING = {
         "OptimStateKeyType", "ShardedOptimStateDictConfig", "ShardedStateDictConfig", "ShardingStrategy",
         "StateDictConfig", "StateDictSettings", "StateDictType")},
     # --- DTensor and placements ----------------------------------------------------------------------------
-    "torch.distributed.tensor.DTensor.__coerce_same_metadata_as_tangent__": _COMPILE,
-    "torch.distributed.tensor.DTensor.__coerce_tangent_metadata__": _COMPILE,
-    "torch.distributed.tensor.DTensor.__tensor_flatten__": _COMPILE,
-    "torch.distributed.tensor.DTensor.__tensor_unflatten__": _COMPILE,
-    "torch.distributed.tensor.Placement.__fx_repr__": _COMPILE,
-    "torch.distributed.tensor.placement_types.Placement.__fx_repr__": _COMPILE,
 }
 
 # torch version (major, minor) -> the names it adds that shardtensor lacks, with their reasons. torch 2.14 also

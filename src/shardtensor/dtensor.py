@@ -29,6 +29,7 @@ from .placement import Partial, Placement, Replicate, Shard, check_partial_dtype
 from .spec import DTensorSpec, global_stride, interned_spec
 from .tensor_methods import FastTensorMethods
 from .torch_exchange import from_torch_dtensor, to_torch_dtensor
+from .tracing import TraceableMixin
 
 __all__ = ["DTensor"]
 
@@ -47,7 +48,15 @@ def _mirror_math_bits(wrapper: torch.Tensor, local_tensor: torch.Tensor) -> None
     torch._C._set_neg(wrapper, local_tensor.is_neg())
 
 
-class DTensor(FastTensorMethods, CheckpointableMixin, torch.Tensor):
+def _from_local(cls, local_tensor, mesh, placements, run_check, shape, stride, shard_sizes) -> DTensor:
+    """`cls.from_local` once its defaults are filled in."""
+    layout = from_local_layout(local_tensor, mesh, placements, shape, shard_sizes, run_check)
+    global_strides = tuple(stride) if stride is not None else global_stride(local_tensor, layout.shape)
+    spec = DTensorSpec(mesh, layout, global_strides, local_tensor.dtype)
+    return FromLocal.apply(local_tensor, spec, run_check, cls)
+
+
+class DTensor(FastTensorMethods, CheckpointableMixin, TraceableMixin, torch.Tensor):
     """A distributed tensor: global metadata on the wrapper, this rank's shard in `_local_tensor`.
 
     Build one with `distribute_tensor`, `DTensor.from_local` or a factory (`shardtensor.zeros`, ...).
@@ -137,6 +146,15 @@ class DTensor(FastTensorMethods, CheckpointableMixin, torch.Tensor):
         if source is not None:
             source.refresh()
         return self._local_value
+
+    @_local_tensor.setter
+    def _local_tensor(self, local_tensor: torch.Tensor) -> None:
+        """Replace the shard by one of the same shape: torch's subclass protocol does this to a gradient
+        entering a compiled backward (made contiguous)."""
+        if self._pending is not None:
+            self._pending = None
+            _waiting.pop(id(self), None)
+        self._local_value = local_tensor
 
     def _take_value_of(self, other: DTensor) -> None:
         """Become `other` in place (its shard and spec): how in-place views such as `squeeze_` and
@@ -249,10 +267,10 @@ class DTensor(FastTensorMethods, CheckpointableMixin, torch.Tensor):
                 )
             shard_sizes = shard_sizes_from_shapes(sharding_shapes, local_tensor, mesh, placements,
                                                   check_local=not run_check)
-        layout = from_local_layout(local_tensor, mesh, placements, shape, shard_sizes, run_check)
-        global_strides = tuple(stride) if stride is not None else global_stride(local_tensor, layout.shape)
-        spec = DTensorSpec(mesh, layout, global_strides, local_tensor.dtype)
-        return FromLocal.apply(local_tensor, spec, run_check, cls)
+        arguments = (local_tensor, mesh, placements, run_check, shape, stride, shard_sizes)
+        if cls is DTensor:
+            return _from_local_node(*arguments)
+        return _from_local(cls, *arguments)
 
     def to_local(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
         """This rank's shard as a plain tensor (differentiable).
@@ -382,6 +400,13 @@ class DTensor(FastTensorMethods, CheckpointableMixin, torch.Tensor):
         >>> torch_dtensor = x.to_dtensor()  # doctest: +SKIP
         """
         return to_torch_dtensor(self)
+
+
+@torch.compiler.allow_in_graph
+def _from_local_node(local_tensor, mesh, placements, run_check, shape, stride, shard_sizes) -> DTensor:
+    """`DTensor.from_local` as one node of a torch.compile graph (the mesh and placements are its
+    constants), which AOTAutograd traces into."""
+    return _from_local(DTensor, local_tensor, mesh, placements, run_check, shape, stride, shard_sizes)
 
 
 def _cross_mesh_target(dtensor: DTensor, mesh: DeviceMesh, placements) -> Layout:

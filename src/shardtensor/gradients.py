@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import weakref
 
 import torch
 
@@ -49,6 +48,7 @@ from .spec import DTensorSpec, contiguous_stride
 __all__ = ["watch_leaves", "watch_leaf"]
 
 _grad_enabled = torch.is_grad_enabled
+_compiling = torch.compiler.is_compiling  # True while dynamo traces and while AOTAutograd traces its graph
 
 
 class _Pending:
@@ -77,23 +77,30 @@ def watch_leaves(dtensor_class: type, args: tuple, kwargs: dict) -> None:
 
 
 def watch_leaf(dtensor) -> None:
-    """Hook `dtensor` (once) if it is a leaf that requires grad, so its gradient is re-laid to its layout."""
+    """Hook `dtensor` (once) if it is a leaf that requires grad, so its gradient is re-laid to its layout.
+
+    Not while compiling: a traced graph's leaves are stand-ins, and a compiled backward returns each
+    gradient in the layout its ops produced (docs/compile.md)."""
+    if _compiling():
+        return
     if dtensor.requires_grad and dtensor.is_leaf and not dtensor.__dict__.get("_gradient_watched"):
         dtensor._gradient_watched = True
         with torch._C.DisableTorchFunctionSubclass():  # registering is itself a torch function
-            dtensor.register_hook(functools.partial(_before_accumulating, weakref.ref(dtensor)))
+            # The hook holds the leaf itself, not a weak reference: `Module._apply` (`module.double()`) swaps a
+            # traceable subclass's parameters with `torch.utils.swap_tensors`, which refuses weakly referenced
+            # tensors. The cycle (leaf -> its hooks -> leaf) is freed by Python's garbage collector.
+            dtensor.register_hook(functools.partial(_before_accumulating, dtensor))
             dtensor.register_post_accumulate_grad_hook(_on_accumulated)
 
 
-def _before_accumulating(leaf_reference, incoming):
+def _before_accumulating(leaf, incoming):
     """Before a gradient is added to its leaf's `.grad`. One whose move to the leaf's layout is a
     relabel is returned in the leaf's layout (the hook's result replaces it). One that is the leaf's
     layout but Partial (data parallel) while `.grad` already holds a reduced one: `.grad` becomes a
     Partial operand again, locally (one rank keeps it, the others zeros), so the sum accumulates
     without a collective and the end of backward reduces all such gradients together instead of
     one add each reducing its own."""
-    leaf = leaf_reference()
-    if leaf is None or not isinstance(incoming, type(leaf)) or incoming.device_mesh != leaf.device_mesh:
+    if not isinstance(incoming, type(leaf)) or incoming.device_mesh != leaf.device_mesh:
         return None
     source, target = incoming.sharding, leaf.sharding
     if source == target:

@@ -16,12 +16,16 @@ ranks and names, and unpickle over the groups this process already has.
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 import threading
+import weakref
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+from torch._library.opaque_object import MemberType, register_opaque_type
 
 from .process_groups import (
     DEVICE_BACKENDS,
@@ -83,6 +87,8 @@ class DeviceMesh:
         self._device_type = device_type
         self._mesh = ranks
         self._mesh_dim_names = names
+        for name in _CACHED_READS:  # held in the instance dict from now on (see `_CACHED_READS`)
+            getattr(self, name)
         self._rank = dist.get_rank()
         self._generation = world_generation()
         position = (ranks == self._rank).nonzero()
@@ -90,6 +96,8 @@ class DeviceMesh:
         # Per mesh dim, the token of the user's group (`from_group`), or None for the library's group.
         self._group_tokens = _user_group_tokens or (None,) * ranks.ndim
         self._hash = hash((device_type, tuple(flat), tuple(ranks.shape), names, self._generation, self._group_tokens))
+        self._trace_key = next(_trace_keys)
+        _meshes_by_trace_key[self._trace_key] = self
         # Sliced (`mesh["tp"]`) from a mesh over the whole world, maybe through other slices: every rank of
         # the world is in this mesh or in a sibling it sliced for itself (`sub_mesh` reads this).
         self._sliced_from_world = _sliced_from_world
@@ -119,26 +127,28 @@ class DeviceMesh:
         return _line_through(self.mesh, self._coordinate, mesh_dim)
 
     # --- shape and coordinates ---------------------------------------------------------------
-    @property
+    # Cached properties, filled at construction: torch.compile (2.13) reads an opaque object's instance
+    # attributes, but fails on its properties (dynamo's opaque-object variable has no class source).
+    @functools.cached_property
     def device_type(self) -> str:
         return self._device_type
+
+    @functools.cached_property
+    def mesh_dim_names(self) -> tuple[str, ...] | None:
+        return self._mesh_dim_names
+
+    @functools.cached_property
+    def ndim(self) -> int:
+        return self._mesh.ndim
+
+    @functools.cached_property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self._mesh.shape)
 
     @property
     def mesh(self) -> torch.Tensor:
         """The global ranks, an int64 cpu tensor of the mesh's shape."""
         return self._mesh
-
-    @property
-    def mesh_dim_names(self) -> tuple[str, ...] | None:
-        return self._mesh_dim_names
-
-    @property
-    def ndim(self) -> int:
-        return self.mesh.ndim
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(self.mesh.shape)
 
     def size(self, mesh_dim: int | str | None = None) -> int:
         """Number of ranks along `mesh_dim`, or in the whole mesh when None."""
@@ -407,6 +417,11 @@ class DeviceMesh:
         names = "" if self.mesh_dim_names is None else f", mesh_dim_names={self.mesh_dim_names!r}"
         return f"DeviceMesh({self.device_type!r}, {self.mesh.tolist()}{names})"
 
+    def __fx_repr__(self):
+        """How a compiled graph's code names this mesh (a constant of the graph, as a value): by a key
+        that finds it in this process (docs/compile.md)."""
+        return f"mesh_by_trace_key({self._trace_key})", {"mesh_by_trace_key": mesh_by_trace_key}
+
     # --- pickling ----------------------------------------------------------------------------------
     def __reduce__(self):
         """Pickle (and `torch.save`, `copy.deepcopy`) the ranks, names and world size, not the process
@@ -550,6 +565,30 @@ def init_device_mesh(
         )
     ranks = torch.arange(world_size, dtype=torch.int64, device="cpu").view(mesh_shape)
     return DeviceMesh(device_type, ranks, mesh_dim_names=names)
+
+
+_CACHED_READS = ("device_type", "mesh_dim_names", "ndim", "shape")
+
+# Every mesh of this process by its trace key: a compiled graph's code refers to its meshes this way.
+_trace_keys = itertools.count()
+_meshes_by_trace_key: weakref.WeakValueDictionary[int, DeviceMesh] = weakref.WeakValueDictionary()
+
+
+def mesh_by_trace_key(key: int) -> DeviceMesh:
+    """The mesh a compiled graph names by `key` (`DeviceMesh.__fx_repr__`)."""
+    return _meshes_by_trace_key[key]
+
+
+# torch.compile holds a mesh in a graph as an opaque value: compared with `==` (guards), hashed, and
+# written into the graph's code by `__fx_repr__`. Value-equal meshes are interchangeable here.
+# Its read-only members are read on the real mesh while tracing and their results become constants.
+register_opaque_type(DeviceMesh, typ="value", members={
+    name: MemberType.USE_REAL for name in (
+        "device_type", "mesh_dim_names", "ndim", "shape", "size", "get_rank", "get_coordinate", "get_local_rank",
+        "group_ranks", "__getitem__", "__eq__", "__ne__", "__hash__", "__repr__", "_spans_world",
+        "_sliced_from_world", "_mesh_dim_index",
+    )
+})
 
 
 def world_mesh(device_type: str) -> DeviceMesh:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
+from torch._library.opaque_object import register_opaque_type
 
 __all__ = [
     "Placement", "Shard", "Replicate", "Partial", "NormPartial", "REDUCE_OPS", "normalize_placements", "chunk_sizes",
@@ -54,6 +55,11 @@ class Placement:
     def is_partial(self, reduce_op: str | None = None) -> bool:
         """True for `Partial`, and, when `reduce_op` is given, only for that reduce op."""
         return False
+
+    def __fx_repr__(self) -> tuple[str, dict]:
+        """How a compiled graph's code writes this placement (a constant of the graph): its repr, which
+        reads like the constructor."""
+        return repr(self), {type(self).__name__: type(self), "inf": math.inf}
 
 
 @dataclass(frozen=True, slots=True)
@@ -302,3 +308,9 @@ def normalize_placements(placements: Sequence[Placement], ndim: int, mesh_ndim: 
                 placement = Shard(placement.dim + ndim)
         normalized.append(placement)
     return tuple(normalized)
+
+
+# torch.compile holds placements in a graph as opaque values: compared with `==` (guards), hashed, and
+# written into the graph's code by `__fx_repr__`.
+for _placement_class in (Shard, Replicate, Partial, NormPartial):
+    register_opaque_type(_placement_class, typ="value")

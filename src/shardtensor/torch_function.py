@@ -92,6 +92,11 @@ class _FunctionPlan:
         self.generation = propagation.generation
 
 
+# `Module._apply` (`module.double()`) asks this of every parameter with grad mode on, then swaps the
+# parameter with its converted copy (`torch.utils.swap_tensors`, for tensor subclasses torch can trace),
+# which refuses a tensor holding weak references: watching the leaf here would add one.
+_COMPATIBLE_SHALLOW_COPY = torch._has_compatible_shallow_copy_type
+
 # False: every call takes the normal path (tests compare the two; `bench/bench_ops.py` times both).
 fast_path_enabled = True
 
@@ -121,6 +126,8 @@ def torch_function(cls, function, types, args=(), kwargs=None):
         if function == _SET_DATA and type(args[1]) is cls:
             args[0]._take_value_of(args[1])  # torch copied the wrapper's metadata; the shard and spec follow
         return result
+    if function is _COMPATIBLE_SHALLOW_COPY:  # a metadata query of `Module._apply`: no leaf to watch (see below)
+        return _run_normally(function, types, args, kwargs or _NO_KEYWORDS)
     metadata = METADATA_FUNCTIONS.get(function)
     if metadata is not None:
         if len(args) == 1 and not kwargs and type(args[0]) is cls:

@@ -18,16 +18,13 @@ import torch.distributed as dist
 
 from .. import collective_check
 from ..mesh import DeviceMesh
+from . import c10d
 from .handles import _complete, _identity
 from .peers import MeshDims, _Peers, _check_sizes, _peers, _sizes_error
 from .records import _record
-from .wire import _REDUCE_OPS, _exchange, _nbytes, _reduce_op, _unwire, _wire, _with_size
+from .wire import _exchange, _nbytes, _reduce_op, _unwire, _wire, _with_size
 
 __all__ = ["all_gather", "all_gather_into", "all_to_all", "all_reduce", "reduce_scatter", "broadcast", "scatter"]
-
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
 
 def _record_on(kind: str, peers: _Peers, bytes_sent: int, bytes_received: int) -> None:
     _record(kind, peers.mesh_dim, peers.size, bytes_sent, bytes_received, peers.mesh_dim_names)
@@ -59,7 +56,7 @@ def all_gather(tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: MeshDims, *, di
             sum(sizes[c] for c in others) * row * local.element_size())
     if len(set(sizes)) == 1:
         output = local.new_empty(peers.size * local.numel())
-        work = _all_gather_single(output, local.reshape(-1), group=peers.group, async_op=async_op)
+        work = c10d.all_gather_single(output, local.reshape(-1), peers.group, peers.size, async_op)
 
         def finish_even() -> torch.Tensor:
             by_group_rank = output.view(peers.size, *local.shape)
@@ -111,10 +108,11 @@ def all_gather_into(output: torch.Tensor, tensor: torch.Tensor, mesh: DeviceMesh
     target = wire_output if peers.in_coordinate_order else torch.empty_like(wire_output)
     group_sizes = [sizes[c] for c in peers.group_order]
     if len(set(sizes)) == 1 and not peers.parts:
-        work = _all_gather_single(target, local, group=peers.group, async_op=async_op)
+        work = c10d.all_gather_single(target, local, peers.group, peers.size, async_op)
     else:
         # Point-to-point: this piece goes to every peer as it is and each peer's piece lands in its place
         # of the output, so no send buffer repeats the piece (an all_to_all_single would need one).
+        c10d.refuse_point_to_point("all_gather_into with uneven sizes")
         pieces = target.split(group_sizes)
         operations = []
         for c in range(peers.size):
@@ -200,7 +198,7 @@ def all_reduce(tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: MeshDims, *, re
         buffer = tensor.clone(memory_format=torch.contiguous_format)
     traffic = 2 * (peers.size - 1) * _nbytes(buffer) // peers.size
     _record_on("all_reduce", peers, traffic, traffic)
-    work = dist.all_reduce(buffer, op=_REDUCE_OPS[op], group=peers.group, async_op=async_op)
+    work = c10d.all_reduce(buffer, op, peers.group, async_op)
     return _complete(work, lambda: buffer.to(torch.bool) if tensor.dtype == torch.bool else buffer, async_op)
 
 
@@ -231,7 +229,7 @@ def reduce_scatter(tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: MeshDims, *
             stacked = local.contiguous()
         else:
             stacked = torch.stack([pieces[c] for c in peers.group_order])
-        work = _reduce_scatter_single(output.view(-1), stacked.reshape(-1), op=_REDUCE_OPS[op], group=peers.group, async_op=async_op)
+        work = c10d.reduce_scatter_single(output.view(-1), stacked.reshape(-1), op, peers.group, peers.size, async_op)
     else:
         return _reduce_scatter_uneven(tensor, pieces, op, peers, async_op)
     return _complete(work, lambda: output.to(torch.bool) if tensor.dtype == torch.bool else output, async_op)
@@ -283,7 +281,7 @@ def broadcast(tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: MeshDims, *, src
     else:
         buffer = torch.empty_like(tensor, memory_format=torch.contiguous_format)
         _record_on("broadcast", peers, 0, _nbytes(buffer))
-    work = dist.broadcast(_wire(buffer), src=peers.ranks[src], group=peers.group, async_op=async_op)
+    work = c10d.broadcast(_wire(buffer), peers.ranks[src], peers.group, async_op)
     return _complete(work, lambda: buffer, async_op)
 
 
@@ -312,6 +310,7 @@ def scatter(pieces: Sequence[torch.Tensor] | None, mesh: DeviceMesh, mesh_dim: M
     if collective_check.enabled:
         template = _wire(pieces[me] if me == src else torch.empty(0, dtype=dtype, device=mesh.device_type))
         collective_check.agree("scatter", peers, template, (src,))
+    c10d.refuse_point_to_point("scatter")
     if me != src:
         buffer = torch.empty(shape, dtype=dtype, device=mesh.device_type)
         _record_on("scatter", peers, 0, _nbytes(buffer))

@@ -12,6 +12,7 @@ from ..mesh import DeviceMesh
 from .handles import CommHandle, _identity
 from .peers import MeshDims, _names
 from .records import _record
+from .c10d import refuse_point_to_point
 from .wire import _nbytes, _wire
 
 __all__ = ["send", "recv", "PointToPoint", "batch_p2p"]
@@ -19,6 +20,7 @@ __all__ = ["send", "recv", "PointToPoint", "batch_p2p"]
 
 def send(tensor: torch.Tensor, dst_global_rank: int) -> None:
     """Send `tensor` to global rank `dst_global_rank` (blocking)."""
+    refuse_point_to_point("send")
     buffer = _wire(tensor.contiguous())
     _record("send", None, 2, _nbytes(buffer), 0)
     dist.send(buffer, dst=dst_global_rank)
@@ -27,6 +29,7 @@ def send(tensor: torch.Tensor, dst_global_rank: int) -> None:
 def recv(shape: Sequence[int], dtype: torch.dtype, src_global_rank: int, *, device: str | torch.device) -> torch.Tensor:
     """Receive a tensor of `shape` and `dtype` from global rank `src_global_rank` (blocking) into a buffer on
     `device`: the receiver's device for that data, which the backend must reach (gloo: cpu, nccl: cuda)."""
+    refuse_point_to_point("recv")
     buffer = torch.empty(tuple(shape), dtype=dtype, device=device)
     _record("recv", None, 2, 0, _nbytes(buffer))
     dist.recv(_wire(buffer), src=src_global_rank)
@@ -56,6 +59,7 @@ def batch_p2p(operations: Sequence[PointToPoint], *, async_op: bool = False, mes
     """
     if not operations:
         return _identity([], async_op)
+    refuse_point_to_point("batch_p2p")
     operations = [
         dataclasses.replace(operation, tensor=operation.tensor.contiguous()) if operation.kind == "send" else operation
         for operation in operations

@@ -9,17 +9,11 @@ import math
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 
+from . import c10d
+from .c10d import REDUCE_OPS as _REDUCE_OPS
 from .peers import _Peers
 
-_REDUCE_OPS = {
-    "sum": dist.ReduceOp.SUM,
-    "avg": dist.ReduceOp.AVG,
-    "max": dist.ReduceOp.MAX,
-    "min": dist.ReduceOp.MIN,
-    "product": dist.ReduceOp.PRODUCT,
-}
 # Bools reduce as uint8: "sum" and "max" are any (logical or), "product" and "min" are all.
 _BOOL_REDUCE_OPS = {"sum": "max", "max": "max", "min": "min", "product": "min"}
 
@@ -71,8 +65,7 @@ def _exchange(send: Sequence[torch.Tensor | None], receive_shapes: Sequence[Sequ
     flat = [send[c].reshape(-1) for c in peers.group_order if send[c] is not None]
     send_buffer = torch.cat(flat) if flat else template.new_empty(0)
     receive_buffer = template.new_empty(sum(output_splits))
-    work = dist.all_to_all_single(receive_buffer, send_buffer, output_splits, input_splits,
-                                  group=peers.group, async_op=async_op)
+    work = c10d.all_to_all_single(receive_buffer, send_buffer, output_splits, input_splits, peers.group, async_op)
 
     def received() -> list[torch.Tensor | None]:
         by_group_rank = receive_buffer.split(output_splits)

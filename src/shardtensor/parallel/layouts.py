@@ -68,7 +68,7 @@ def _tag_mismatch_error(where: str, given: Sequence[Placement], tag_placements, 
 
 def _tagged_layout(local: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...], where: str):
     """The layout a style stored on `local`, if it still describes it (same shape, this mesh)."""
-    tag = local.__dict__.get(_LAYOUT_ATTRIBUTE)
+    tag = getattr(local, _LAYOUT_ATTRIBUTE, None)  # an attribute, not `__dict__`: torch.compile traces attributes
     if tag is None:
         return None
     tag_mesh, layout = tag
@@ -152,5 +152,6 @@ def to_output(value, placements: Sequence[Placement] | None, use_local_output: b
     if not use_local_output:
         return value
     local = value.to_local()
-    local.__dict__[_LAYOUT_ATTRIBUTE] = (value.device_mesh, value.sharding)
+    if not torch.compiler.is_compiling():  # a compiled graph's tensors carry no attributes: the next style reads chunk sizes
+        setattr(local, _LAYOUT_ATTRIBUTE, (value.device_mesh, value.sharding))
     return local

@@ -75,7 +75,10 @@ class _ClassShardedCrossEntropy(torch.autograd.Function):
         log_probs = shifted - total.log().unsqueeze(1)
         valid = target != ignore_index
         safe_target = torch.where(valid, target, 0)
-        if bool(((safe_target < 0) | (safe_target >= classes)).any()):  # every rank holds every target: all raise
+        out_of_range = ((safe_target < 0) | (safe_target >= classes)).any()
+        if torch.compiler.is_compiling():  # a graph cannot branch on data: the check runs in it and raises there
+            torch._assert_async(~out_of_range, f"loss_parallel: a target is outside [0, {classes}) and not ignore_index")
+        elif bool(out_of_range):  # every rank holds every target: all raise
             raise IndexError(_target_error(target, classes, ignore_index))
         target_weight = torch.where(valid, weight[safe_target], 0)
         inside = valid & (safe_target >= first) & (safe_target < first + columns)
@@ -115,6 +118,7 @@ class _ClassShardedCrossEntropy(torch.autograd.Function):
         return DTensor(grad_logits, spec), None, None, None, None, None
 
 
+@torch.compiler.allow_in_graph  # one node of a torch.compile graph, which AOTAutograd traces into
 def class_sharded_cross_entropy(logits: DTensor, target, weight, ignore_index: int, reduction: str, smoothing: float) -> DTensor:
     """`F.cross_entropy` for `takes_fast_path` inputs, returned replicated."""
     return _ClassShardedCrossEntropy.apply(logits, _local_plain(target), _local_plain(weight), ignore_index, reduction, smoothing)

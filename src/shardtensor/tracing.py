@@ -1,0 +1,65 @@
+"""`TraceableMixin` (a base of `DTensor`): torch's protocol for tracing a wrapper tensor subclass.
+
+`torch.compile` sees a DTensor as its local tensor plus metadata: `__tensor_flatten__` names the one
+inner tensor (`_local_tensor`) and returns a `TracedMetadata` value (mesh, exact layout with every
+rank's shard sizes, dtype, requires_grad) that compares and hashes by value, so a compiled graph is
+guarded on it and reused for every DTensor with the same metadata. `__tensor_unflatten__` rebuilds a
+DTensor around a traced (fake or functional) local tensor; the dispatch layer then runs on it as in
+eager mode, with `comm` issuing functional collectives (docs/compile.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .layout import Layout
+from .mesh import DeviceMesh
+from .spec import DTensorSpec
+
+__all__ = ["TraceableMixin", "TracedMetadata"]
+
+
+@dataclass(frozen=True, slots=True)
+class TracedMetadata:
+    """Everything about a DTensor a compiled graph depends on except its local tensor and global
+    stride (which torch passes to `__tensor_unflatten__` itself)."""
+
+    mesh: DeviceMesh
+    layout: Layout
+    dtype: torch.dtype
+    requires_grad: bool
+
+
+class TraceableMixin:
+    """`__tensor_flatten__` / `__tensor_unflatten__` and the tangent coercions of a class holding one
+    shard per rank (`_local_tensor`, `_spec`) and built as `cls(local_tensor, spec, requires_grad=...)`."""
+
+    __slots__ = ()
+
+    def __tensor_flatten__(self):
+        spec = self._spec
+        return ["_local_tensor"], TracedMetadata(spec.mesh, spec.layout, spec.dtype, self.requires_grad)
+
+    @classmethod
+    def __tensor_unflatten__(cls, inner_tensors, metadata: TracedMetadata, outer_size, outer_stride):
+        # A layout holds exact sizes: a symbolic stride (dynamic shapes) is specialized to its value here.
+        stride = tuple(int(step) for step in outer_stride)
+        spec = DTensorSpec(metadata.mesh, metadata.layout, stride, metadata.dtype)
+        return cls(inner_tensors["_local_tensor"], spec, requires_grad=metadata.requires_grad)
+
+    def __coerce_tangent_metadata__(self):
+        """A Partial gradient flowing into a compiled backward is reduced first (Partial read as Replicate)."""
+        layout = self._spec.layout
+        if not layout.partial_mesh_dims():
+            return self
+        return self.redistribute(self._spec.mesh, layout.without_partial().placements)
+
+    def __coerce_same_metadata_as_tangent__(self, metadata: TracedMetadata, expected_type=None):
+        """This gradient in the layout the compiled backward was traced with (None: not possible)."""
+        if expected_type is not None:
+            return None
+        if metadata.mesh != self._spec.mesh:
+            return None
+        return self.redistribute(metadata.mesh, metadata.layout.placements)
