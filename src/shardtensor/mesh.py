@@ -95,7 +95,8 @@ class DeviceMesh:
         self._coordinate = None if position.numel() == 0 else [int(c) for c in position[0].tolist()]
         # Per mesh dim, the token of the user's group (`from_group`), or None for the library's group.
         self._group_tokens = _user_group_tokens or (None,) * ranks.ndim
-        self._hash = hash((device_type, tuple(flat), tuple(ranks.shape), names, self._generation, self._group_tokens))
+        self._flat_ranks = tuple(flat)  # compared by `__eq__` without a tensor op (none may run under a fake mode)
+        self._hash = hash((device_type, self._flat_ranks, tuple(ranks.shape), names, self._generation, self._group_tokens))
         self._trace_key = next(_trace_keys)
         _meshes_by_trace_key[self._trace_key] = self
         # Sliced (`mesh["tp"]`) from a mesh over the whole world, maybe through other slices: every rank of
@@ -407,7 +408,7 @@ class DeviceMesh:
             and self.mesh_dim_names == other.mesh_dim_names
             and self._group_tokens == other._group_tokens
             and self.shape == other.shape
-            and torch.equal(self.mesh, other.mesh)
+            and self._flat_ranks == other._flat_ranks
         )
 
     def __hash__(self) -> int:

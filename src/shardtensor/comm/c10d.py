@@ -18,7 +18,6 @@ import torch.distributed as dist
 __all__ = ["REDUCE_OPS", "tracing", "refuse_point_to_point", "all_gather_single", "all_reduce", "reduce_scatter_single", "all_to_all_single", "broadcast"]
 
 _compiling = torch.compiler.is_compiling
-_FAKE = torch._C._TorchDispatchModeKey.FAKE
 _PROXY = torch._C._TorchDispatchModeKey.PROXY
 _functional = torch.ops._c10d_functional
 
@@ -34,10 +33,11 @@ REDUCE_OPS = {
 
 
 def tracing() -> bool:
-    """Whether collectives are being traced into a graph rather than run (torch.compile, or a fake or
-    proxy dispatch mode such as make_fx's)."""
-    get_mode = torch._C._get_dispatch_mode
-    return _compiling() or get_mode(_FAKE) is not None or get_mode(_PROXY) is not None
+    """Whether collectives are being traced into a graph rather than run: torch.compile's session (dynamo,
+    and AOTAutograd running our dispatch) or a proxy dispatch mode such as make_fx's. A fake tensor mode
+    alone is not tracing: `shardtensor.forecast` runs a step on fake tensors over a fake process group,
+    and its collectives are the eager calls, recorded."""
+    return _compiling() or torch._C._get_dispatch_mode(_PROXY) is not None
 
 
 def _land(buffer: torch.Tensor, result: torch.Tensor) -> None:
