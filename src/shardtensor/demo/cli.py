@@ -48,7 +48,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--layers", type=int, default=defaults.layers)
     parser.add_argument("--heads", type=int, default=defaults.heads)
     parser.add_argument("--width", type=int, default=defaults.width)
-    parser.add_argument("--lr", type=float, default=defaults.learning_rate)
+    parser.add_argument("--lr", type=float, default=defaults.learning_rate, help="peak learning rate (warmup, then cosine decay)")
+    parser.add_argument("--warmup-steps", type=int, default=defaults.warmup_steps, help="steps of linear learning-rate warmup")
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--data", default=None, help="a text file to train on (default: the Python standard library's source)")
     parser.add_argument("--checkpoint", default=None, metavar="DIR", help="resume from DIR if it holds a checkpoint; save there at the end")
@@ -70,6 +71,8 @@ def parse_options(argv=None, world_size: int | None = None) -> tuple[Options, in
             f"--heads {arguments.heads} must divide --width {arguments.width} and be a multiple of the "
             f"{mesh[1]} tensor-parallel ranks (attention is split by heads)"
         )
+    if arguments.warmup_steps < 0:
+        parser.error(f"--warmup-steps must be 0 or more, got {arguments.warmup_steps}")
     if arguments.data is not None and not os.path.isfile(arguments.data):
         parser.error(f"--data {arguments.data}: no such file")
     if arguments.batch_size % mesh[0]:
@@ -77,6 +80,7 @@ def parse_options(argv=None, world_size: int | None = None) -> tuple[Options, in
     options = Options(
         mesh=mesh, data_parallel=arguments.data_parallel, steps=arguments.steps, batch_size=arguments.batch_size, block_size=arguments.block_size,
         layers=arguments.layers, heads=arguments.heads, width=arguments.width, learning_rate=arguments.lr,
+        warmup_steps=arguments.warmup_steps,
         seed=arguments.seed, data=arguments.data, checkpoint=arguments.checkpoint, compare=arguments.compare,
         sample_length=arguments.sample_length,
         device_type="cuda" if world_size and torch.cuda.is_available() else "cpu",
