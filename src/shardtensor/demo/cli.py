@@ -10,10 +10,14 @@ import os
 import torch
 import torch.distributed as dist
 
-from ..launch import RankFailure, spawn
+from ..launch import LocalWorkers, RankFailure
 from .train import DATA_PARALLEL_MODES, Options, train
 
 __all__ = ["main", "parse_options"]
+
+# Seconds the spawned ranks may take for the whole run: a demo on a busy machine is slow, not stuck
+# (a rank stuck in a collective still fails after the process group's own timeout).
+RUN_TIMEOUT = 3600.0
 
 
 def _mesh_shape(text: str) -> tuple[int, int]:
@@ -106,7 +110,8 @@ def main(argv=None) -> int:
         _run_under_launcher(options)
         return 0
     try:
-        spawn(train, size, options)
+        with LocalWorkers(size) as workers:
+            workers.run(train, options, timeout=RUN_TIMEOUT)
     except RankFailure as failure:
         print(failure)
         return 1
