@@ -56,7 +56,7 @@ def communication_table(records) -> Table:
 def generate(model, corpus: Corpus, options, device: torch.device) -> str:
     """Sample text from the model (every rank runs it; the same seed gives every rank the same text)."""
     generator = torch.Generator().manual_seed(options.seed)
-    prompt = corpus.encode("def ") if options.data is None else corpus.tokens[:1]
+    prompt = corpus.encode("    def ") if options.data is None else corpus.tokens[:1]  # a method, as most of the corpus is
     tokens = prompt[None].to(device)
     for _ in range(options.sample_length):
         logits = model(tokens[:, -options.block_size :])[:, -1]
