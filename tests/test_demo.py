@@ -179,3 +179,15 @@ def test_the_demo_trains_on_a_2x2_mesh_like_one_device_and_resumes_on_another_me
     assert "replicated, gradients all-reduced" in " ".join(resumed.stdout.split())
     assert "4/4" in resumed.stdout and "losses agree with one device (2 steps" in resumed.stdout
     assert "Warning" not in resumed.stderr, resumed.stderr  # saving over the checkpoint it resumed from is meant
+
+
+def test_the_learning_rate_warms_up_then_decays_along_a_cosine():
+    from shardtensor.demo.schedule import learning_rate_at
+
+    rates = [learning_rate_at(step, 2e-3, 400, 20, 0.05) for step in range(400)]
+    assert rates[0] == 2e-3 / 20 and rates[19] == rates[20] == 2e-3
+    assert all(later <= earlier for earlier, later in zip(rates[20:], rates[21:]))
+    halfway = 20 + (400 - 1 - 20) / 2  # the cosine's middle: halfway between the peak and the floor
+    assert rates[int(halfway)] > 2e-3 * (0.05 + 0.95 * 0.5) > rates[int(halfway) + 1]
+    assert abs(rates[-1] - 1e-4) < 1e-12
+    assert learning_rate_at(2, 1.0, 3, 20, 0.05) == 3 / 20  # fewer steps than the warmup: still ramping

@@ -10,6 +10,7 @@ skip ahead to draw part of a block, so random generation in O(shard) needs tiles
 """
 
 import hashlib
+import math
 import random
 
 import pytest
@@ -141,3 +142,57 @@ def test_a_box_draws_each_tile_it_overlaps_once_and_no_other(monkeypatch, offset
     monkeypatch.setattr(random_module, "_tile_seed", lambda seed, counter, tile: drawn.append(tile) or original(seed, counter, tile))
     random_shard("randn", (1024, 1024), offset, local_shape, seed=0, counter=0, dtype=torch.float32, device="cpu")
     assert drawn == tiles
+
+
+def _peak_allocated_bytes(function) -> int:
+    """Peak bytes `function()` holds allocated at once beyond what was live before, on this thread's
+    CPU allocator: the running total of torch's profiler allocation events (not the resident set, which
+    counts only the pages written)."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+        function()
+    stack, allocations = list(profiler.profiler.kineto_results.experimental_event_tree()), []
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children)
+        if node.tag == _EventType.Allocation:
+            allocations.append((node.start_time_ns, node.extra_fields.alloc_size, node.extra_fields.total_allocated))
+    if not allocations:
+        return 0
+    allocations.sort()
+    before = allocations[0][2] - allocations[0][1]
+    return max(total for _, _, total in allocations) - before
+
+
+def test_filling_a_shard_in_place_holds_at_most_one_tile_more():
+    """A whole tile lying contiguous in the shard is drawn straight into it (a 1-D shard of whole
+    tiles, a tensor of one tile): no memory beyond the shard. Tiles cut by the box or strided in it go
+    through one tile's buffer: the shard plus one tile at most (random numbers as pinned above)."""
+    tile_bytes = BLOCK_SIZE * 4
+    cases = [  # (shape, offset, local shape, extra bytes allowed)
+        ((4 * BLOCK_SIZE,), (BLOCK_SIZE,), (2 * BLOCK_SIZE,), 0),  # two whole tiles
+        ((100, 300), (0, 0), (100, 300), 0),  # one tile: a replicated small tensor
+        ((1024, 1024), (256, 0), (256, 1024), tile_bytes),  # tiles of 256 x 256, strided in the rows
+        ((4 * BLOCK_SIZE,), (BLOCK_SIZE - 5,), (2 * BLOCK_SIZE,), tile_bytes),  # edges cut two tiles
+    ]
+    for shape, offset, local_shape, allowed in cases:
+        out = torch.empty(local_shape)
+        peak = _peak_allocated_bytes(lambda: random_shard("normal_", shape, offset, local_shape, seed=5, counter=2,
+                                                          dtype=torch.float32, out=out, parameters=(0.0, 1.0)))
+        assert peak <= allowed, (shape, offset, local_shape, peak)
+        expected = _reference_shard("normal_", shape, offset, local_shape, seed=5, counter=2, dtype=torch.float32,
+                                    parameters=(0.0, 1.0))
+        assert torch.equal(out, expected), (shape, offset, local_shape)
+
+
+@spmd(meshes=[(4,)])
+def test_empty_normal_on_a_sharded_dtensor_peaks_at_its_shard(mesh):
+    """`empty(...).normal_()`: the shard and nothing else when its tiles lie whole in it (a 1-D
+    tensor of one tile per rank), like torch's own normal_ of the shard; the shard plus one tile else."""
+    for shape, placements, ratio in [((4 * BLOCK_SIZE,), [Shard(0)], 1.0), ((1024, 1024), [Shard(0)], 1.25)]:
+        shardtensor.empty(*shape, device_mesh=mesh, placements=placements).normal_()  # decided and cached
+        shard_bytes = math.prod(shape) // 4 * 4
+        peak = _peak_allocated_bytes(lambda: shardtensor.empty(*shape, device_mesh=mesh, placements=placements).normal_())
+        assert peak <= ratio * shard_bytes * 1.01, (shape, peak / shard_bytes)

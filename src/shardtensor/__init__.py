@@ -5,6 +5,9 @@
 >>> distribute_tensor(torch.arange(4.0), mesh, [Shard(0)])  # doctest: +SKIP
 """
 
+# The one place the version is written: pyproject.toml reads this literal (dynamic version).
+__version__ = "0.1.0"
+
 from .api import distribute_module, distribute_tensor, empty, full, linspace, logspace, ones, rand, randn, zeros
 from .dtensor import DTensor
 from .mesh import DeviceMesh, init_device_mesh

@@ -5,7 +5,7 @@ The global tensor is cut into tiles, boxes of at most `BLOCK_SIZE` elements over
 filled in row-major order from a `torch.Generator` seeded with a hash of (seed, counter, k). A rank
 draws only the tiles its shard overlaps, one at a time, and copies the overlapping part of each into
 its shard, so time is linear in the shard whatever dims are sharded (rows, columns, both, uneven)
-and memory is the shard plus one tile; every mesh shape, placement and rank count (one rank included)
+and memory is the shard plus at most one tile; every mesh shape, placement and rank count (one rank included)
 sees the same global tensor. A tensor of at most `BLOCK_SIZE` elements is one tile, and so is drawn
 as one `randn(numel)` (or `uniform_`...) of the generator of tile 0, reshaped.
 
@@ -341,41 +341,64 @@ class _Tiles:
         self.dtype, self.parameters = dtype, parameters
         self.tile = tile_shape(shape)
         self.grid = [math.ceil(size / extent) for size, extent in zip(self.shape, self.tile)]
-        # One buffer for every tile: an allocation (and its page faults) per tile costs time, and
-        # allocators that mmap large blocks would fault a fresh one in each time.
-        self._buffer = torch.empty(math.prod(self.tile), dtype=dtype, device="cpu")
+        # One buffer for every tile, made at the first tile that needs it: an allocation (and its page
+        # faults) per tile costs time, and allocators that mmap large blocks would fault a fresh one in
+        # each time.
+        self._buffer: torch.Tensor | None = None
 
-    def draw(self, position: Sequence[int]) -> torch.Tensor:
-        """The tile at grid `position`, clipped to the tensor's edges (valid until the next draw)."""
-        extents = [min(extent, size - index * extent) for index, extent, size in zip(position, self.tile, self.shape)]
+    def extents(self, position: Sequence[int]) -> list[int]:
+        """The extent along each dim of the tile at grid `position`, clipped to the tensor's edges."""
+        return [min(extent, size - index * extent) for index, extent, size in zip(position, self.tile, self.shape)]
+
+    def draw(self, position: Sequence[int], into: torch.Tensor | None = None) -> torch.Tensor:
+        """The tile at grid `position`, clipped to the tensor's edges: drawn into `into` (a contiguous
+        CPU tensor of the tile's shape) when given, else into the shared buffer (valid until the next draw)."""
+        extents = self.extents(position)
         index = 0
         for coordinate, count in zip(position, self.grid):
             index = index * count + coordinate
         generator = torch.Generator().manual_seed(_tile_seed(self.seed, self.counter, index))
         # Drawn on the CPU by a CPU generator whatever the data's device, so that every device gets
-        # the same numbers; `_fill_box` copies them into the shard on its device.
-        values = self._buffer[: math.prod(extents)]
+        # the same numbers; `_fill_box` copies them into the shard on its device. Always into a 1-D
+        # contiguous tensor: torch's CPU kernels draw other numbers into a strided one.
+        if into is not None:
+            values = into.view(-1)
+        else:
+            if self._buffer is None:
+                self._buffer = torch.empty(math.prod(self.tile), dtype=self.dtype, device="cpu")
+            values = self._buffer[: math.prod(extents)]
         return getattr(values, self.method)(*self.parameters, generator=generator).view(extents)
 
 
 def _fill_box(values: torch.Tensor, tiles: _Tiles, offset: Sequence[int], below: float | None = None) -> None:
     """Write the box `offset + values.shape` of the global tensor into `values` (with `below`: whether
     each value is below it): every tile the box overlaps is drawn once and its overlapping part
-    copied into place, so the work is the box plus the tiles cut by its edges and the memory one tile
-    (every tile is drawn into the same buffer).
+    copied into place, so the work is the box plus the tiles cut by its edges. A whole tile that lies
+    contiguous in `values` (a CPU shard of a 1-D tensor, a tensor of one tile) is drawn straight into
+    it; the others go through one buffer of a tile, so the memory is at most the box plus one tile.
     """
     ranges = []
     for start, length, extent in zip(offset, values.shape, tiles.tile):
         ranges.append(range(start // extent, (start + length - 1) // extent + 1))
     for position in itertools.product(*ranges):
-        drawn = tiles.draw(position)
         source, destination = [], []
         for index, extent, start, length in zip(position, tiles.tile, offset, values.shape):
             low, high = max(start, index * extent), min(start + length, (index + 1) * extent)
             source.append(slice(low - index * extent, high - index * extent))
             destination.append(slice(low - start, high - start))
-        part = drawn[tuple(source)]
-        values[tuple(destination)].copy_(part if below is None else part.lt(below))
+        target = values[tuple(destination)]
+        if below is None and _holds_whole_tile(target, tiles.extents(position), tiles.dtype):
+            tiles.draw(position, into=target)
+            continue
+        part = tiles.draw(position)[tuple(source)]
+        target.copy_(part if below is None else part.lt(below))
+
+
+def _holds_whole_tile(target: torch.Tensor, extents: Sequence[int], dtype: torch.dtype) -> bool:
+    """Whether a tile of `extents` can be drawn straight into `target`: all of it lands there, and
+    `target` is contiguous CPU memory of the tile's dtype (as the buffer would be)."""
+    return (list(target.shape) == list(extents) and target.dtype == dtype and target.is_contiguous()
+            and target.device.type == "cpu")
 
 
 def random_shard(

@@ -11,12 +11,16 @@ import os
 import torch
 import torch.distributed as dist
 
-from ..launch import RankFailure, spawn
+from ..launch import LocalWorkers, RankFailure
 from .pipeline import SCHEDULES
 from .pipeline_train import PipelineOptions, train_pipeline
 from .train import DATA_PARALLEL_MODES, Options, train
 
 __all__ = ["main", "parse_options"]
+
+# Seconds the spawned ranks may take for the whole run: a demo on a busy machine is slow, not stuck
+# (a rank stuck in a collective still fails after the process group's own timeout).
+RUN_TIMEOUT = 3600.0
 
 
 def _mesh_shape(text: str) -> tuple[int, ...]:
@@ -53,7 +57,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--layers", type=int, default=defaults.layers)
     parser.add_argument("--heads", type=int, default=defaults.heads)
     parser.add_argument("--width", type=int, default=defaults.width)
-    parser.add_argument("--lr", type=float, default=defaults.learning_rate)
+    parser.add_argument("--lr", type=float, default=defaults.learning_rate, help="peak learning rate (warmup, then cosine decay)")
+    parser.add_argument("--warmup-steps", type=int, default=defaults.warmup_steps, help="steps of linear learning-rate warmup")
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--data", default=None, help="a text file to train on (default: the Python standard library's source)")
     parser.add_argument("--checkpoint", default=None, metavar="DIR", help="resume from DIR if it holds a checkpoint; save there at the end")
@@ -128,6 +133,8 @@ def parse_options(argv=None, world_size: int | None = None) -> tuple[Options, in
             f"--heads {arguments.heads} must divide --width {arguments.width} and be a multiple of the "
             f"{mesh[1]} tensor-parallel ranks (attention is split by heads)"
         )
+    if arguments.warmup_steps < 0:
+        parser.error(f"--warmup-steps must be 0 or more, got {arguments.warmup_steps}")
     if arguments.data is not None and not os.path.isfile(arguments.data):
         parser.error(f"--data {arguments.data}: no such file")
     if arguments.batch_size % mesh[0]:
@@ -135,6 +142,7 @@ def parse_options(argv=None, world_size: int | None = None) -> tuple[Options, in
     options = Options(
         mesh=mesh, data_parallel=arguments.data_parallel, steps=Options.steps if arguments.steps is None else arguments.steps, batch_size=arguments.batch_size, block_size=arguments.block_size,
         layers=arguments.layers, heads=arguments.heads, width=arguments.width, learning_rate=arguments.lr,
+        warmup_steps=arguments.warmup_steps,
         seed=arguments.seed, data=arguments.data, checkpoint=arguments.checkpoint, compare=arguments.compare,
         sample_length=arguments.sample_length,
         device_type="cuda" if world_size and torch.cuda.is_available() else "cpu",
@@ -168,7 +176,8 @@ def main(argv=None) -> int:
         _run_under_launcher(options)
         return 0
     try:
-        spawn(_train_function(options), size, options)
+        with LocalWorkers(size) as workers:
+            workers.run(_train_function(options), options, timeout=RUN_TIMEOUT)
     except RankFailure as failure:
         print(failure)
         return 1

@@ -28,6 +28,7 @@ from . import report
 from .checkpoint import load_checkpoint, save_checkpoint
 from .data import Corpus, batch_for_step, load_corpus
 from .model import GPT, GPTConfig, parallelize
+from .schedule import learning_rate_at, set_learning_rate
 
 __all__ = ["Options", "DATA_PARALLEL_MODES", "average_gradients", "mean_loss", "shard_model", "forward_backward", "train"]
 
@@ -40,13 +41,15 @@ class Options:
 
     mesh: tuple[int, int] = (2, 2)
     data_parallel: str = "fsdp"  # one of DATA_PARALLEL_MODES: how the "dp" mesh dim holds the parameters
-    steps: int = 200
-    batch_size: int = 16
+    steps: int = 400
+    batch_size: int = 32
     block_size: int = 64
     layers: int = 2
     heads: int = 4
-    width: int = 64
-    learning_rate: float = 3e-3
+    width: int = 128
+    learning_rate: float = 2e-3  # the peak of the schedule (`schedule.learning_rate_at`)
+    warmup_steps: int = 20
+    final_learning_rate_fraction: float = 0.05
     seed: int = 0
     data: str | None = None
     checkpoint: str | None = None
@@ -124,7 +127,7 @@ def shard_model(model: GPT, mesh: DeviceMesh, data_parallel: str) -> GPT:
 
 
 def _optimizer(model: GPT, options: Options) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=options.learning_rate, weight_decay=0.01, foreach=True)
+    return torch.optim.AdamW(model.parameters(), lr=options.learning_rate, betas=(0.9, 0.95), weight_decay=0.01, foreach=True)
 
 
 def _dp_slice(tensor: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
@@ -150,6 +153,11 @@ def train(options: Options) -> None:
     parameters = list(model.parameters())
     for step in range(start, options.steps):
         tokens, targets = batch_for_step(corpus, step, options.batch_size, options.block_size, options.seed)
+        learning_rate = learning_rate_at(step, options.learning_rate, options.steps, options.warmup_steps,
+                                         options.final_learning_rate_fraction)
+        for each in (optimizer, reference_optimizer):
+            if each is not None:
+                set_learning_rate(each, learning_rate)
         began = time.perf_counter()
         with comm.observe() as model_records:
             loss = forward_backward(model, _dp_slice(tokens, mesh).to(device), _dp_slice(targets, mesh).to(device))

@@ -38,7 +38,7 @@ from ..halo import Bounds, Exchange, SlidingWindow, exchange, exchange_gradient,
 from ..halo import output_bounds, shard_bounds
 from ..layout import Layout
 from ..placement import Replicate, Shard
-from ..rules import LocalCollective, OpCall, Row, schema_positions
+from ..rules import LocalCollective, OpCall, Row
 from .nn_spatial import PlaneRule
 from .registry import aten, register_rule
 
@@ -314,11 +314,6 @@ def _unravel(flat: torch.Tensor, sizes: Sequence[int]) -> list[torch.Tensor]:
 # ---- local ops --------------------------------------------------------------------------------------
 
 
-def _argument(op, args: tuple, kwargs: dict, name: str):
-    position = schema_positions(op)[name][0]
-    return args[position] if position < len(args) else kwargs[name]
-
-
 def _local_pooling_arguments(local: _Local) -> list[list[int]]:
     """kernel_size, stride, padding (0 on the sharded dims: the window holds their padding), dilation."""
     windows = [geometry.window for geometry in local.plan.geometry]
@@ -372,7 +367,8 @@ def _pool_backward(call: OpCall, local: _Local, grad_sharded: Sequence[bool], in
         if grad.numel() == 0:
             grad_window = grad.new_zeros(window_shape)
         elif kind in ("max", "adaptive_max"):
-            indices = local.own_rows(_argument(op, (grad, tensor, *args), kwargs, "indices"), indices_sharded)
+            local_call = OpCall(op, (), (grad, tensor, *args), tuple(kwargs.items()))
+            indices = local.own_rows(local_call.argument("indices"), indices_sharded)
             window_indices = local.window_indices(indices, window_shape[first:])
             grad_window = grad.new_zeros(window_shape)
             grad_window.flatten(first).scatter_add_(first, window_indices.flatten(first), grad.flatten(first))
