@@ -347,13 +347,17 @@ def main() -> None:
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     notes = []
-    for ranks in (2, 4):
-        rows = [row for row in options.rows if (row == f"tp{ranks}") or (row == "fsdp_tp" and ranks == 4)]
-        if not rows:
-            continue
-        with LocalWorkers(ranks, timeout=1800) as workers:
-            reports = workers.run(body, rows, options.backends, options.steps, options.timed, options.eager_first, timeout=3600)
-        print_table({key: [r[key] for r in reports] for key in reports[0]}, notes)
+    for row in options.rows:
+        ranks = 2 if row == "tp2" else 4
+        for backend in options.backends:  # a fresh world per row and backend: a crash loses one row
+            try:
+                with LocalWorkers(ranks, timeout=1800) as workers:
+                    reports = workers.run(body, [row], [backend], options.steps, options.timed, options.eager_first, timeout=3600)
+            except Exception as error:  # noqa: BLE001 - e.g. a worker's segfault
+                print(f"| {row} | {ranks} | {backend} | crashed: {_first_line(error)} |", flush=True)
+                notes.append(f"{row} x{ranks} {backend}: {str(error).strip()[-300:]}")
+                continue
+            print_table({key: [r[key] for r in reports] for key in reports[0]}, notes)
     for note in notes:
         print(f"- {note}")
 
