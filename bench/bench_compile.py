@@ -254,14 +254,14 @@ def _count_collectives(side, setup, step, result) -> None:
         result["comm_mode_error"] = _first_line(error)
 
 
-def body(rows, backends, steps, timed, eager_first):
+def body(rows, backends, steps, timed, eager_first, sides=SIDES):
     """Every row on this world: per backend, both sides compiled, timings alternating step by step;
     the eager runs the values are compared with come last (or first with `eager_first`)."""
     torch._dynamo.config.cache_size_limit = 64
     ranks = dist.get_world_size()
     report = {}
     for row in rows:
-        eager = {side: _eager_or_error(row, side, steps) for side in SIDES} if eager_first else {}
+        eager = {side: _eager_or_error(row, side, steps) for side in sides} if eager_first else {}
         for backend in backends:
             torch._dynamo.reset()
             single = Setup(row, None, {"backend": backend} if backend != "inductor" else {})
@@ -271,7 +271,10 @@ def body(rows, backends, steps, timed, eager_first):
             single_compile = time.perf_counter() - began
             setups, results = {}, {}
             for side in SIDES:
-                setups[side], results[side] = _compiled_side(row, side, backend, steps)
+                if side in sides:
+                    setups[side], results[side] = _compiled_side(row, side, backend, steps)
+                else:
+                    setups[side], results[side] = None, {"error": "not run (--sides)"}
             times = {name: [] for name in ("single", *SIDES)}
             runners = {"single": single, **{side: setups[side] for side in SIDES if setups[side] is not None}}
             for step in range(steps, steps + timed):
@@ -284,7 +287,7 @@ def body(rows, backends, steps, timed, eager_first):
                 if setups[side] is not None:
                     _count_collectives(side, setups[side], steps + timed, results[side])
             report[(row, ranks, backend)] = {"times": times, "single_compile_s": single_compile, **results}
-        for side in SIDES:
+        for side in sides:
             eager.setdefault(side, _eager_or_error(row, side, steps))
             for backend in backends:
                 _compare(report[(row, ranks, backend)][side], eager[side])
@@ -338,6 +341,7 @@ def main() -> None:
     parser.add_argument("--backends", nargs="+", default=["aot_eager", "inductor"])
     parser.add_argument("--steps", type=int, default=3, help="steps compared with eager (the first one compiles)")
     parser.add_argument("--timed", type=int, default=5, help="timed steps after those")
+    parser.add_argument("--sides", nargs="+", default=list(SIDES), choices=SIDES, help="run only these sides")
     parser.add_argument("--eager-first", action="store_true", help="run the eager reference before compiling (default: after)")
     options = parser.parse_args()
     torch.set_num_threads(1)
@@ -352,10 +356,10 @@ def main() -> None:
         for backend in options.backends:  # a fresh world per row and backend: a crash loses one row
             try:
                 with LocalWorkers(ranks, timeout=1800) as workers:
-                    reports = workers.run(body, [row], [backend], options.steps, options.timed, options.eager_first, timeout=3600)
+                    reports = workers.run(body, [row], [backend], options.steps, options.timed, options.eager_first, options.sides, timeout=3600)
             except Exception as error:  # noqa: BLE001 - e.g. a worker's segfault
                 print(f"| {row} | {ranks} | {backend} | crashed: {_first_line(error)} |", flush=True)
-                notes.append(f"{row} x{ranks} {backend}: {str(error).strip()[-300:]}")
+                notes.append(f"{row} x{ranks} {backend}: " + " ".join(str(error).split())[:400])
                 continue
             print_table({key: [r[key] for r in reports] for key in reports[0]}, notes)
     for note in notes:
