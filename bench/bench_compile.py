@@ -27,8 +27,6 @@ error's first line instead of numbers.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import copy
 import math
 import re
 import statistics
@@ -325,7 +323,8 @@ def print_table(report_by_rank, notes):
             f"{get('ours', 'compile_s', '{:.1f}')} / {get('torch', 'compile_s', '{:.1f}')} ({first['single_compile_s']:.1f}) | "
             f"{medians['ours']:.1f} / {medians['torch']:.1f} ({medians['single']:.1f}) | "
             f"{medians['ours'] / medians['single']:.2f} / {medians['torch'] / medians['single']:.2f} | {ratio:.2f} | "
-            f"{get('ours', 'comm_mode')} / {get('torch', 'comm_mode')} | {get('ours', 'gloo_ops')} / {get('torch', 'gloo_ops')} | "
+            f"{get('ours', 'comm_mode')} / {get('torch', 'comm_mode')} | "
+            f"{get('ours', 'gloo_ops')} / {get('torch', 'gloo_ops')} | "
             f"{get('ours', 'breaks')} / {get('torch', 'breaks')} | "
             f"{get('ours', 'loss_diff', '{:.1e}')} / {get('torch', 'loss_diff', '{:.1e}')} | "
             f"{get('ours', 'param_diff', '{:.1e}')} / {get('torch', 'param_diff', '{:.1e}')} |",
@@ -356,7 +355,8 @@ def main() -> None:
         for backend in options.backends:  # a fresh world per row and backend: a crash loses one row
             try:
                 with LocalWorkers(ranks, timeout=1800) as workers:
-                    reports = workers.run(body, [row], [backend], options.steps, options.timed, options.eager_first, options.sides, timeout=3600)
+                    arguments = ([row], [backend], options.steps, options.timed, options.eager_first, options.sides)
+                    reports = workers.run(body, *arguments, timeout=3600)
             except Exception as error:  # noqa: BLE001 - e.g. a worker's segfault
                 print(f"| {row} | {ranks} | {backend} | crashed: {_first_line(error)} |", flush=True)
                 notes.append(f"{row} x{ranks} {backend}: " + " ".join(str(error).split())[:400])
