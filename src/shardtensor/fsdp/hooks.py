@@ -13,6 +13,10 @@ Activation checkpointing recomputes forwards inside backward: a unit about to ru
 gathered parameters on its modules (a `checkpoint_wrapper` inside the unit recomputes without our
 hooks), and a forward hook that runs during backward only registers gathered parameters: it neither
 prefetches nor reshards (the backward still reads them) nor hooks gradients.
+
+Under torch.compile the two forward hooks run eagerly (`torch.compiler.disable`): they manage buffers'
+storage and issue collectives, which a graph cannot do safely. A compiled module under fully_shard graph-
+breaks at its hooks and compiles its own forward between them; `fullgraph=True` on it names the cause.
 """
 
 from __future__ import annotations
@@ -216,6 +220,14 @@ def show_gathered(unit: ParameterUnit, context: TrainingContext) -> None:
         unit.register(unit.forward_tensors(_forward_tensors(unit, context)))
 
 
+_EAGER_ONLY = (
+    "fully_shard's forward hooks gather and free parameter buffers, so they run eagerly under torch.compile. "
+    "Compile the blocks inside fully_shard without fullgraph=True (module.compile() before fully_shard, as "
+    "torchtitan does), or compile a function that calls the fully_shard module, without fullgraph=True"
+)
+
+
+@torch.compiler.disable(reason=_EAGER_ONLY)
 def pre_forward(unit: ParameterUnit, module: nn.Module, args, kwargs):
     """Forward pre-hook: gather (overlapping the next unit's gather), register the unsharded parameters."""
     context = _context_for(unit, module)
@@ -238,6 +250,7 @@ def pre_forward(unit: ParameterUnit, module: nn.Module, args, kwargs):
     return args, kwargs
 
 
+@torch.compiler.disable(reason=_EAGER_ONLY)
 def post_forward(unit: ParameterUnit, module: nn.Module, args, output):
     """Forward post-hook: sharded parameters back, free the unsharded ones, hook the outputs' gradients."""
     context = unit.context
