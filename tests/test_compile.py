@@ -7,6 +7,7 @@ silently falls back to eager shows as a changed count. docs/compile.md says what
 
 import copy
 
+import pytest
 import torch
 import torch._dynamo
 from torch._dynamo.testing import CompileCounterWithBackend
@@ -239,3 +240,6 @@ def test_compiled_blocks_under_fully_shard_train_like_one_device(mesh):
     # One graph per block (each block's guards hold its own module), none per step; the hooks are not traced
     # at all (dynamo starts at each block's `forward`, below the disabled hooks), so no graph break shows.
     assert counter.frame_count == 2 and _graph_breaks() == 0, (counter.frame_count, _graph_breaks())
+    # A compiled function calling the fully_shard model must break at its hooks: fullgraph names why.
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="fully_shard's forward hooks"):
+        torch.compile(lambda t: model(t), backend="aot_eager", fullgraph=True)(local_inputs)

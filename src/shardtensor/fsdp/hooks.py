@@ -16,7 +16,8 @@ prefetches nor reshards (the backward still reads them) nor hooks gradients.
 
 Under torch.compile the two forward hooks run eagerly (`torch.compiler.disable`): they manage buffers'
 storage and issue collectives, which a graph cannot do safely. A compiled module under fully_shard graph-
-breaks at its hooks and compiles its own forward between them; `fullgraph=True` on it names the cause.
+calls its hooks eagerly and compiles its forward between them (dynamo starts below `nn.Module.__call__`);
+a compiled function that calls a fully_shard module breaks at the hooks, so `fullgraph=True` fails naming them.
 """
 
 from __future__ import annotations
@@ -221,9 +222,10 @@ def show_gathered(unit: ParameterUnit, context: TrainingContext) -> None:
 
 
 _EAGER_ONLY = (
-    "fully_shard's forward hooks gather and free parameter buffers, so they run eagerly under torch.compile. "
-    "Compile the blocks inside fully_shard without fullgraph=True (module.compile() before fully_shard, as "
-    "torchtitan does), or compile a function that calls the fully_shard module, without fullgraph=True"
+    "fully_shard's forward hooks gather and free parameter buffers, so they run eagerly under torch.compile and a "
+    "graph that calls a fully_shard module breaks at them. Compile the blocks inside fully_shard instead "
+    "(block.compile() before fully_shard, as torchtitan does; fullgraph=True works there), or compile this "
+    "function without fullgraph=True"
 )
 
 
