@@ -7,6 +7,7 @@ silently falls back to eager shows as a changed count. docs/compile.md says what
 
 import copy
 
+import pytest
 import torch
 import torch._dynamo
 from torch._dynamo.testing import CompileCounterWithBackend
@@ -199,3 +200,47 @@ def test_unsupported_parts_graph_break_and_stay_correct(mesh):
     assert_close(out, full.sum() * 2)
     assert_close(x.grad.full_tensor(), torch.full((6, 3), 2.0))
     assert counter.frame_count == 2 and _graph_breaks() == 1
+
+
+@spmd(meshes=[(2, 2)])
+def test_compiled_blocks_under_fully_shard_train_like_one_device(mesh):
+    """The torchtitan pattern: TP on "tp", each block `.compile()`d, then fully_shard per block and at the
+    root over "dp". FSDP's hooks run eagerly (`torch.compiler.disable`), the blocks' math is compiled:
+    losses and parameters as one device after 3 AdamW steps."""
+    from test_fsdp import _assert_same_parameters, _batches, _local_batch, _loss, _model, _train_reference
+    from test_fsdp_2d import _named_mesh
+
+    from shardtensor.fsdp import fully_shard
+
+    counter = _fresh_counter("aot_eager")
+    mesh = _named_mesh(mesh)
+    dp_mesh, tp_mesh = mesh["dp"], mesh["tp"]
+    batches = _batches(3)
+    reference = _model()
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.01)
+    model = _model()
+    for block in model.blocks:
+        parallelize_module(block, tp_mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        block.compile(backend=counter)
+        fully_shard(block, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
+    dp = mesh.get_coordinate()[0]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    for inputs, target in batches:
+        local_inputs, local_target = _local_batch(inputs, dp, 2), _local_batch(target, dp, 2)
+        loss = _loss(model(local_inputs), local_target)
+        loss.backward()
+        with torch.no_grad():  # this dp rank's half of the batch through the one-device model
+            assert_close(loss, _loss(reference(local_inputs), local_target))
+        _loss(reference(inputs), target).backward()
+        for each in (optimizer, reference_optimizer):
+            each.step()
+            each.zero_grad()
+    _assert_same_parameters(model, reference)
+    # Two graphs, none per step: the second block recompiles because dynamo guards the ids of the TP styles'
+    # per-module hook closures. FSDP's hooks are not traced at all (dynamo starts at each block's `forward`,
+    # below nn.Module.__call__ and the disabled hooks), so no graph break shows; a break here is a regression.
+    assert counter.frame_count == 2 and _graph_breaks() == 0, (counter.frame_count, _graph_breaks())
+    # A compiled function calling the fully_shard model must break at its hooks: fullgraph names why.
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="fully_shard's forward hooks"):
+        torch.compile(lambda t: model(t), backend="aot_eager", fullgraph=True)(local_inputs)

@@ -13,6 +13,11 @@ Activation checkpointing recomputes forwards inside backward: a unit about to ru
 gathered parameters on its modules (a `checkpoint_wrapper` inside the unit recomputes without our
 hooks), and a forward hook that runs during backward only registers gathered parameters: it neither
 prefetches nor reshards (the backward still reads them) nor hooks gradients.
+
+Under torch.compile the two forward hooks run eagerly (`torch.compiler.disable`): they manage buffers'
+storage and issue collectives, which a graph cannot do safely. A compiled module under fully_shard graph-
+calls its hooks eagerly and compiles its forward between them (dynamo starts below `nn.Module.__call__`);
+a compiled function that calls a fully_shard module breaks at the hooks, so `fullgraph=True` fails naming them.
 """
 
 from __future__ import annotations
@@ -216,6 +221,15 @@ def show_gathered(unit: ParameterUnit, context: TrainingContext) -> None:
         unit.register(unit.forward_tensors(_forward_tensors(unit, context)))
 
 
+_EAGER_ONLY = (
+    "fully_shard's forward hooks gather and free parameter buffers, so they run eagerly under torch.compile and a "
+    "graph that calls a fully_shard module breaks at them. Compile the blocks inside fully_shard instead "
+    "(block.compile() before fully_shard, as torchtitan does; fullgraph=True works there), or compile this "
+    "function without fullgraph=True"
+)
+
+
+@torch.compiler.disable(reason=_EAGER_ONLY)
 def pre_forward(unit: ParameterUnit, module: nn.Module, args, kwargs):
     """Forward pre-hook: gather (overlapping the next unit's gather), register the unsharded parameters."""
     context = _context_for(unit, module)
@@ -238,6 +252,7 @@ def pre_forward(unit: ParameterUnit, module: nn.Module, args, kwargs):
     return args, kwargs
 
 
+@torch.compiler.disable(reason=_EAGER_ONLY)
 def post_forward(unit: ParameterUnit, module: nn.Module, args, output):
     """Forward post-hook: sharded parameters back, free the unsharded ones, hook the outputs' gradients."""
     context = unit.context
