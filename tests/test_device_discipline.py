@@ -73,7 +73,7 @@ ALLOWED = {
     ("fsdp/slots.py", "combined_mesh", ON_CPU): _HOST_METADATA,
     ("random.py", "next_random_call", ON_CPU):
         "the world's seed: one draw from torch's default CPU generator, read as a Python int and shared",
-    ("random.py", "_Tiles.__init__", ON_CPU):
+    ("random.py", "_Tiles.draw", ON_CPU):
         "random tiles are drawn by a CPU generator whatever the data's device, so that every device gets the "
         "same numbers; _fill_box copies each tile into the shard on its own device",
     ("ops/resample_geometry.py", "*", ON_CPU):
@@ -91,6 +91,10 @@ ALLOWED = {
     ("demo/data.py", "batch_for_step", ON_CPU): "batch windows drawn by a CPU generator (the same on every rank)",
     ("demo/checkpoint.py", "save_checkpoint", ON_CPU): "the step count, a plain scalar saved beside the states",
     ("demo/checkpoint.py", "load_checkpoint", ON_CPU): "the step count, a plain scalar loaded beside the states",
+    ("demo/forecast.py", "make_step", NO_DEVICE):
+        "the forecast's one fake rank runs on a CPU mesh (forecast/fake_world.py); token windows drawn by a CPU generator",
+    ("demo/pipeline_train.py", "_whole_model", TO_HOST):
+        "the trained weights gathered into one host model, whose text sample is drawn on the CPU (demo/report.generate)",
     ("demo/report.py", "generate", TO_HOST):
         "sampled by torch.multinomial with a CPU generator: the same text on every rank",
 }

@@ -220,7 +220,8 @@ def test_an_in_place_write_into_a_partial_reduced_first_is_planned_once(mesh, na
             assert records == all_reduce_records(mesh, value.numel() * value.element_size()), (reduce_op, step)
             torch.testing.assert_close(dtensor.full_tensor(), call(value))
         after = _counts(op)
-        assert (after.hits - before.hits, after.misses - before.misses, _new_decisions(op, before)) == (4, 0, 0)
+        counted = (after.hits - before.hits, after.misses - before.misses, _new_decisions(op, before))
+        assert counted == (4, 0, 0), (reduce_op, counted)
 
 
 # name -> (aten op, a scalar `s` added to a Partial `p`, in place or not)
@@ -240,9 +241,13 @@ def test_a_loop_adding_a_changing_scalar_to_a_partial_hits_one_plan_without_coll
     call that learns it, every call hits its plan, issues no collective, keeps the Partial (in place,
     `p` itself) and gives the single-device value; P(sum) adds `s` on one operand (both mesh dims of 2x2)."""
     op, call = SCALAR_ADDITIONS[name]
+    # From empty plan caches: after ~3,000 tests a worker's caches are full, and there one call of the loop
+    # misses (2x2 only; cause not found yet: see the closing note of 2026-11-29), so the count would
+    # depend on the tests that ran before in this worker.
+    plan_cache.clear_plans()
     for reduce_op in ("sum", "max", "avg"):
         dtensor, value = partial_and_value(mesh, (7, 4), reduce_op)
-        placements = call(dtensor, 0.25).placements  # learnt (or found, if an earlier test made the plan)
+        placements = call(dtensor, 0.25).placements  # learnt
         call(value, 0.25)
         before = _counts(op)
         for step in range(4):
@@ -253,7 +258,8 @@ def test_a_loop_adding_a_changing_scalar_to_a_partial_hits_one_plan_without_coll
             torch.testing.assert_close(result.full_tensor(), call(value, scalar))
             assert (result is dtensor) == name.startswith("p.add_")
         after = _counts(op)
-        assert (after.hits - before.hits, after.misses - before.misses, _new_decisions(op, before)) == (4, 0, 0)
+        counted = (after.hits - before.hits, after.misses - before.misses, _new_decisions(op, before))
+        assert counted == (4, 0, 0), (reduce_op, counted)
 
 
 @spmd(meshes=[(2,)])

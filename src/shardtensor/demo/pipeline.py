@@ -36,8 +36,9 @@ def split_blocks(layers: int, stages: int) -> list[range]:
     one when they do not divide evenly (every stage needs at least one block)."""
     if layers < stages:
         raise ValueError(f"a pipeline of {stages} stages needs at least {stages} blocks (one per stage); the model has {layers}")
-    bounds = torch.tensor_split(torch.arange(layers), stages)
-    return [range(int(piece[0]), int(piece[-1]) + 1) for piece in bounds]
+    length, longer = divmod(layers, stages)
+    starts = [stage * length + min(stage, longer) for stage in range(stages + 1)]
+    return [range(start, end) for start, end in zip(starts, starts[1:])]
 
 
 class GPTStage(nn.Module):

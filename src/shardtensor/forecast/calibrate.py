@@ -62,7 +62,7 @@ def measure_here(mesh, sizes=SIZES, repeats: int = REPEATS) -> list[tuple[str, i
 def _call(kind: str, mesh, mesh_dim, size: int):
     """One collective of `kind` along `mesh_dim` (or a tuple of them), `size` float32 elements per rank and piece."""
     ranks = math.prod(mesh.shape[dim] for dim in mesh_dim) if isinstance(mesh_dim, tuple) else mesh.size(mesh_dim)
-    tensor, pieces = torch.ones(size), torch.ones(size * ranks)
+    tensor, pieces = torch.ones(size, device=mesh.device_type), torch.ones(size * ranks, device=mesh.device_type)
     if kind == "all_reduce":
         return lambda: comm.all_reduce(tensor, mesh, mesh_dim, reduce_op="sum")
     if kind == "all_gather":
