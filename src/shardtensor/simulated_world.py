@@ -332,6 +332,13 @@ class SimulatedGroup(dist.ProcessGroup):
         super().__init__(rank, size)
         self._simulation, self._name, self._global_ranks, self._calls = simulation, name, list(global_ranks), 0
 
+    # torch 2.14's `batch_isend_irecv` asks the group's backend for the tensors' device whether it
+    # coalesces point-to-point calls (NCCL's way); this group is its own backend and sends them one by one.
+    supports_coalescing = False
+
+    def _get_backend(self, device) -> SimulatedGroup:
+        return self
+
     def getBackendName(self) -> str:
         return BACKEND
 
