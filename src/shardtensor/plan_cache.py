@@ -130,10 +130,15 @@ def store_function_plan(key: tuple, plan) -> None:
 
 
 def _store(cache: OrderedDict, key: tuple, plan) -> None:
+    spared: set[int] = set()  # plans whose flag this sweep cleared
     while len(cache) >= MAX_PLANS:  # CLOCK: the oldest entry goes unless it was used since the last sweep
         oldest_key, oldest = next(iter(cache.items()))
         if oldest.used:
             oldest.used = False
+            spared.add(id(oldest))
+            cache.move_to_end(oldest_key)
+        elif id(oldest) in spared:  # the same plan under its other key (values and value-free): used too
+            spared.discard(id(oldest))
             cache.move_to_end(oldest_key)
         else:
             del cache[oldest_key]
