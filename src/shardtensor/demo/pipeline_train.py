@@ -105,12 +105,7 @@ class _PipelineProgress:
         self.console.rule("sample")
         self.console.print(sample, markup=False, highlight=False)
         self.console.rule()
-        if self.differences:
-            worst = max(self.differences)
-            verdict = f"{len(self.differences)} steps, max |loss - one-device loss| = {worst:.2e}"
-            if worst > report.LOSS_TOLERANCE:
-                raise report.ComparisonError(f"the parallel losses left the one-device losses: {verdict} > {report.LOSS_TOLERANCE}")
-            self.console.print(f"[green]ok[/green]: losses agree with one device ({verdict})")
+        report.print_loss_agreement(self.console, self.differences)
 
 
 def train_pipeline(options: PipelineOptions) -> None:

@@ -16,7 +16,7 @@ from ..debug import visualize_sharding
 from ..dtensor import DTensor
 from .data import Corpus
 
-__all__ = ["Progress", "generate", "LOSS_TOLERANCE"]
+__all__ = ["Progress", "generate", "print_loss_agreement", "LOSS_TOLERANCE"]
 
 # Losses of the parallel and the one-device run differ only by float32 rounding (sums in another order).
 LOSS_TOLERANCE = 1e-3
@@ -115,9 +115,15 @@ class Progress:
         self.console.rule("sample")
         self.console.print(sample, markup=False, highlight=False)
         self.console.rule()
-        if self.differences:
-            worst = max(self.differences)
-            verdict = f"{len(self.differences)} steps, max |loss - one-device loss| = {worst:.2e}"
-            if worst > LOSS_TOLERANCE:
-                raise ComparisonError(f"the parallel losses left the one-device losses: {verdict} > {LOSS_TOLERANCE}")
-            self.console.print(f"[green]ok[/green]: losses agree with one device ({verdict})")
+        print_loss_agreement(self.console, self.differences)
+
+
+def print_loss_agreement(console, differences: list[float]) -> None:
+    """Print that the losses agree with one device's (`--compare`), or raise if one step left them."""
+    if not differences:
+        return
+    worst = max(differences)
+    verdict = f"{len(differences)} steps, max |loss - one-device loss| = {worst:.2e}"
+    if worst > LOSS_TOLERANCE:
+        raise ComparisonError(f"the parallel losses left the one-device losses: {verdict} > {LOSS_TOLERANCE}")
+    console.print(f"[green]ok[/green]: losses agree with one device ({verdict})")
