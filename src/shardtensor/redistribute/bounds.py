@@ -27,14 +27,18 @@ def _intervals(mesh_shape: tuple[int, ...], order: tuple[int, ...], pieces: tupl
     Keyed by that tensor dim's cut alone, so the many layouts a search visits that differ only on
     other tensor dims share it.
     """
+    if not order:
+        return ((0, pieces[0]),) * math.prod(mesh_shape)
+    strides = [0] * len(mesh_shape)
+    step = 1
+    for mesh_dim in reversed(order):
+        strides[mesh_dim] = step
+        step *= mesh_shape[mesh_dim]
+    indices = [0]
+    for size, stride in zip(mesh_shape, strides):  # row-major: the last mesh dim varies fastest
+        indices = [index + stride * value for index in indices for value in range(size)]
     starts = tuple(itertools.accumulate(pieces, initial=0))
-    intervals = []
-    for coordinate in _coordinates(mesh_shape):
-        index = 0
-        for mesh_dim in order:
-            index = index * mesh_shape[mesh_dim] + coordinate[mesh_dim]
-        intervals.append((starts[index], pieces[index]))
-    return tuple(intervals)
+    return tuple((starts[index], pieces[index]) for index in indices)
 
 
 def _dim_intervals(layout: Layout, dim: int) -> tuple[tuple[int, int], ...]:
