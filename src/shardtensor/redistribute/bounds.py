@@ -71,6 +71,7 @@ def _kept_lengths(held: tuple[tuple[int, int], ...], wanted: tuple[tuple[int, in
     )
 
 
+@functools.lru_cache(maxsize=65536)
 def most_missing(held: Layout, wanted: Layout) -> int:
     """Max over ranks of the elements of its `wanted` shard that its `held` shard lacks.
 
