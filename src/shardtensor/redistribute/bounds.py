@@ -16,10 +16,6 @@ from ..placement import Partial
 __all__ = ["boxes", "overlap", "most_missing", "shard_shapes", "lower_bound_bytes"]
 
 
-def _coordinates(mesh_shape: tuple[int, ...]):
-    return itertools.product(*(range(size) for size in mesh_shape))
-
-
 @functools.lru_cache(maxsize=65536)
 def _intervals(mesh_shape: tuple[int, ...], order: tuple[int, ...], pieces: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
     """(start, length) on one tensor dim of the shard at every coordinate, in `itertools.product` order.
