@@ -84,7 +84,7 @@ def planning() -> None:
     import torch.distributed.tensor as their
     from torch.distributed.device_mesh import init_device_mesh as their_mesh
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-    from torch.distributed.tensor._redistribute import _gen_transform_infos_non_cached
+    from torch.distributed.tensor._redistribute import _gen_transform_infos_non_cached, clear_redistribute_planner_cache
 
     import bench_redistribute as rows
     import shardtensor
@@ -105,21 +105,23 @@ def planning() -> None:
             their_target = DTensorSpec(mesh, tuple(rows._placements(target_names, their)), tensor_meta=meta)
 
             def ours():
-                rows._clear_planner_caches()
                 planner.plan(source, target, 4)
 
             def theirs():
                 _gen_transform_infos_non_cached(their_source, their_target)
 
-            ours_us, theirs_us = _first_call_us(ours), _first_call_us(theirs)
+            ours_us, theirs_us = _first_call_us(ours, setup=rows._clear_planner_caches), _first_call_us(theirs, setup=clear_redistribute_planner_cache)
             print(f"| {'+'.join(source_names)} -> {'+'.join(target_names)} | {shape} | {ours_us:.0f} | {theirs_us:.0f} | "
                   f"{ours_us / theirs_us:.2f} |")
     dist.destroy_process_group()
 
 
-def _first_call_us(function, repeats: int = 21) -> float:
+def _first_call_us(function, repeats: int = 21, setup=None) -> float:
+    """Median time of `function`, `setup` (emptying caches) run before each call and not timed."""
     times = []
     for _ in range(repeats):
+        if setup is not None:
+            setup()
         began = time.perf_counter()
         function()
         times.append(time.perf_counter() - began)

@@ -1,7 +1,7 @@
 """The forecast against reality on meshes we can run: the same step on real gloo ranks (2, 4) and as one
 fake rank must issue exactly the same collectives with the same bytes (as `comm` records them and
-`CommDebugMode` counts them) and hold a peak of live tensor bytes within 10%; and the demo at 8x8x16
-forecasts in time. The calibrated time model against the step's collectives replayed on gloo is a timing,
+`CommDebugMode` counts them) and hold a peak of live tensor bytes within 10%; and the demo forecasts at
+8x8x16 (its time and memory: `bench/bench_forecast.py scale`). The calibrated time model against the step's collectives replayed on gloo is a timing,
 so it is measured by `bench/bench_forecast.py accuracy` (which uses `_REAL_RUN` and `_REPLAY` here), not
 asserted: on a loaded machine the ratio swings by 2x between runs.
 
@@ -218,20 +218,34 @@ def test_link_classes_follow_the_nodes():
     assert link_class((4, 2), (3, 1), (1,), 2) == "intra_node"
 
 
-def test_demo_forecast_at_8x8x16_is_fast_and_small():
-    import resource
+def test_demo_forecast_at_8x8x16():
+    # its time and memory are measured by bench/bench_forecast.py scale, not asserted here
     options = fit_options(Options(), (8, 8, 16))
-    began = time.process_time()
     result = _forecasts([(forecast_demo, (options, (8, 8, 16)), {"profile": "dgx-h100"})])[0]
-    cpu_seconds = time.process_time() - began
     assert result.world_size == 1024
     dims = {dims for dims in result.by_mesh_dims()}
     assert {("dp",), ("tp",), ("replicate",)} <= dims
     assert result.peak_by_category["parameters"] > 0 and result.peak_by_category["activations"] > 0
     assert result.profile == PROFILES["dgx-h100"]
-    if not dist.is_initialized():  # measured here: the forecast's CPU time and this process's memory
-        assert cpu_seconds <= 30
-        assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 <= 4e9
+
+
+def test_live_bytes_leaves_out_the_meta_stand_ins_of_a_first_call():
+    # a cache miss runs the op's rule on meta tensors inside the counter: no memory, not counted
+    from shardtensor import propagation
+    from shardtensor.layout import Layout
+    from shardtensor.ops.registry import RULES
+    from shardtensor.rules import OpCall, TensorMeta
+
+    meta = TensorMeta((64, 64), (64, 1), torch.float32)
+    call = OpCall(torch.ops.aten.mm.default, (meta, meta), (meta, meta), ())
+    layout = Layout.create((4,), [Shard(0)], (64, 64))
+    replicated = Layout.create((4,), [Replicate()], (64, 64))
+    with LiveBytes() as counter:
+        propagation.decide(call, [layout, replicated], RULES[torch.ops.aten.mm.default], (0,), None)
+        assert counter.peak == 0
+        kept = torch.empty(8)  # a real tensor still counts
+        assert counter.peak == 32
+    del kept
 
 
 def test_live_bytes_counts_each_storage_once_with_its_peak_and_role():

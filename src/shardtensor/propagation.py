@@ -111,6 +111,65 @@ def _inherited_shard_order(placements, ndim: int, input_layouts) -> tuple[tuple[
     return tuple(orders) if changed else None
 
 
+def _coordinates_covering(mesh_shape, input_layouts: Sequence[Layout], outputs) -> list[tuple[int, ...]]:
+    """Coordinates that show every (set of local input shapes, output piece) pair the whole mesh shows,
+    for a rule whose local output shapes follow from its local input shapes alone: a few per mesh dim
+    instead of every coordinate of a 16,384-rank mesh.
+
+    Mesh dims that shard one tensor dim of an input or an output together form a group; the local
+    input shapes are a product over groups of what each group's sub-coordinate holds. Each group's
+    sub-coordinates are classed by the input piece sizes they hold; the coordinates returned take,
+    for every combination of classes, every member of each group's class with the other groups at
+    their class's first member. So every output piece is reached from every class combination that
+    holds it, and `Layout.from_local_shapes` checks the same pairs as on the whole mesh.
+    """
+    group_of = list(range(len(mesh_shape)))
+
+    def find(mesh_dim: int) -> int:
+        while group_of[mesh_dim] != mesh_dim:
+            mesh_dim = group_of[mesh_dim]
+        return mesh_dim
+
+    orders = [order for layout in input_layouts for order in layout.shard_order if len(order) > 1]
+    for placements, ndim in outputs:  # (placements, ndim) of each sharded output
+        by_dim = defaultdict(list)
+        for mesh_dim, placement in enumerate(placements):
+            if isinstance(placement, Shard):
+                by_dim[placement.dim % ndim].append(mesh_dim)
+        orders += [mesh_dims for mesh_dims in by_dim.values() if len(mesh_dims) > 1]
+    for order in orders:
+        for mesh_dim in order[1:]:
+            group_of[find(mesh_dim)] = find(order[0])
+    groups = defaultdict(list)
+    for mesh_dim in range(len(mesh_shape)):
+        groups[find(mesh_dim)].append(mesh_dim)
+    classes_per_group = []
+    for mesh_dims in groups.values():
+        held = [(layout, dim) for layout in input_layouts for dim, order in enumerate(layout.shard_order)
+                if order and set(order) <= set(mesh_dims)]
+        classes: dict[tuple, list[tuple[int, ...]]] = {}
+        for values in itertools.product(*(range(mesh_shape[mesh_dim]) for mesh_dim in mesh_dims)):
+            coordinate = [0] * len(mesh_shape)
+            for mesh_dim, value in zip(mesh_dims, values):
+                coordinate[mesh_dim] = value
+            signature = tuple(layout.pieces[dim][layout.piece_index(dim, coordinate)] for layout, dim in held)
+            classes.setdefault(signature, []).append(values)
+        classes_per_group.append((mesh_dims, list(classes.values())))
+    coordinates = []
+    for combination in itertools.product(*(classes for _, classes in classes_per_group)):
+        first = [0] * len(mesh_shape)
+        for (mesh_dims, _), members in zip(classes_per_group, combination):
+            for mesh_dim, value in zip(mesh_dims, members[0]):
+                first[mesh_dim] = value
+        for (mesh_dims, _), members in zip(classes_per_group, combination):
+            for values in members:
+                coordinate = list(first)
+                for mesh_dim, value in zip(mesh_dims, values):
+                    coordinate[mesh_dim] = value
+                coordinates.append(tuple(coordinate))
+    return coordinates
+
+
 def _exact_output_layouts(call, rule, mesh_shape, placements, metas, input_layouts) -> tuple[Layout | None, ...]:
     """Output layouts whose pieces are exactly what the local op produces on every coordinate.
 
@@ -123,7 +182,12 @@ def _exact_output_layouts(call, rule, mesh_shape, placements, metas, input_layou
     local_shapes: dict[tuple[int, ...], list] = {}
     if any(sharded):
         evaluated: dict = {}
-        for coordinate in itertools.product(*(range(size) for size in mesh_shape)):
+        if rule.shapes_follow_local_inputs(call):
+            outputs = [(placements[i], metas[i].ndim) for i, is_sharded in enumerate(sharded) if is_sharded]
+            coordinates = _coordinates_covering(mesh_shape, input_layouts, outputs)
+        else:
+            coordinates = itertools.product(*(range(size) for size in mesh_shape))
+        for coordinate in coordinates:
             inputs = [
                 _contiguous_meta(layout.local_shape(coordinate), meta.dtype)
                 for layout, meta in zip(input_layouts, call.inputs)

@@ -266,6 +266,13 @@ class ShardingRule:
         meta tensors. None: nothing else."""
         return None
 
+    def shapes_follow_local_inputs(self, call: OpCall) -> bool:
+        """Whether the local outputs' shapes depend on the coordinate only through its local input
+        shapes (the rule has no per-coordinate arguments or shape key), so propagation can evaluate one
+        coordinate per distinct set of local input shapes without visiting every coordinate of the mesh."""
+        rule = type(self)
+        return rule.local_arguments is ShardingRule.local_arguments and rule.local_shape_key is ShardingRule.local_shape_key
+
 
 class RowsRule(ShardingRule):
     """A rule given as a plain function from an `OpCall` to rows (and, optionally, its `value_keys`)."""

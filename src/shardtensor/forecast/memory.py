@@ -5,7 +5,9 @@ No allocator is read: every aten op's outputs are looked at, a storage not seen 
 bytes, and a weak reference to it subtracts them when it is freed. So it measures the same thing on real
 CPU tensors (the measured side of a forecast's check) as on fake ones (the forecast), and it needs
 neither CUDA nor a CPU allocator hook. It sees what ops allocate, not what a kernel allocates and frees
-inside one op, nor buffers of the communication library (gloo, nccl) that are not tensors.
+inside one op, nor buffers of the communication library (gloo, nccl) that are not tensors. Meta tensors
+(the stand-ins propagation runs a rule on, on a first call) hold no memory and are not counted, so a
+step measures the same with cold and warm caches.
 
 Roles are learnt from hooks while the mode is entered: a module's parameters at its forward (plain,
 sharded or gathered by FSDP), the gradients of an optimizer's parameters before its step and its state
@@ -89,6 +91,8 @@ class LiveBytes(TorchDispatchMode):
             self._add(tensor)
 
     def _add(self, tensor: torch.Tensor) -> None:
+        if tensor.device.type == "meta":  # a planning stand-in (a rule run on meta tensors): no memory
+            return
         storage = tensor.untyped_storage()
         key = storage._cdata
         size = storage.nbytes()

@@ -169,6 +169,10 @@ class InPlaceVariantRule(ShardingRule):
         local_op = rule.local_op(functional_call, input_layouts, coordinate)
         return None if local_op is None else _into_self(local_op)
 
+    def shapes_follow_local_inputs(self, call: OpCall) -> bool:
+        rule, functional_call = self._functional(call)
+        return rule.shapes_follow_local_inputs(functional_call)
+
     def random_calls(self, call: OpCall) -> int:
         rule, functional_call = self._functional(call)
         return rule.random_calls(functional_call)

@@ -136,6 +136,11 @@ class ViewRule(ShardingRule):
                 sizes[k.output_dim] = k.local_size(local_shape[k.input_dim])
         return call.with_arguments(**{self.size_argument: sizes})
 
+    def shapes_follow_local_inputs(self, call: OpCall) -> bool:
+        """The local sizes come from the input's local shape alone (subclasses reading offsets do not)."""
+        rule = type(self)
+        return rule.local_arguments is ViewRule.local_arguments and rule.local_shape_key is ShardingRule.local_shape_key
+
 
 def _whole_in_every_target(kept: KeptDim, layout: Layout, keepable: set[int]) -> bool:
     """Check every piece sizes the engine may give the input dim before the view runs.

@@ -16,10 +16,6 @@ from ..placement import Partial
 __all__ = ["boxes", "overlap", "most_missing", "shard_shapes", "lower_bound_bytes"]
 
 
-def _coordinates(mesh_shape: tuple[int, ...]):
-    return itertools.product(*(range(size) for size in mesh_shape))
-
-
 @functools.lru_cache(maxsize=65536)
 def _intervals(mesh_shape: tuple[int, ...], order: tuple[int, ...], pieces: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
     """(start, length) on one tensor dim of the shard at every coordinate, in `itertools.product` order.
@@ -27,14 +23,18 @@ def _intervals(mesh_shape: tuple[int, ...], order: tuple[int, ...], pieces: tupl
     Keyed by that tensor dim's cut alone, so the many layouts a search visits that differ only on
     other tensor dims share it.
     """
+    if not order:
+        return ((0, pieces[0]),) * math.prod(mesh_shape)
+    strides = [0] * len(mesh_shape)
+    step = 1
+    for mesh_dim in reversed(order):
+        strides[mesh_dim] = step
+        step *= mesh_shape[mesh_dim]
+    indices = [0]
+    for size, stride in zip(mesh_shape, strides):  # row-major: the last mesh dim varies fastest
+        indices = [index + stride * value for index in indices for value in range(size)]
     starts = tuple(itertools.accumulate(pieces, initial=0))
-    intervals = []
-    for coordinate in _coordinates(mesh_shape):
-        index = 0
-        for mesh_dim in order:
-            index = index * mesh_shape[mesh_dim] + coordinate[mesh_dim]
-        intervals.append((starts[index], pieces[index]))
-    return tuple(intervals)
+    return tuple((starts[index], pieces[index]) for index in indices)
 
 
 def _dim_intervals(layout: Layout, dim: int) -> tuple[tuple[int, int], ...]:
@@ -67,6 +67,7 @@ def _kept_lengths(held: tuple[tuple[int, int], ...], wanted: tuple[tuple[int, in
     )
 
 
+@functools.lru_cache(maxsize=65536)
 def most_missing(held: Layout, wanted: Layout) -> int:
     """Max over ranks of the elements of its `wanted` shard that its `held` shard lacks.
 

@@ -401,12 +401,12 @@ def _remaining_cost(state: Layout, target: Layout, itemsize: int, cost_model: Co
             moving_dims.add(current.dim)
     shard_moves = len(moving_dims)
     # with Partial mesh dims to reduce, the lower bound also counts the reduction's bytes
-    missing = lower_bound_bytes(state, target, 1) if partial_moves else most_missing(state, target)
+    missing = lower_bound_bytes(state, target, itemsize) if partial_moves else most_missing(state, target) * itemsize
     least = cost_model.least_latency_us
     latency = partial_moves * least
     if shard_moves:
         latency += min(shard_moves * least, cost_model.latency_of(EXCHANGE))
-    return latency + missing * itemsize / cost_model.bytes_per_us
+    return latency + missing / cost_model.bytes_per_us
 
 
 def _shard_must_move(state: Layout, target: Layout, mesh_dim: int, dim: int) -> bool:
@@ -474,6 +474,22 @@ def _step_between(state: Layout, after: Layout, mesh_dim, itemsize: int, cost_mo
     return _make_step(state, after, mesh_dim, itemsize, cost_model)
 
 
+def _steps_onto(source: Layout, target: Layout, flattened_groups: bool):
+    """The neighbours of `source` (as `_neighbors` gives them) that can be `target`: one mesh dim's move
+    to the target's placement where only that mesh dim differs, a flattened collective when several
+    differ, the exchange. Cheaper than every neighbour: most moves go elsewhere."""
+    differing = [mesh_dim for mesh_dim in range(source.mesh_ndim) if source.placements[mesh_dim] != target.placements[mesh_dim]]
+    for mesh_dim in differing if len(differing) == 1 else range(source.mesh_ndim) if not differing else ():
+        for placement, pieces in _moves(source, target, mesh_dim):
+            if placement == target.placements[mesh_dim]:
+                yield mesh_dim, source.transition(mesh_dim, placement, pieces=pieces)
+    if flattened_groups and len(differing) > 1:
+        yield from _flattened_reductions(source, target)
+        yield from _flattened_gathers(source)
+    if _exchange_allowed(source, target):
+        yield None, target
+
+
 def _one_step_at_the_bound(source: Layout, target: Layout, neighbors, estimate: float, itemsize: int,
                            cost_model: CostModel) -> Step | None:
     """The cheapest single step among `neighbors` of `source` that lands on `target`, when it costs no more
@@ -492,8 +508,8 @@ def _one_step_at_the_bound(source: Layout, target: Layout, neighbors, estimate: 
 def _cached_plan(source: Layout, target: Layout, itemsize: int, cost_model: CostModel) -> Plan:
     _check(source, target)
     estimate = _remaining_cost(source, target, itemsize, cost_model)
-    source_neighbors = list(_neighbors(source, target, cost_model.flattened_groups)) if source != target else []
-    direct = _one_step_at_the_bound(source, target, source_neighbors, estimate, itemsize, cost_model)
+    onto = _steps_onto(source, target, cost_model.flattened_groups) if source != target else ()
+    direct = _one_step_at_the_bound(source, target, onto, estimate, itemsize, cost_model)
     if direct is not None:
         return _logged(Plan(source, target, itemsize, (direct,), lower_bound_bytes(source, target, itemsize)))
     best = {source: 0.0}
@@ -510,7 +526,7 @@ def _cached_plan(source: Layout, target: Layout, itemsize: int, cost_model: Cost
         expanded += 1
         if expanded > _MAX_EXPANDED_STATES:
             raise _plan_error(source, target, f"search expanded {expanded} layouts", "This is a bug; please report it.")
-        neighbors = source_neighbors if state is source else _neighbors(state, target, cost_model.flattened_groups)
+        neighbors = _neighbors(state, target, cost_model.flattened_groups)
         for mesh_dim, after in neighbors:
             if best.get(after, math.inf) <= cost:
                 continue
