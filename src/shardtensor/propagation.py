@@ -123,13 +123,14 @@ def _exact_output_layouts(call, rule, mesh_shape, placements, metas, input_layou
     local_shapes: dict[tuple[int, ...], list] = {}
     if any(sharded):
         evaluated: dict = {}
+        symbolic = any(layout.is_symbolic for layout in input_layouts)  # unhashable shapes: one evaluation per coordinate
         for coordinate in itertools.product(*(range(size) for size in mesh_shape)):
             inputs = [
                 _contiguous_meta(layout.local_shape(coordinate), meta.dtype)
                 for layout, meta in zip(input_layouts, call.inputs)
             ]
             arguments = rule.local_arguments(call, input_layouts, coordinate) or (call.args, dict(call.kwargs))
-            key = (
+            key = coordinate if symbolic else (
                 tuple(meta.shape for meta in inputs), repr(arguments), rule.local_shape_key(call, input_layouts, coordinate)
             )
             if key not in evaluated:
