@@ -44,13 +44,15 @@ def chunk_sizes(size: int, parts: int) -> tuple[int, ...]:
 
 
 def _symbolic_chunk_sizes(size: torch.SymInt, parts: int) -> tuple[torch.SymInt, ...]:
+    """`chunk_sizes` of a symbolic size, written so that the pieces add up to `size` as an expression (the
+    last piece is what the others leave), so comparing their sum with `size` needs no guard."""
+    if parts == 1:
+        return (size,)
     step = -(-size // parts)  # 0 for an empty dim too
-    sizes = []
-    remaining = size
-    for _ in range(parts):
-        take = torch.sym_min(step, remaining)
-        sizes.append(take)
-        remaining = remaining - take
+    sizes = [step]
+    for index in range(1, parts - 1):
+        sizes.append(torch.sym_max(0, torch.sym_min(step, size - index * step)))
+    sizes.append(size - sum(sizes))
     return tuple(sizes)
 
 

@@ -156,6 +156,11 @@ def _exact_output_layouts(call, rule, mesh_shape, placements, metas, input_layou
     return tuple(layouts)
 
 
+def _size_key(size):
+    """A size as a dict key: a SymInt (unhashable) by its expression, so equal expressions align."""
+    return size if isinstance(size, int) else str(size)
+
+
 def _aligned_pieces(layouts: Sequence[Layout], targets: tuple[Layout, ...]) -> tuple[Layout, ...]:
     """Targets whose co-sharded tensor dims have the same pieces, taken from an input that keeps them.
 
@@ -170,7 +175,7 @@ def _aligned_pieces(layouts: Sequence[Layout], targets: tuple[Layout, ...]) -> t
     for layout, target in zip(layouts, targets):
         for dim, order in enumerate(target.shard_order):
             if order and order == layout.shard_order[dim]:
-                reference.setdefault((tuple(sorted(order)), target.shape[dim]), (order, target.pieces[dim]))
+                reference.setdefault((tuple(sorted(order)), _size_key(target.shape[dim])), (order, target.pieces[dim]))
     if not reference:
         return targets
     aligned = []
@@ -178,7 +183,7 @@ def _aligned_pieces(layouts: Sequence[Layout], targets: tuple[Layout, ...]) -> t
         orders, pieces = list(target.shard_order), list(target.pieces)
         for dim, order in enumerate(target.shard_order):
             if order:
-                orders[dim], pieces[dim] = reference.get((tuple(sorted(order)), target.shape[dim]), (order, pieces[dim]))
+                orders[dim], pieces[dim] = reference.get((tuple(sorted(order)), _size_key(target.shape[dim])), (order, pieces[dim]))
         if tuple(pieces) == target.pieces and tuple(orders) == target.shard_order:
             aligned.append(target)
         else:
