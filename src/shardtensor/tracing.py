@@ -42,7 +42,10 @@ class TraceableMixin:
 
     def __tensor_flatten__(self):
         spec = self._spec
-        return ["_local_tensor"], TracedMetadata(spec.mesh, spec.layout, spec.dtype, self.requires_grad)
+        layout = spec.layout
+        if layout.is_symbolic:  # traced with dynamic shapes: the sizes come back through `__tensor_unflatten__`'s
+            layout = layout.with_example_sizes()  # outer_size (symbolic while tracing, concrete when a graph runs)
+        return ["_local_tensor"], TracedMetadata(spec.mesh, layout, spec.dtype, self.requires_grad)
 
     @classmethod
     def __tensor_unflatten__(cls, inner_tensors, metadata: TracedMetadata, outer_size, outer_stride):
