@@ -120,7 +120,7 @@ class Layout:
         (2, 3)
         """
         mesh_shape = tuple(int(size) for size in mesh_shape)
-        shape = tuple(_size(size) for size in shape)
+        shape = tuple(size if type(size) is int else _size(size) for size in shape)
         placements = normalize_placements(placements, len(shape), len(mesh_shape))
         order = _default_shard_order(placements, len(shape))
         if shard_order is not None:
@@ -291,7 +291,7 @@ class Layout:
 
     def with_shape(self, shape: Sequence[int | torch.SymInt]) -> Layout:
         """This layout for a global `shape` that may hold SymInts (torch.compile's dynamic shapes), this
-        layout's sizes being the traced example's. A dim not sharded, or cut into `torch.chunk` pieces,
+        layout's (concrete) sizes being the traced example's. A dim not sharded, or cut into `torch.chunk` pieces,
         takes its new size (pieces that are SymInt expressions); a dim with other pieces keeps them, and
         its size must be theirs (a symbolic size is then specialized: the graph is guarded on it)."""
         if tuple(shape) is self.shape:
