@@ -5,7 +5,9 @@ Graph-break counts come from `torch._dynamo.utils.counters["graph_break"]`, so a
 silently falls back to eager shows as a changed count. docs/compile.md says what compiles.
 """
 
+import contextlib
 import copy
+import logging
 
 import pytest
 import torch
@@ -244,3 +246,113 @@ def test_compiled_blocks_under_fully_shard_train_like_one_device(mesh):
     # A compiled function calling the fully_shard model must break at its hooks: fullgraph names why.
     with pytest.raises(torch._dynamo.exc.Unsupported, match="fully_shard's forward hooks"):
         torch.compile(lambda t: model(t), backend="aot_eager", fullgraph=True)(local_inputs)
+
+
+@contextlib.contextmanager
+def _no_ignored_guards():
+    """Fail if a graph compiled inside wanted a guard that torch could not add any more (a backward compiled
+    after its forward: "Ignored guard ..."), which would let the graph run for sizes it is wrong for."""
+    logger = logging.getLogger("torch.fx.experimental.symbolic_shapes")
+    ignored = []
+
+    class Catch(logging.Handler):
+        def emit(self, record):
+            if "Ignored guard" in record.getMessage():
+                ignored.append(record.getMessage())
+
+    handler, level = Catch(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    assert not ignored, ignored
+
+
+def _mlp_on_changing_shapes(mesh, shapes, *, hidden: int, mark_dim: int | None = None) -> int:
+    """The TP MLP compiled once (aot_eager, fullgraph) and fed inputs of `shapes` (+ 8 features): the output
+    and every parameter's gradient equal one device's at each shape. Returns how many graphs were compiled."""
+    counter = _fresh_counter("aot_eager")
+    torch.manual_seed(0)
+    model = _MLP(hidden)
+    reference = copy.deepcopy(model)
+    parallelize_module(model, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    for index, shape in enumerate(shapes):
+        x = torch.randn(*shape, 8, generator=torch.Generator().manual_seed(index))
+        if mark_dim is not None:
+            torch._dynamo.mark_dynamic(x, mark_dim)
+        with _no_ignored_guards():
+            out, expected = compiled(x), reference(x)
+            assert_close(out, expected)
+            out.square().sum().backward()
+        expected.square().sum().backward()
+        for (name, parameter), wanted in zip(model.named_parameters(), reference.parameters()):
+            assert_close(parameter.grad.full_tensor(), wanted.grad, msg=lambda m: f"{name} at {shape}: {m}")
+        model.zero_grad()
+        reference.zero_grad()
+    assert _graph_breaks() == 0
+    return counter.frame_count
+
+
+@spmd(meshes=[(2,)])
+def test_tp_mlp_changing_batch_recompiles_once(mesh):
+    """Issue 24 item 5: batches of 4, 6, 8 and 5 rows, uneven hidden features (15 over 2 ranks). Automatic
+    dynamic shapes: the second size recompiles once with a symbolic batch, and that graph serves every
+    later size (no guard fires per call)."""
+    assert _mlp_on_changing_shapes(mesh, [(4,), (6,), (8,), (5,)], hidden=15) == 2
+
+
+@spmd(meshes=[(2,)])
+def test_tp_mlp_changing_sequence_length_marked_dynamic_compiles_once(mesh):
+    """(batch, sequence, features) inputs whose sequence length changes (3, 5, 7, 4), marked dynamic up front
+    (`torch._dynamo.mark_dynamic`): one graph, no recompile."""
+    assert _mlp_on_changing_shapes(mesh, [(2, 3), (2, 5), (2, 7), (2, 4)], hidden=16, mark_dim=1) == 1
+
+
+@spmd(meshes=[(2,)])
+def test_dtensor_argument_with_changing_unsharded_dim(mesh):
+    """A DTensor argument with explicit uneven shards on dim 1 (1 + 4 columns) whose dim 0 changes (4, 6, 8,
+    5 rows): the metadata guard leaves out the sizes dynamo guards itself but keeps the explicit pieces, so
+    one recompile serves every row count; values and gradients as one device."""
+    from shardtensor import DTensor
+
+    counter = _fresh_counter("aot_eager")
+    compiled = torch.compile(lambda t: (t.exp() * 2).sum(dim=0).full_tensor(), backend=counter, fullgraph=True)
+    for rows in (4, 6, 8, 5):
+        full = torch.randn(rows, 5, generator=torch.Generator().manual_seed(rows))
+        columns = (slice(0, 1), slice(1, 5))[mesh.get_coordinate()[0]]
+        local = full[:, columns].clone()
+        x = DTensor.from_local(local, mesh, [Shard(1)], shape=(rows, 5), shard_sizes={0: (1, 4)}).detach()
+        x.requires_grad_()
+        with _no_ignored_guards():
+            out = compiled(x)
+            assert_close(out, (full.exp() * 2).sum(dim=0))
+            out.sum().backward()
+        assert x.grad.sharding.pieces[1] == (1, 4)
+        assert_close(x.grad.full_tensor(), full.exp() * 2)
+    assert counter.frame_count == 2 and _graph_breaks() == 0
+
+
+@spmd(meshes=[(2,)])
+def test_changing_sharded_dim_recompiles_once(mesh):
+    """The changing dim is the sharded one (rows 4, 6, 8, 5, 7 over 2 ranks: torch.chunk pieces, uneven for odd
+    counts): the pieces are SymInt expressions, the gather takes symbolic split sizes, so one recompile serves
+    every count, the backward (compiled after its forward) adds no guard, and values and gradients are right."""
+    counter = _fresh_counter("aot_eager")
+    weight_full = torch.randn(3, 4, generator=torch.Generator().manual_seed(9))
+    weight = distribute_tensor(weight_full, mesh, [Replicate()])
+    compiled = torch.compile(
+        lambda t: (t @ weight).exp().redistribute(mesh, [Replicate()]).to_local(), backend=counter, fullgraph=True
+    )
+    for rows in (4, 6, 8, 5, 7):
+        full = torch.randn(rows, 3, generator=torch.Generator().manual_seed(rows))
+        x = distribute_tensor(full, mesh, [Shard(0)]).requires_grad_()
+        with _no_ignored_guards():
+            out = compiled(x)
+            assert_close(out, (full @ weight_full).exp())
+            out.sum().backward()
+        assert_close(x.grad.full_tensor(), (full @ weight_full).exp() @ weight_full.T)
+    assert counter.frame_count == 2 and _graph_breaks() == 0

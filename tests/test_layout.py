@@ -137,3 +137,43 @@ def test_layout_hash_is_cached_and_survives_copies():
     moved = dataclasses.replace(layout, pieces=((3, 2), (4,)))
     assert hash(moved) == hash((moved.mesh_shape, moved.placements, moved.shape, moved.shard_order, moved.pieces))
     assert "_hash" not in repr(layout)
+
+
+def _symbolic_size(value: int):
+    """A SymInt standing for `value`, as torch.compile's dynamic shapes make them (a fresh ShapeEnv)."""
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    env = ShapeEnv()
+    return env.create_symintnode(env.create_symbol(value, ConstantSource("size")), hint=value)
+
+
+@pytest.mark.parametrize("parts", [1, 2, 3, 4])
+def test_symbolic_chunk_sizes_follow_torch_chunk_without_guards(parts):
+    """Dynamic shapes on a sharded dim: the pieces are SymInt expressions whose values are torch.chunk's and
+    whose sum is the size itself as an expression (so comparing them adds no guard to the graph)."""
+    from torch.fx.experimental.symbolic_shapes import optimization_hint
+
+    for value in range(2, 12):
+        size = _symbolic_size(value)
+        pieces = chunk_sizes(size, parts)
+        assert tuple(optimization_hint(piece) for piece in pieces) == chunk_sizes(value, parts)
+        assert (sum(pieces) - size).node.expr == 0
+        assert not size.node.shape_env.guards
+
+
+def test_symbolic_layouts_are_never_hashed_and_keep_explicit_pieces():
+    """A layout with a SymInt size (traced by torch.compile) refuses to be a cache key; `with_shape` gives
+    an unsharded or chunked dim the new size and keeps explicit pieces; the example sizes come back."""
+    rows = _symbolic_size(6)
+    example = Layout.create((2,), [Shard(1)], (6, 5), shard_sizes={0: (1, 4)})
+    layout = example.with_shape((rows, 5))
+    assert layout.is_symbolic and not example.is_symbolic
+    with pytest.raises(TypeError, match="symbolic sizes"):
+        hash(layout)
+    assert layout.pieces == ((rows,), (1, 4)) and layout.explicit_pieces() == (None, (1, 4))
+    assert layout.with_example_sizes() == example
+    chunked = Layout.create((2,), [Shard(0)], (6, 5)).with_shape((rows, 5))
+    assert chunked.explicit_pieces() == (None, None) and chunked.with_example_sizes().pieces == ((3, 3), (5,))
+    with pytest.raises(ValueError, match="explicit pieces"):
+        example.with_shape((6, 7))

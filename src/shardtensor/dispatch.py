@@ -240,6 +240,8 @@ def _decide_and_run(dtensor_class: type, op, args: tuple, kwargs: dict, key: tup
     # flattened order (`_local_flat`, plans, the per-coordinate meta evaluation), and sorting swapped
     # two tensor keywords such as `frexp.Tensor_out`'s `mantissa` and `exponent`.
     layouts = [dtensor.sharding for dtensor in dtensors]
+    if key is not None and any(layout.is_symbolic for layout in layouts):  # the symbols of one trace: no plan keeps them
+        key = None
     read_signs = reads_scale_signs(op) and any(layout.partial_mesh_dims() for layout in layouts)
     call = OpCall(op, metas, _frozen(call_args, read_signs),
                   tuple((name, _frozen(value, read_signs)) for name, value in call_kwargs.items()))

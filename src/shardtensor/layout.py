@@ -17,7 +17,7 @@ import torch
 
 from .placement import Partial, Placement, Replicate, Shard, chunk_sizes, normalize_placements
 
-__all__ = ["Layout", "chunk_sizes", "contiguous_stride", "ShardSizes"]
+__all__ = ["Layout", "chunk_sizes", "contiguous_stride", "example_size", "ShardSizes"]
 
 # What users may pass to describe shard sizes: "chunk", or {mesh_dim: sizes along that mesh dim}.
 ShardSizes = str | Mapping[int, Sequence[int]] | None
@@ -30,6 +30,21 @@ def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
         stride.append(step)
         step *= max(size, 1)
     return tuple(reversed(stride))
+
+
+def _size(value) -> int | torch.SymInt:
+    """A size as an int, or as it is when symbolic (a SymInt of torch.compile's dynamic shapes)."""
+    return value if isinstance(value, torch.SymInt) else int(value)
+
+
+def example_size(size: int | torch.SymInt) -> int:
+    """A size as an int: a SymInt's value in the example torch.compile traces with, read without a guard
+    (for choices that are right for every size, such as which of two correct rows moves fewer bytes)."""
+    if not isinstance(size, torch.SymInt):
+        return size
+    from torch.fx.experimental.symbolic_shapes import optimization_hint
+
+    return optimization_hint(size, fallback=8192)
 
 
 def _default_pieces(size: int, split_counts: Sequence[int]) -> tuple[int, ...]:
@@ -70,9 +85,15 @@ class Layout:
     _hash: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "_hash", hash((self.mesh_shape, self.placements, self.shape, self.shard_order, self.pieces)))
+        try:
+            fields_hash = hash((self.mesh_shape, self.placements, self.shape, self.shard_order, self.pieces))
+        except TypeError:  # symbolic sizes (a SymInt is unhashable): see `is_symbolic`
+            fields_hash = None
+        object.__setattr__(self, "_hash", fields_hash)
 
     def __hash__(self) -> int:
+        if self._hash is None:
+            raise TypeError(f"a layout with symbolic sizes is not hashable: {self}")
         return self._hash
 
     def __reduce__(self):
@@ -99,7 +120,7 @@ class Layout:
         (2, 3)
         """
         mesh_shape = tuple(int(size) for size in mesh_shape)
-        shape = tuple(int(size) for size in shape)
+        shape = tuple(size if type(size) is int else _size(size) for size in shape)
         placements = normalize_placements(placements, len(shape), len(mesh_shape))
         order = _default_shard_order(placements, len(shape))
         if shard_order is not None:
@@ -190,8 +211,8 @@ class Layout:
                         f"{'piece' if layout.shard_order[dim] else 'replicated dim'} holds {known} "
                         f"(placements {list(layout.placements)})"
                     )
-                pieces[dim][index] = int(local_shape[dim])
-        exact = tuple(tuple(size or 0 for size in dim_pieces) for dim_pieces in pieces)
+                pieces[dim][index] = _size(local_shape[dim])
+        exact = tuple(tuple(0 if size is None else size for size in dim_pieces) for dim_pieces in pieces)
         shape = tuple(sum(dim_pieces) for dim_pieces in exact)
         return cls(layout.mesh_shape, layout.placements, shape, layout.shard_order, exact)
 
@@ -200,6 +221,12 @@ class Layout:
     @property
     def ndim(self) -> int:
         return len(self.shape)
+
+    @property
+    def is_symbolic(self) -> bool:
+        """True when a size is a SymInt (traced by torch.compile with dynamic shapes). Such a layout
+        belongs to one trace, whose symbols it holds: it is never hashed, so no cache keeps it."""
+        return self._hash is None
 
     @property
     def mesh_ndim(self) -> int:
@@ -240,11 +267,53 @@ class Layout:
             for pieces, order in zip(self.pieces, self.shard_order)
         )
 
+    def explicit_pieces(self) -> tuple[tuple[int, ...] | None, ...]:
+        """Per tensor dim, its pieces when the dim's size alone does not give them (explicit uneven
+        sizes), else None (one piece when not sharded, `torch.chunk` pieces when sharded)."""
+        return tuple(
+            None if pieces == _default_pieces(size, [self.mesh_shape[m] for m in order]) else pieces
+            for size, pieces, order in zip(self.shape, self.pieces, self.shard_order)
+        )
+
     def has_default_shard_order(self) -> bool:
         return all(list(order) == sorted(order) for order in self.shard_order)
 
     def partial_mesh_dims(self) -> tuple[int, ...]:
         return tuple(mesh_dim for mesh_dim, p in enumerate(self.placements) if isinstance(p, Partial))
+
+    def with_example_sizes(self) -> Layout:
+        """This layout with every symbolic size replaced by its `example_size` (itself when concrete)."""
+        if not self.is_symbolic:
+            return self
+        shape = tuple(example_size(size) for size in self.shape)
+        pieces = tuple(tuple(example_size(size) for size in dim_pieces) for dim_pieces in self.pieces)
+        return Layout(self.mesh_shape, self.placements, shape, self.shard_order, pieces)
+
+    def with_shape(self, shape: Sequence[int | torch.SymInt]) -> Layout:
+        """This layout for a global `shape` that may hold SymInts (torch.compile's dynamic shapes), this
+        layout's (concrete) sizes being the traced example's. A dim not sharded, or cut into `torch.chunk` pieces,
+        takes its new size (pieces that are SymInt expressions); a dim with other pieces keeps them, and
+        its size must be theirs (a symbolic size is then specialized: the graph is guarded on it)."""
+        if tuple(shape) is self.shape:
+            return self
+        pieces = []
+        for dim, (size, dim_pieces, order) in enumerate(zip(shape, self.pieces, self.shard_order)):
+            if not isinstance(size, torch.SymInt):
+                size = int(size)
+                if size == self.shape[dim]:
+                    pieces.append(dim_pieces)
+                    continue
+            splits = [self.mesh_shape[mesh_dim] for mesh_dim in order]
+            if dim_pieces == _default_pieces(self.shape[dim], splits):
+                pieces.append(_default_pieces(size, splits))
+            elif size == sum(dim_pieces):
+                pieces.append(dim_pieces)
+            else:
+                raise _layout_error(
+                    str(self), f"tensor dim {dim} has explicit pieces {dim_pieces} and the new size {size}",
+                    "explicit pieces keep their sizes",
+                )
+        return Layout(self.mesh_shape, self.placements, tuple(shape), self.shard_order, tuple(pieces))
 
     # ---- derived layouts -----------------------------------------------------------------------
 

@@ -29,7 +29,10 @@ REDUCE_OPS = ("sum", "avg", "max", "min", "product")
 
 
 def chunk_sizes(size: int, parts: int) -> tuple[int, ...]:
-    """Sizes of `torch.chunk(size, parts)`, padded with empty chunks to exactly `parts` entries."""
+    """Sizes of `torch.chunk(size, parts)`, padded with empty chunks to exactly `parts` entries (SymInt
+    expressions for a symbolic `size`: torch.compile's dynamic shapes, with no guard on the size)."""
+    if isinstance(size, torch.SymInt):
+        return _symbolic_chunk_sizes(size, parts)
     step = -(-size // parts) if size else 0
     sizes = []
     remaining = size
@@ -37,6 +40,19 @@ def chunk_sizes(size: int, parts: int) -> tuple[int, ...]:
         take = min(step, remaining)
         sizes.append(take)
         remaining -= take
+    return tuple(sizes)
+
+
+def _symbolic_chunk_sizes(size: torch.SymInt, parts: int) -> tuple[torch.SymInt, ...]:
+    """`chunk_sizes` of a symbolic size, written so that the pieces add up to `size` as an expression (the
+    last piece is what the others leave), so comparing their sum with `size` needs no guard."""
+    if parts == 1:
+        return (size,)
+    step = -(-size // parts)  # 0 for an empty dim too
+    sizes = [step]
+    for index in range(1, parts - 1):
+        sizes.append(torch.sym_max(0, torch.sym_min(step, size - index * step)))
+    sizes.append(size - sum(sizes))
     return tuple(sizes)
 
 

@@ -182,7 +182,8 @@ def _exact_output_layouts(call, rule, mesh_shape, placements, metas, input_layou
     local_shapes: dict[tuple[int, ...], list] = {}
     if any(sharded):
         evaluated: dict = {}
-        if rule.shapes_follow_local_inputs(call):
+        symbolic = any(layout.is_symbolic for layout in input_layouts)  # unhashable shapes: one evaluation per coordinate
+        if rule.shapes_follow_local_inputs(call) and not symbolic:
             outputs = [(placements[i], metas[i].ndim) for i, is_sharded in enumerate(sharded) if is_sharded]
             coordinates = _coordinates_covering(mesh_shape, input_layouts, outputs)
         else:
@@ -193,7 +194,7 @@ def _exact_output_layouts(call, rule, mesh_shape, placements, metas, input_layou
                 for layout, meta in zip(input_layouts, call.inputs)
             ]
             arguments = rule.local_arguments(call, input_layouts, coordinate) or (call.args, dict(call.kwargs))
-            key = (
+            key = coordinate if symbolic else (
                 tuple(meta.shape for meta in inputs), repr(arguments), rule.local_shape_key(call, input_layouts, coordinate)
             )
             if key not in evaluated:
@@ -219,6 +220,11 @@ def _exact_output_layouts(call, rule, mesh_shape, placements, metas, input_layou
     return tuple(layouts)
 
 
+def _size_key(size):
+    """A size as a dict key: a SymInt (unhashable) by its expression, so equal expressions align."""
+    return size if isinstance(size, int) else str(size)
+
+
 def _aligned_pieces(layouts: Sequence[Layout], targets: tuple[Layout, ...]) -> tuple[Layout, ...]:
     """Targets whose co-sharded tensor dims have the same pieces, taken from an input that keeps them.
 
@@ -233,7 +239,7 @@ def _aligned_pieces(layouts: Sequence[Layout], targets: tuple[Layout, ...]) -> t
     for layout, target in zip(layouts, targets):
         for dim, order in enumerate(target.shard_order):
             if order and order == layout.shard_order[dim]:
-                reference.setdefault((tuple(sorted(order)), target.shape[dim]), (order, target.pieces[dim]))
+                reference.setdefault((tuple(sorted(order)), _size_key(target.shape[dim])), (order, target.pieces[dim]))
     if not reference:
         return targets
     aligned = []
@@ -241,7 +247,7 @@ def _aligned_pieces(layouts: Sequence[Layout], targets: tuple[Layout, ...]) -> t
         orders, pieces = list(target.shard_order), list(target.pieces)
         for dim, order in enumerate(target.shard_order):
             if order:
-                orders[dim], pieces[dim] = reference.get((tuple(sorted(order)), target.shape[dim]), (order, pieces[dim]))
+                orders[dim], pieces[dim] = reference.get((tuple(sorted(order)), _size_key(target.shape[dim])), (order, pieces[dim]))
         if tuple(pieces) == target.pieces and tuple(orders) == target.shard_order:
             aligned.append(target)
         else:

@@ -15,7 +15,7 @@ import itertools
 import math
 from collections.abc import Sequence
 
-from .layout import Layout
+from .layout import Layout, example_size
 from .placement import Partial, Placement, Replicate, Shard
 from .redistribute.planner import plan as plan_redistribute
 from .rules import LocalCollective, Row, TensorMeta
@@ -163,6 +163,12 @@ def _planned_cost(rows: Sequence[Row], layouts: Sequence[Layout], metas: Sequenc
 _CANDIDATES_PER_MESH_DIM = 2
 
 
+def _with_example_sizes(meta: TensorMeta | None) -> TensorMeta | None:
+    if meta is None:
+        return None
+    return TensorMeta(tuple(map(example_size, meta.shape)), tuple(map(example_size, meta.stride)), meta.dtype)
+
+
 def choose_rows(
     rows: Sequence[Row], layouts: Sequence[Layout], metas: Sequence[TensorMeta],
     output_metas: Sequence[TensorMeta | None],
@@ -170,7 +176,14 @@ def choose_rows(
     """One row per mesh dim: the per-mesh-dim estimate's best, unless an input is sharded on one
     tensor dim by several mesh dims (nested) and that choice moves data. Then the estimate cannot
     see the order constraints, and the redistribute planner prices the combinations of each mesh
-    dim's top candidates exactly (slower: a planner search per input and combination)."""
+    dim's top candidates exactly (slower: a planner search per input and combination).
+
+    Symbolic sizes (torch.compile's dynamic shapes) are priced at the traced example's sizes: any row is
+    right for every size, and comparing symbolic costs would guard the graph on the sizes."""
+    if any(layout.is_symbolic for layout in layouts):
+        layouts = [layout.with_example_sizes() for layout in layouts]
+        metas = [_with_example_sizes(meta) for meta in metas]
+        output_metas = [_with_example_sizes(meta) for meta in output_metas]
     ranked = [
         _ranked_rows(rows, layouts, metas, output_metas, mesh_dim) for mesh_dim in range(len(layouts[0].mesh_shape))
     ]

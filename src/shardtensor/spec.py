@@ -46,9 +46,13 @@ on_new_world(_interned_specs.clear)  # specs hold meshes, which hold the groups 
 
 
 def interned_spec(spec: DTensorSpec) -> DTensorSpec:
-    """The one stored spec equal to `spec` (stored now if there is none)."""
+    """The one stored spec equal to `spec` (stored now if there is none; a symbolic spec is itself)."""
     fields = (spec.mesh, spec.layout, spec.stride, spec.dtype)
-    found = _interned_specs.get(fields)
+    try:
+        found = _interned_specs.get(fields)
+    except TypeError:  # symbolic sizes (torch.compile's dynamic shapes): a spec of one trace, never stored
+        check_partial_dtype(spec.layout.placements, spec.dtype, "DTensor")
+        return spec
     if found is None:
         check_partial_dtype(spec.layout.placements, spec.dtype, "DTensor")  # new specs only: off the hot path
         if len(_interned_specs) >= _MAX_INTERNED_SPECS:

@@ -30,6 +30,12 @@ def _record_on(kind: str, peers: _Peers, bytes_sent: int, bytes_received: int) -
     _record(kind, peers.mesh_dim, peers.size, bytes_sent, bytes_received, peers.mesh_dim_names)
 
 
+def _equal(sizes: list) -> bool:
+    """Whether every peer's size is the same int. Symbolic sizes (torch.compile's dynamic shapes) count as
+    unequal: the uneven form is right for every size, and asking would guard the graph on the sizes."""
+    return not any(isinstance(size, torch.SymInt) for size in sizes) and len(set(sizes)) == 1
+
+
 def all_gather(tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: MeshDims, *, dim: int,
                sizes: Sequence[int], async_op: bool = False):
     """Concatenate along `dim` every peer's tensor (peer c's has size sizes[c] on `dim`).
@@ -54,7 +60,7 @@ def all_gather(tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: MeshDims, *, di
     row = math.prod(_with_size(local.shape, dim, 1))
     _record_on("all_gather", peers, _nbytes(local) * len(others),
             sum(sizes[c] for c in others) * row * local.element_size())
-    if len(set(sizes)) == 1:
+    if _equal(sizes):
         output = local.new_empty(peers.size * local.numel())
         work = c10d.all_gather_single(output, local.reshape(-1), peers.group, peers.size, async_op)
 
@@ -224,7 +230,7 @@ def reduce_scatter(tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: MeshDims, *
     output = torch.empty(pieces[me].shape, dtype=local.dtype, device=local.device)
     _record_on("reduce_scatter", peers, _nbytes(local) - _nbytes(output),
             (peers.size - 1) * _nbytes(output))
-    if len(set(sizes)) == 1:
+    if _equal(sizes):
         if dim == 0 and peers.in_coordinate_order:
             stacked = local.contiguous()
         else:

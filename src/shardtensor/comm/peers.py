@@ -127,7 +127,8 @@ def _sizes_error(function: str, what: str, given, peers: _Peers, expected: str) 
 
 
 def _check_sizes(function: str, name: str, sizes: Sequence[int], peers: _Peers) -> list[int]:
-    sizes = [int(size) for size in sizes]
-    if len(sizes) != peers.size or any(size < 0 for size in sizes):
+    """The sizes as ints, SymInts (torch.compile's dynamic shapes) as they are, checked against the peers."""
+    sizes = [size if isinstance(size, torch.SymInt) else int(size) for size in sizes]
+    if len(sizes) != peers.size or any(isinstance(size, int) and size < 0 for size in sizes):
         raise _sizes_error(function, name, sizes, peers, f"{peers.size} non-negative sizes in coordinate order")
     return sizes

@@ -44,7 +44,7 @@ import heapq
 import itertools
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..layout import Layout
 from ..placement import Partial, Placement, Replicate, Shard, flattened_partial
@@ -463,7 +463,22 @@ def plan(source: Layout, target: Layout, itemsize: int, cost_model: CostModel = 
     >>> [step.collective for step in plan(source, source.with_placements([Replicate()]), 4).steps]
     ['all_gather']
     """
+    if source.is_symbolic or target.is_symbolic:
+        return _symbolic_plan(source, target, int(itemsize), cost_model)
     return _cached_plan(source, target, int(itemsize), cost_model)
+
+
+def _symbolic_plan(source: Layout, target: Layout, itemsize: int, cost_model: CostModel) -> Plan:
+    """A plan between layouts with symbolic sizes (torch.compile's dynamic shapes): the plan of the traced
+    example's sizes (its steps are right for every size; comparing symbolic costs would guard the graph
+    on the sizes), its steps' layouts given the symbolic sizes. Costs and bytes stay the example's."""
+    example = _cached_plan(source.with_example_sizes(), target.with_example_sizes(), itemsize, cost_model)
+    steps: list[Step] = []
+    for index, step in enumerate(example.steps):
+        before = source if index == 0 else steps[-1].after
+        after = target if index == len(example.steps) - 1 else step.after.with_shape(source.shape)
+        steps.append(replace(step, before=before, after=after))
+    return replace(example, source=source, target=target, steps=tuple(steps))
 
 
 def _step_between(state: Layout, after: Layout, mesh_dim, itemsize: int, cost_model: CostModel) -> Step:
