@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from torch._library.opaque_object import MemberType, register_opaque_type
 
 from .placement import Partial, Placement, Replicate, Shard, chunk_sizes, normalize_placements
 
@@ -344,6 +345,14 @@ class Layout:
             )
         return pieces
 
+    def __fx_repr__(self) -> tuple[str, dict]:
+        """How a compiled graph's code writes this layout (a constant of the graph): its repr, which reads
+        like the constructor."""
+        names = {"Layout": Layout}
+        for placement in self.placements:
+            names.update(placement.__fx_repr__()[1])
+        return repr(self), names
+
     def __str__(self) -> str:
         text = f"[{', '.join(str(p) for p in self.placements)}] shape={self.shape} mesh={self.mesh_shape}"
         if not self.has_default_shard_order():
@@ -352,3 +361,8 @@ class Layout:
             text += f" pieces={self.pieces}"
         return text
 
+
+# torch.compile holds a layout as an opaque value (compared with `==`, hashed, written into a graph's code
+# by `__fx_repr__`), as it holds placements: a parallel style's Python reads a traced DTensor's layout
+# (`parallel.layouts`). Its fields are read directly; its methods run on the real layout while tracing.
+register_opaque_type(Layout, typ="value", members={"local_shape": MemberType.USE_REAL})

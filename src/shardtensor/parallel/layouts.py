@@ -121,7 +121,7 @@ def _inferred(value: torch.Tensor, mesh: DeviceMesh, placements, where: str, pla
     """`from_local` learning the exact global shape from every rank's local shape (a collective)."""
     if is_explicit():
         raise ValueError(f"{_unknown_size(where, value, placement, mesh)}; explicit_communication() refuses that collective")
-    if where not in _inferring:
+    if not torch.compiler.is_compiling() and where not in _inferring:  # compiled, from_local checks in the graph
         _inferring.add(where)
         logger.info("%s", _unknown_size(where, value, placement, mesh))
     return DTensor.from_local(value, mesh, placements)
@@ -152,6 +152,5 @@ def to_output(value, placements: Sequence[Placement] | None, use_local_output: b
     if not use_local_output:
         return value
     local = value.to_local()
-    if not torch.compiler.is_compiling():  # a compiled graph's tensors carry no attributes: the next style reads chunk sizes
-        setattr(local, _LAYOUT_ATTRIBUTE, (value.device_mesh, value.sharding))
+    setattr(local, _LAYOUT_ATTRIBUTE, (value.device_mesh, value.sharding))
     return local
