@@ -10,7 +10,8 @@ parallel tutorial) the size along a sharded dim is learnt from every rank's loca
 `from_local` infers it: a small collective per call (one all_gather), logged once per style with
 how to avoid it (keep the activations DTensors: `use_local_output=False`); under
 `explicit_communication()` the style raises instead. PyTorch assumes equal shards there, which is
-wrong for uneven ones.
+wrong for uneven ones. Under torch.compile the tag travels through the graph as well; an untagged
+tensor is read as equal shards, and the graph checks every rank's shape (docs/compile.md).
 """
 
 from __future__ import annotations
