@@ -14,8 +14,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
-from torch._library.opaque_object import MemberType, register_opaque_type
 
+from .graph_constants import MemberType, register_graph_constant
 from .placement import Partial, Placement, Replicate, Shard, chunk_sizes, normalize_placements
 
 __all__ = ["Layout", "chunk_sizes", "contiguous_stride", "ShardSizes"]
@@ -365,4 +365,4 @@ class Layout:
 # torch.compile holds a layout as an opaque value (compared with `==`, hashed, written into a graph's code
 # by `__fx_repr__`), as it holds placements: a parallel style's Python reads a traced DTensor's layout
 # (`parallel.layouts`). Its fields are read directly; its methods run on the real layout while tracing.
-register_opaque_type(Layout, typ="value", members={"local_shape": MemberType.USE_REAL})
+register_graph_constant(Layout, members={"local_shape": MemberType.USE_REAL})
