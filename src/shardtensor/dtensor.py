@@ -243,7 +243,9 @@ class DTensor(FastTensorMethods, CheckpointableMixin, TraceableMixin, torch.Tens
         ShardTensor's spelling of the same: "infer", "chunk", or `{mesh_dim: [local shapes]}` (the
         local shape of each coordinate along mesh_dim; pass one of the two). `run_check=True` checks shapes,
         dtypes and placements on all ranks (raising the same error everywhere) and broadcasts
-        Replicate data from coordinate 0 of each mesh dim.
+        Replicate data from coordinate 0 of each mesh dim. Inside a torch.compile graph the shapes
+        cannot come from that exchange: they are assumed (equal shards, or `shape`/`shard_sizes`)
+        and the graph checks every rank's against them, raising on a mismatch (docs/compile.md).
 
         On a rank outside the mesh the result holds a local tensor without elements (as after
         `distribute_tensor`) and no collective runs there; its global shape comes from `shape` if

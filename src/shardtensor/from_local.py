@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from . import comm
+from .comm.c10d import tracing
 from .layout import Layout
 from .placement import Shard, check_partial_dtype
 
@@ -55,6 +56,8 @@ def from_local_layout(local, mesh, placements, shape, shard_sizes, run_check: bo
     coordinate = tuple(mesh.get_coordinate())
     gathered = None
     if run_check or (shape is None and shard_sizes in (None, "infer") and any(isinstance(p, Shard) for p in placements)):
+        if tracing():
+            return _assumed_and_checked_in_graph(local, mesh, placements, shape, shard_sizes, run_check)
         gathered = _exchange(local, mesh, placements)
     if gathered is not None:
         asked = "from_local(run_check=True)" if run_check else _INFERRING
@@ -144,6 +147,12 @@ def _shapes_error(sharding_shapes, problem: str) -> str:
 _RECORD_DIMS = 8
 
 
+def _digest(local, placements) -> int:
+    """A number that differs (but for a 2**-64 chance) when the dtype or placements differ, alike on every rank."""
+    described = repr((str(local.dtype), tuple(placements))).encode()
+    return int.from_bytes(hashlib.blake2b(described, digest_size=8).digest(), "little", signed=True)
+
+
 def _exchange(local, mesh, placements) -> dict:
     """{mesh coordinate: (local shape, dtype, placements)} of every rank, the same on every rank.
 
@@ -151,8 +160,7 @@ def _exchange(local, mesh, placements) -> dict:
     differ (another dtype or placements somewhere: the message names them) or a tensor has more than
     _RECORD_DIMS dims, every rank, having seen the same records, exchanges the whole entries as objects.
     """
-    described = repr((str(local.dtype), tuple(placements))).encode()
-    digest = int.from_bytes(hashlib.blake2b(described, digest_size=8).digest(), "little", signed=True)
+    digest = _digest(local, placements)
     sizes = list(local.shape[:_RECORD_DIMS])
     record = torch.tensor([local.ndim, digest, *sizes] + [0] * (_RECORD_DIMS - len(sizes)), device=mesh.device_type)
     rows = comm.all_gather_over_mesh(record, mesh).tolist()
@@ -161,6 +169,43 @@ def _exchange(local, mesh, placements) -> dict:
         return {where: (tuple(row[2:2 + row[0]]), local.dtype, placements) for where, row in zip(coordinates, rows)}
     mine = (tuple(local.shape), local.dtype, placements)
     return dict(zip(coordinates, comm.all_gather_object(mine, mesh, None)))
+
+
+def _record(local_shape, ndim: int, digest: int, length: int) -> list[int]:
+    return [ndim, digest, *local_shape] + [0] * (length - 2 - len(local_shape))
+
+
+def _assumed_and_checked_in_graph(local, mesh, placements, shape, shard_sizes, run_check: bool) -> Layout:
+    """The layout from_local assumes while torch.compile traces, checked inside the graph.
+
+    A graph cannot read other ranks' local shapes to build its layout (that read decides the shapes it
+    was traced for), so it assumes them: from `shape` and `shard_sizes` when given, else every rank
+    holding this rank's local shape (equal shards, as PyTorch assumes). Every run of the graph then
+    exchanges the real local shapes (the one all_gather eager mode makes) and asserts they are the
+    assumed ones, so uneven shards the graph did not assume raise on every rank instead of computing
+    with wrong sizes.
+    """
+    sizes = "chunk" if shape is None else shard_sizes
+    layout = from_local_layout(local, mesh, placements, shape, sizes, run_check=False)
+    digest = _digest(local, placements)
+    length = 2 + max(local.ndim, _RECORD_DIMS)
+    record = torch.tensor(_record(local.shape, local.ndim, digest, length), device=local.device)
+    expected = torch.tensor([_record(layout.local_shape(where), local.ndim, digest, length) for where in _coordinates(mesh.shape)],
+                            device=local.device)
+    received = comm.all_gather_over_mesh(record, mesh)
+    torch._assert_async((received == expected).all(), _assumed_shapes_error(layout, run_check))
+    return layout
+
+
+def _assumed_shapes_error(layout: Layout, run_check: bool) -> str:
+    asked = "from_local(run_check=True)" if run_check else "from_local without shape="
+    return (
+        f"{asked} inside a torch.compile graph: the graph was traced for the local shapes of {layout} "
+        f"(every rank's shard as this rank's, or as shape= and shard_sizes= give them), but some rank's "
+        f"local tensor has another shape or dtype or other placements. Pass shape= (and shard_sizes= for "
+        f"uneven shards) to from_local; between parallel styles, keep the activations DTensors "
+        f"(use_local_output=False), so their exact layout travels with them"
+    )
 
 
 def _outside_layout(local, mesh_shape, placements, shape, shard_sizes) -> Layout:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .graph_constants import MemberType, register_graph_constant
 from .placement import Partial, Placement, Replicate, Shard, chunk_sizes, normalize_placements
 
 __all__ = ["Layout", "chunk_sizes", "contiguous_stride", "example_size", "ShardSizes"]
@@ -413,6 +414,14 @@ class Layout:
             )
         return pieces
 
+    def __fx_repr__(self) -> tuple[str, dict]:
+        """How a compiled graph's code writes this layout (a constant of the graph): its repr, which reads
+        like the constructor."""
+        names = {"Layout": Layout}
+        for placement in self.placements:
+            names.update(placement.__fx_repr__()[1])
+        return repr(self), names
+
     def __str__(self) -> str:
         text = f"[{', '.join(str(p) for p in self.placements)}] shape={self.shape} mesh={self.mesh_shape}"
         if not self.has_default_shard_order():
@@ -421,3 +430,8 @@ class Layout:
             text += f" pieces={self.pieces}"
         return text
 
+
+# torch.compile holds a layout as an opaque value (compared with `==`, hashed, written into a graph's code
+# by `__fx_repr__`), as it holds placements: a parallel style's Python reads a traced DTensor's layout
+# (`parallel.layouts`). Its fields are read directly; its methods run on the real layout while tracing.
+register_graph_constant(Layout, members={"local_shape": MemberType.USE_REAL})

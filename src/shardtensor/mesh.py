@@ -25,8 +25,8 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-from torch._library.opaque_object import MemberType, register_opaque_type
 
+from .graph_constants import MemberType, register_graph_constant
 from .process_groups import (
     DEVICE_BACKENDS,
     ensure_default_group,
@@ -583,7 +583,7 @@ def mesh_by_trace_key(key: int) -> DeviceMesh:
 # torch.compile holds a mesh in a graph as an opaque value: compared with `==` (guards), hashed, and
 # written into the graph's code by `__fx_repr__`. Value-equal meshes are interchangeable here.
 # Its read-only members are read on the real mesh while tracing and their results become constants.
-register_opaque_type(DeviceMesh, typ="value", members={
+register_graph_constant(DeviceMesh, members={
     name: MemberType.USE_REAL for name in (
         "device_type", "mesh_dim_names", "ndim", "shape", "size", "get_rank", "get_coordinate", "get_local_rank",
         "group_ranks", "__getitem__", "__eq__", "__ne__", "__hash__", "__repr__", "_spans_world",

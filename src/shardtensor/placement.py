@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
-from torch._library.opaque_object import register_opaque_type
+
+from .graph_constants import register_graph_constant
 
 __all__ = [
     "Placement", "Shard", "Replicate", "Partial", "NormPartial", "REDUCE_OPS", "normalize_placements", "chunk_sizes",
@@ -329,4 +330,4 @@ def normalize_placements(placements: Sequence[Placement], ndim: int, mesh_ndim: 
 # torch.compile holds placements in a graph as opaque values: compared with `==` (guards), hashed, and
 # written into the graph's code by `__fx_repr__`.
 for _placement_class in (Shard, Replicate, Partial, NormPartial):
-    register_opaque_type(_placement_class, typ="value")
+    register_graph_constant(_placement_class)

@@ -62,6 +62,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--data", default=None, help="a text file to train on (default: the Python standard library's source)")
     parser.add_argument("--checkpoint", default=None, metavar="DIR", help="resume from DIR if it holds a checkpoint; save there at the end")
+    parser.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+                        help="compile each block with torch.compile (fullgraph, as torchtitan does) with BACKEND "
+                             "(default inductor; aot_eager compiles fastest); not with --pipeline")
     parser.add_argument("--compare", action="store_true", help="train the same model on one process alongside and check the losses agree")
     parser.add_argument("--sample-length", type=int, default=defaults.sample_length, help="characters of text to generate at the end")
     parser.add_argument("--pipeline", action="store_true",
@@ -94,6 +97,8 @@ def _pipeline_options(parser: argparse.ArgumentParser, arguments, world_size: in
                      f"--microbatches {arguments.microbatches} equal microbatches")
     if arguments.data is not None and not os.path.isfile(arguments.data):
         parser.error(f"--data {arguments.data}: no such file")
+    if arguments.compile is not None:
+        parser.error("--compile compiles the blocks of the default and --mesh DPxTP runs; leave it out with --pipeline")
     if arguments.checkpoint is not None or arguments.data_parallel != "fsdp":
         parser.error("--pipeline runs fully_shard on dp and saves no checkpoint: leave out --checkpoint and --data-parallel")
     options = PipelineOptions(
@@ -145,7 +150,7 @@ def parse_options(argv=None, world_size: int | None = None) -> tuple[Options, in
         warmup_steps=arguments.warmup_steps,
         seed=arguments.seed, data=arguments.data, checkpoint=arguments.checkpoint, compare=arguments.compare,
         sample_length=arguments.sample_length,
-        device_type="cuda" if world_size and torch.cuda.is_available() else "cpu",
+        device_type="cuda" if world_size and torch.cuda.is_available() else "cpu", compile=arguments.compile,
     )
     return options, size
 

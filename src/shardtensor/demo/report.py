@@ -107,6 +107,8 @@ class Progress:
         self.console.print(f"model: {_global_parameters(model):,} parameters")
         if step_communication:
             self.console.print(communication_table(step_communication))
+            if self.options.compile:
+                self.console.print("(--compile: the collectives inside the compiled blocks' graphs are not counted here)")
         weight = model.blocks[0].mlp.fc.weight
         header = ("blocks.0.mlp.fc.weight over dp x tp (fully_shard splits each tp shard's rows over dp):"
                   if self.options.data_parallel == "fsdp" else

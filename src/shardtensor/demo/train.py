@@ -30,7 +30,7 @@ from .data import Corpus, batch_for_step, load_corpus
 from .model import GPT, GPTConfig, parallelize
 from .schedule import learning_rate_at, set_learning_rate
 
-__all__ = ["Options", "DATA_PARALLEL_MODES", "average_gradients", "mean_loss", "shard_model", "forward_backward", "train"]
+__all__ = ["Options", "DATA_PARALLEL_MODES", "average_gradients", "compile_blocks", "mean_loss", "shard_model", "forward_backward", "train"]
 
 DATA_PARALLEL_MODES = ("fsdp", "ddp")
 
@@ -56,6 +56,7 @@ class Options:
     compare: bool = False
     sample_length: int = 160
     device_type: str = "cpu"
+    compile: str | None = None  # a torch.compile backend: each block is compiled with it (`compile_blocks`)
 
 
 def average_gradients(parameters: list[torch.nn.Parameter], mesh: DeviceMesh, loss: torch.Tensor) -> float:
@@ -102,6 +103,15 @@ def forward_backward(model, tokens: torch.Tensor, targets: torch.Tensor) -> torc
     return loss
 
 
+def _relay_compiled_gradients(parameters: list[torch.nn.Parameter]) -> None:
+    """A compiled backward leaves each gradient in the layout its ops produced (docs/compile.md): the
+    sequence-parallel norms' weights get Partial gradients over "tp", which eager backward would have
+    reduced. Reduce them here, so `average_gradients` finds every gradient laid out like its parameter."""
+    for parameter in parameters:
+        if parameter.grad is not None and parameter.grad.placements != parameter.placements:
+            parameter.grad = parameter.grad.redistribute(parameter.device_mesh, parameter.placements)
+
+
 def _step(optimizer: torch.optim.Optimizer) -> None:
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -113,16 +123,27 @@ def build(options: Options, corpus: Corpus, device: torch.device) -> GPT:
     return GPT(config).to(device)
 
 
-def shard_model(model: GPT, mesh: DeviceMesh, data_parallel: str) -> GPT:
+def shard_model(model: GPT, mesh: DeviceMesh, data_parallel: str, compile_backend: str | None = None) -> GPT:
     """Tensor parallelism over "tp"; with "fsdp" also every block, then the rest of the model, sharded
-    over "dp" (each block one unit: one all-gather forward, one reduce-scatter backward)."""
+    over "dp" (each block one unit: one all-gather forward, one reduce-scatter backward). With
+    `compile_backend`, each block is compiled between the two (`compile_blocks`)."""
     if data_parallel not in DATA_PARALLEL_MODES:
         raise ValueError(f"data_parallel={data_parallel!r}: choose one of {DATA_PARALLEL_MODES}")
     parallelize(model, mesh["tp"])
+    if compile_backend is not None:
+        compile_blocks(model, compile_backend)
     if data_parallel == "fsdp":
         for block in model.blocks:
             fully_shard(block, mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])
+    return model
+
+
+def compile_blocks(model: GPT, backend: str) -> GPT:
+    """Compile each block's forward in one graph (`fullgraph=True`), as torchtitan does: after tensor
+    parallelism, before fully_shard, whose hooks then run eagerly around each compiled forward."""
+    for block in model.blocks:
+        block.compile(backend=backend, fullgraph=True)
     return model
 
 
@@ -142,7 +163,7 @@ def train(options: Options) -> None:
     model = build(options, corpus, device)
     is_main = mesh.get_rank() == 0
     reference = copy.deepcopy(model) if options.compare and is_main else None
-    shard_model(model, mesh, options.data_parallel)
+    shard_model(model, mesh, options.data_parallel, options.compile)
     fsdp = options.data_parallel == "fsdp"
     optimizer = _optimizer(model, options)
     reference_optimizer = _optimizer(reference, options) if reference is not None else None
@@ -162,6 +183,8 @@ def train(options: Options) -> None:
         with comm.observe() as model_records:
             loss = forward_backward(model, _dp_slice(tokens, mesh).to(device), _dp_slice(targets, mesh).to(device))
         with comm.observe() as gradient_records:
+            if options.compile is not None and not fsdp:
+                _relay_compiled_gradients(parameters)
             loss_value = mean_loss(loss, mesh) if fsdp else average_gradients(parameters, mesh, loss)
         _step(optimizer)
         elapsed = time.perf_counter() - began
@@ -174,6 +197,7 @@ def train(options: Options) -> None:
     step_communication = model_records + gradient_records if options.steps > start else []
     if options.checkpoint:
         save_checkpoint(options.checkpoint, model, optimizer, options.steps, reference, reference_optimizer)
-    sample = report.generate(model, corpus, options, device)
+    with torch.compiler.set_stance("force_eager"):  # sampling grows the sequence: a compiled block would recompile per length
+        sample = report.generate(model, corpus, options, device)
     if progress is not None:
         progress.finish(step_communication, model, sample)

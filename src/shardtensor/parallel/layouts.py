@@ -10,7 +10,8 @@ parallel tutorial) the size along a sharded dim is learnt from every rank's loca
 `from_local` infers it: a small collective per call (one all_gather), logged once per style with
 how to avoid it (keep the activations DTensors: `use_local_output=False`); under
 `explicit_communication()` the style raises instead. PyTorch assumes equal shards there, which is
-wrong for uneven ones.
+wrong for uneven ones. Under torch.compile the tag travels through the graph as well; an untagged
+tensor is read as equal shards, and the graph checks every rank's shape (docs/compile.md).
 """
 
 from __future__ import annotations
@@ -121,7 +122,7 @@ def _inferred(value: torch.Tensor, mesh: DeviceMesh, placements, where: str, pla
     """`from_local` learning the exact global shape from every rank's local shape (a collective)."""
     if is_explicit():
         raise ValueError(f"{_unknown_size(where, value, placement, mesh)}; explicit_communication() refuses that collective")
-    if where not in _inferring:
+    if not torch.compiler.is_compiling() and where not in _inferring:  # compiled, from_local checks in the graph
         _inferring.add(where)
         logger.info("%s", _unknown_size(where, value, placement, mesh))
     return DTensor.from_local(value, mesh, placements)
@@ -152,6 +153,5 @@ def to_output(value, placements: Sequence[Placement] | None, use_local_output: b
     if not use_local_output:
         return value
     local = value.to_local()
-    if not torch.compiler.is_compiling():  # a compiled graph's tensors carry no attributes: the next style reads chunk sizes
-        setattr(local, _LAYOUT_ATTRIBUTE, (value.device_mesh, value.sharding))
+    setattr(local, _LAYOUT_ATTRIBUTE, (value.device_mesh, value.sharding))
     return local

@@ -1,0 +1,193 @@
+"""torch.compile of tensor-parallel models (fullgraph=True, aot_eager): the sequence-parallel transformer
+block, fully_shard x TP+SP with each block compiled (torchtitan's pattern), styles on the "tp" dim of a
+2x2 mesh, and local tensors passed between styles. Losses per step and parameters after 3 AdamW steps
+equal one device; no graph break. docs/compile.md says what compiles; tests/test_compile.py has the
+smaller programs and the helpers used here.
+"""
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+from parallel_helpers import tp_mesh
+from spmd import spmd
+from test_compile import _collectives, _fresh_counter, _graph_breaks, _train_tp_mlp
+from torch.testing import assert_close
+
+from shardtensor import Replicate, Shard, distribute_tensor
+from shardtensor.demo.model import GPT, Block, GPTConfig, tensor_parallel_plan
+from shardtensor.parallel import ColwiseParallel, PrepareModuleOutput, RowwiseParallel, SequenceParallel, parallelize_module
+
+CONFIG = GPTConfig(vocab_size=13, block_size=16, layers=2, heads=4, width=16)
+
+
+def _block_plan() -> dict:
+    """The demo's TP + SP plan for one block (torchtitan's layout): SequenceParallel norms,
+    PrepareModuleInput gathering the sequence, Colwise projections, Rowwise back onto the sequence."""
+    prefix = "blocks.*."
+    return {name[len(prefix):]: style for name, style in tensor_parallel_plan().items() if name.startswith(prefix)}
+
+
+def _torchtitan_plan() -> dict:
+    """torchtitan's own form of the plan: the styles that put the residual stream back onto the
+    sequence return local tensors (use_local_output=True), so the residual sums are plain tensors."""
+    plan = tensor_parallel_plan()
+    for name in ("token_embedding", "position_embedding", "blocks.*.attention.out", "blocks.*.mlp.proj"):
+        plan[name] = dataclasses.replace(plan[name], use_local_output=True)
+    return plan
+
+
+def _frozen_key_bias(model):
+    """The key projection's bias has a zero gradient up to rounding (softmax ignores a constant per row),
+    which AdamW turns into +-lr steps of noise: frozen so that parameters can be compared."""
+    for block in model.blocks if hasattr(model, "blocks") else [model]:
+        block.attention.key.bias.requires_grad_(False)
+    return model
+
+
+@spmd(meshes=[(2,)], timeout=180)
+def test_sequence_parallel_block_compiles_in_one_graph(mesh):
+    """The demo's block under TP + SP (a sequence of 7 over 2 ranks: uneven shards) compiled with
+    fullgraph=True: one graph whose forward has the 4 collectives of Megatron SP (gather the sequence
+    before attention and the MLP, reduce-scatter after each), losses and parameters as one device."""
+    from torch._dynamo.testing import AotEagerAndRecordGraphs
+
+    counter = _fresh_counter("aot_eager")
+    recorder = AotEagerAndRecordGraphs()
+    counter.backend = recorder
+    torch.manual_seed(0)
+    block = _frozen_key_bias(Block(CONFIG)).double()
+    reference = copy.deepcopy(block)
+    parallelize_module(block, mesh, _block_plan())
+    compiled = torch.compile(block, backend=counter, fullgraph=True)
+    optimizer = torch.optim.AdamW(block.parameters(), lr=0.05)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.05)
+    generator = torch.Generator().manual_seed(1)
+    for step in range(3):
+        x = torch.randn(2, 7, CONFIG.width, generator=generator, dtype=torch.float64)
+        weights = torch.randn(2, 7, CONFIG.width, generator=generator, dtype=torch.float64)
+        loss = (compiled(distribute_tensor(x, mesh, [Shard(1)])).full_tensor() * weights).sum()
+        expected = (reference(x) * weights).sum()
+        assert_close(loss, expected, msg=lambda m: f"loss of step {step}: {m}")
+        loss.backward()
+        expected.backward()
+        for each in (optimizer, reference_optimizer):
+            each.step()
+            each.zero_grad()
+    for (name, parameter), wanted in zip(block.named_parameters(), reference.parameters()):
+        assert_close(parameter.full_tensor(), wanted, msg=lambda m: f"{name} after 3 steps: {m}")
+    assert counter.frame_count == 1 and _graph_breaks() == 0, (counter.frame_count, _graph_breaks())
+    assert _collectives(recorder.fw_graphs[:1]) == ["all_to_all_single", "wait_tensor", "all_to_all_single", "wait_tensor"] * 2
+
+
+@spmd(meshes=[(2, 2)], timeout=300)
+def test_fully_shard_over_tp_sp_with_compiled_blocks_in_torchtitans_form(mesh):
+    """torchtitan's recipe on the demo's GPT: TP + SP on "tp" with local tensors between the styles,
+    each block `.compile()`d (fullgraph), then fully_shard per block and at the root over "dp". The
+    residual sums reach the norms as plain tensors: inside the graph, from_local assumes equal shards
+    and checks every rank's shape. Losses and parameters after 3 AdamW steps as one device."""
+    from shardtensor.demo.train import forward_backward, mean_loss
+    from shardtensor.fsdp import fully_shard
+    from shardtensor.mesh import DeviceMesh
+
+    counter = _fresh_counter("aot_eager")
+    mesh = DeviceMesh("cpu", mesh.mesh, mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    model = _frozen_key_bias(GPT(dataclasses.replace(CONFIG, layers=1)))  # one block: one compile to pay for
+    reference = copy.deepcopy(model)
+    parallelize_module(model, mesh["tp"], _torchtitan_plan())
+    for block in model.blocks:
+        block.compile(backend=counter, fullgraph=True)
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.01)
+    generator = torch.Generator().manual_seed(1)
+    dp = mesh.get_coordinate()[0]
+    for step in range(3):
+        tokens, targets = torch.randint(0, CONFIG.vocab_size, (2, 4, 8), generator=generator)
+        loss = mean_loss(forward_backward(model, tokens.tensor_split(2)[dp], targets.tensor_split(2)[dp]), mesh)
+        expected = forward_backward(reference, tokens, targets).item()
+        assert abs(loss - expected) < 1e-5, (step, loss, expected)
+        for each in (optimizer, reference_optimizer):
+            each.step()
+            each.zero_grad()
+    for (name, parameter), wanted in zip(model.named_parameters(), reference.parameters()):
+        assert_close(parameter.full_tensor(), wanted, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    assert counter.frame_count == 1 and _graph_breaks() == 0, (counter.frame_count, _graph_breaks())
+
+
+@spmd(meshes=[(2, 2)], timeout=180)
+def test_tp_on_the_tp_dim_of_a_2x2_mesh_compiles(mesh):
+    """Multi-dim meshes under compile: the TP MLP on the "tp" dim of 2x2 (one graph, 3 AdamW steps as
+    one device), and a 2-D DTensor moved between layouts over both mesh dims, uneven shards included."""
+    counter = _fresh_counter("aot_eager")
+    _train_tp_mlp(tp_mesh(mesh), {"backend": counter, "fullgraph": True}, hidden=15)
+    assert counter.frame_count == 1 and _graph_breaks() == 0
+
+    counter = _fresh_counter("aot_eager")
+    function = lambda t: (t.redistribute(mesh, [Replicate(), Shard(0)]) * 2).full_tensor()  # noqa: E731
+    full = torch.randn(5, 3, generator=torch.Generator().manual_seed(0))
+    x = distribute_tensor(full, mesh, [Shard(0), Shard(1)]).requires_grad_()
+    out = torch.compile(function, backend=counter, fullgraph=True)(x)
+    assert_close(out, full * 2)
+    out.sum().backward()
+    assert_close(x.grad.full_tensor(), torch.full((5, 3), 2.0))
+    assert x.grad.placements == (Shard(0), Shard(1))
+    assert counter.frame_count == 1 and _graph_breaks() == 0
+
+
+class _Cut(torch.nn.Module):
+    """Keeps the first 10 of 16 features: over 2 ranks, shards of 8 and 2, not torch.chunk's 5 and 5."""
+
+    def forward(self, x):
+        return x[..., :10]
+
+
+class _CutMLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.cut, self.down = torch.nn.Linear(8, 16), _Cut(), torch.nn.Linear(10, 8)
+
+    def forward(self, x):
+        return self.down(self.cut(torch.relu(self.up(x))))
+
+
+@spmd(meshes=[(2,)], timeout=180)
+def test_local_tensors_between_styles_keep_their_layout_when_compiled(mesh):
+    """A local tensor returned by a style carries its DTensor's exact layout to the next style inside a
+    compiled graph too (shards of 8 and 2 columns reach RowwiseParallel, whose in_features alone would
+    give 5 and 5): 3 AdamW steps as one device. A plain tensor a style cannot know the layout of (not
+    straight out of a style) is read as equal shards and checked in the graph: uneven shards raise
+    on every rank, naming the fix."""
+    counter = _fresh_counter("aot_eager")
+    torch.manual_seed(0)
+    model = _CutMLP()
+    reference = copy.deepcopy(model)
+    parallelize_module(model, mesh, {
+        "up": ColwiseParallel(use_local_output=False),
+        "cut": PrepareModuleOutput(output_layouts=Shard(-1), desired_output_layouts=Shard(-1)),
+        "down": RowwiseParallel(),
+    })
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.05)
+    for step in range(3):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        loss, expected = compiled(x).square().sum(), reference(x).square().sum()
+        assert_close(loss, expected, msg=lambda m: f"loss of step {step}: {m}")
+        loss.backward()
+        expected.backward()
+        for each in (optimizer, reference_optimizer):
+            each.step()
+            each.zero_grad()
+    for (name, parameter), wanted in zip(model.named_parameters(), reference.parameters()):
+        assert_close(parameter.full_tensor(), wanted, msg=lambda m: f"{name} after 3 steps: {m}")
+    assert counter.frame_count == 1 and _graph_breaks() == 0
+
+    _fresh_counter("aot_eager")
+    norm = parallelize_module(torch.nn.LayerNorm(4), mesh, SequenceParallel())
+    rows = 4 - mesh.get_coordinate()[0]  # a sequence of 7 over 2 ranks: 4 and 3 rows
+    with pytest.raises(RuntimeError, match="inside a torch.compile graph: the graph was traced for the local shapes"):
+        torch.compile(norm, backend="aot_eager", fullgraph=True)(torch.randn(2, rows, 4))
