@@ -292,11 +292,12 @@ def body(rows, backends, steps, timed, eager_first, sides=SIDES):
     return report
 
 
-def _slowest_median(per_rank_times):
+def _slowest(per_rank_times, summary=statistics.median):
+    """`summary` (median or min) over the timed steps of the slowest rank's time at each step."""
     steps = len(per_rank_times[0])
     if steps == 0:
         return math.nan
-    return statistics.median(max(rank[i] for rank in per_rank_times) for i in range(steps))
+    return summary(max(rank[i] for rank in per_rank_times) for i in range(steps))
 
 
 def print_table(report_by_rank, notes):
@@ -304,7 +305,8 @@ def print_table(report_by_rank, notes):
     for key, rank_reports in report_by_rank.items():
         row, ranks, backend = key
         first = rank_reports[0]
-        medians = {name: _slowest_median([r["times"][name] for r in rank_reports]) * 1e3 for name in ("single", *SIDES)}
+        medians = {name: _slowest([r["times"][name] for r in rank_reports]) * 1e3 for name in ("single", *SIDES)}
+        minima = {name: _slowest([r["times"][name] for r in rank_reports], min) * 1e3 for name in ("single", *SIDES)}
         cells = {side: first[side] for side in SIDES}
         failed = {side: "error" in cells[side] or "compile_s" not in cells[side] for side in SIDES}
         for side in SIDES:
@@ -316,13 +318,15 @@ def print_table(report_by_rank, notes):
             return "fails" if failed[side] or name not in cells[side] else fmt.format(cells[side][name])
 
         ratio = medians["ours"] / medians["torch"] if not any(failed.values()) else math.nan
+        min_ratio = minima["ours"] / minima["torch"] if not any(failed.values()) else math.nan
         print(
             f"| {row} | {ranks} | {backend} | "
             f"{get('ours', 'fullgraph', '{!s}').replace('True', 'yes').replace('False', 'no')} / "
             f"{get('torch', 'fullgraph', '{!s}').replace('True', 'yes').replace('False', 'no')} | "
             f"{get('ours', 'compile_s', '{:.1f}')} / {get('torch', 'compile_s', '{:.1f}')} ({first['single_compile_s']:.1f}) | "
             f"{medians['ours']:.1f} / {medians['torch']:.1f} ({medians['single']:.1f}) | "
-            f"{medians['ours'] / medians['single']:.2f} / {medians['torch'] / medians['single']:.2f} | {ratio:.2f} | "
+            f"{minima['ours']:.1f} / {minima['torch']:.1f} ({minima['single']:.1f}) | "
+            f"{medians['ours'] / medians['single']:.2f} / {medians['torch'] / medians['single']:.2f} | {ratio:.2f} ({min_ratio:.2f}) | "
             f"{get('ours', 'comm_mode')} / {get('torch', 'comm_mode')} | "
             f"{get('ours', 'gloo_ops')} / {get('torch', 'gloo_ops')} | "
             f"{get('ours', 'breaks')} / {get('torch', 'breaks')} | "
@@ -339,16 +343,17 @@ def main() -> None:
     parser.add_argument("--rows", nargs="+", default=["tp2", "tp4", "fsdp_tp"], choices=["tp2", "tp4", "fsdp_tp"])
     parser.add_argument("--backends", nargs="+", default=["aot_eager", "inductor"])
     parser.add_argument("--steps", type=int, default=3, help="steps compared with eager (the first one compiles)")
-    parser.add_argument("--timed", type=int, default=5, help="timed steps after those")
+    parser.add_argument("--timed", type=int, default=20, help="timed steps after those")
     parser.add_argument("--sides", nargs="+", default=list(SIDES), choices=SIDES, help="run only these sides")
     parser.add_argument("--eager-first", action="store_true", help="run the eager reference before compiling (default: after)")
     options = parser.parse_args()
     torch.set_num_threads(1)
     print(
-        "| row | ranks | backend | fullgraph | compile s (one process) | step ms (one process) | dist / one process | "
-        "ours / torch | collectives (CommDebugMode) | gloo ops | graph breaks | loss diff vs eager | param diff vs eager |"
+        "| row | ranks | backend | fullgraph | compile s (one process) | step ms median (one process) | step ms min | "
+        "dist / one process | ours / torch median (min) | collectives (CommDebugMode) | gloo ops | graph breaks | "
+        "loss diff vs eager | param diff vs eager |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     notes = []
     for row in options.rows:
         ranks = 2 if row == "tp2" else 4
