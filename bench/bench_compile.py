@@ -243,13 +243,18 @@ def _compare(result, eager) -> None:
         result["param_diff"] = _max_diff(parameters, eager[1])
 
 
-def _count_collectives(side, setup, step, result) -> None:
-    result["gloo_ops"] = _gloo_ops(lambda: setup.step(step))
-    try:
-        result["comm_mode"] = _comm_mode_count(side, lambda: setup.step(step + 1))
-    except Exception as error:  # noqa: BLE001
-        result["comm_mode"] = "n/a"
-        result["comm_mode_error"] = _first_line(error)
+def _count_collectives(setups, step, results) -> None:
+    """Gloo's count of every side first, then CommDebugMode's: a compiled step under CommDebugMode fails
+    (see the module docstring), and after ours failed there, torch's next compiled fully_shard x TP step
+    failed in its sharding propagation (`Attempt to trace generator`)."""
+    for side, setup in setups.items():
+        results[side]["gloo_ops"] = _gloo_ops(lambda: setup.step(step))
+    for side, setup in setups.items():
+        try:
+            results[side]["comm_mode"] = _comm_mode_count(side, lambda: setup.step(step + 1))
+        except Exception as error:  # noqa: BLE001
+            results[side]["comm_mode"] = "n/a"
+            results[side]["comm_mode_error"] = _first_line(error)
 
 
 def body(rows, backends, steps, timed, eager_first, sides=SIDES):
@@ -281,9 +286,7 @@ def body(rows, backends, steps, timed, eager_first, sides=SIDES):
                     began = time.perf_counter()
                     setup.step(step)
                     times[name].append(time.perf_counter() - began)
-            for side in SIDES:
-                if setups[side] is not None:
-                    _count_collectives(side, setups[side], steps + timed, results[side])
+            _count_collectives({side: setup for side, setup in setups.items() if setup is not None}, steps + timed, results)
             report[(row, ranks, backend)] = {"times": times, "single_compile_s": single_compile, **results}
         for side in sides:
             eager.setdefault(side, _eager_or_error(row, side, steps))
