@@ -81,6 +81,24 @@ def _train_tp_mlp(mesh, compile_options: dict, steps: int = 3, hidden: int = 16)
 
 
 @spmd(meshes=[(2,)])
+def test_metadata_guard_passes_equal_layouts_and_recompiles_for_others(mesh):
+    """A compiled call's guard on a DTensor input is an identity check of its metadata (one object per
+    spec, which deep copies to itself, as a guard stores it); equal layouts reuse the graph, another
+    layout recompiles, values as eager."""
+    x = distribute_tensor(torch.arange(8.0), mesh, [Shard(0)])
+    y = distribute_tensor(torch.arange(8.0) + 1, mesh, [Shard(0)])
+    z = distribute_tensor(torch.arange(8.0), mesh, [Replicate()])
+    metadata = x.__tensor_flatten__()[1]
+    assert y.__tensor_flatten__()[1] is metadata and copy.deepcopy(metadata) is metadata
+    assert z.__tensor_flatten__()[1] != metadata
+    counter = _fresh_counter("aot_eager")
+    double = torch.compile(lambda t: t * 2, backend=counter, fullgraph=True)
+    for t in (x, y, z, y):
+        assert_close(double(t).full_tensor(), t.full_tensor() * 2)
+    assert counter.frame_count == 2
+
+
+@spmd(meshes=[(2,)])
 def test_tp_mlp_eager_backend(mesh):
     """Issue 24's first row: was a dynamo internal error (`'dict' object has no attribute 'node'`)."""
     counter = _fresh_counter("eager")

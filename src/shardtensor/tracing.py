@@ -16,6 +16,7 @@ import torch
 
 from .layout import Layout
 from .mesh import DeviceMesh
+from .process_groups import on_new_world
 from .spec import DTensorSpec
 
 __all__ = ["TraceableMixin", "TracedMetadata"]
@@ -24,12 +25,26 @@ __all__ = ["TraceableMixin", "TracedMetadata"]
 @dataclass(frozen=True, slots=True)
 class TracedMetadata:
     """Everything about a DTensor a compiled graph depends on except its local tensor and global
-    stride (which torch passes to `__tensor_unflatten__` itself)."""
+    stride (which torch passes to `__tensor_unflatten__` itself).
+
+    Immutable, so a deep copy is the value itself: a guard keeps the deep copy of the metadata it
+    was compiled for, and with `__tensor_flatten__` returning one object per spec, a guard check
+    on an unchanged DTensor is one identity test (`TraceableMixin.__metadata_guard__`)."""
 
     mesh: DeviceMesh
     layout: Layout
     dtype: torch.dtype
     requires_grad: bool
+
+    def __deepcopy__(self, memo) -> TracedMetadata:
+        return self
+
+
+# (interned spec, requires_grad) -> its metadata. Bounded like the interned specs: emptied when full,
+# which costs a new object (and a guard check by value), never a wrong comparison.
+_metadata_by_spec: dict[tuple[DTensorSpec, bool], TracedMetadata] = {}
+_MAX_METADATA = 4096
+on_new_world(_metadata_by_spec.clear)  # specs hold meshes, which hold the groups of their world
 
 
 class TraceableMixin:
@@ -39,8 +54,22 @@ class TraceableMixin:
     __slots__ = ()
 
     def __tensor_flatten__(self):
-        spec = self._spec
-        return ["_local_tensor"], TracedMetadata(spec.mesh, spec.layout, spec.dtype, self.requires_grad)
+        # Called on every DTensor input of every compiled call (by its guards and its runtime wrapper): a
+        # dict lookup on the interned spec's identity instead of a new object.
+        key = (self._spec, self.requires_grad)
+        metadata = _metadata_by_spec.get(key)
+        if metadata is None:
+            if len(_metadata_by_spec) >= _MAX_METADATA:
+                _metadata_by_spec.clear()
+            spec = self._spec
+            metadata = _metadata_by_spec[key] = TracedMetadata(spec.mesh, spec.layout, spec.dtype, self.requires_grad)
+        return ["_local_tensor"], metadata
+
+    @classmethod
+    def __metadata_guard__(cls, compiled_for: TracedMetadata, metadata: TracedMetadata) -> bool:
+        """Whether a graph compiled for `compiled_for` serves a DTensor with `metadata`: the same object
+        (the common case, see `TracedMetadata`), else equal by value."""
+        return metadata is compiled_for or metadata == compiled_for
 
     @classmethod
     def __tensor_unflatten__(cls, inner_tensors, metadata: TracedMetadata, outer_size, outer_stride):
