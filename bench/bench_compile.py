@@ -15,8 +15,9 @@ Rows (issue 24, item 6):
 Each side is compiled with `fullgraph=True` first; if that fails it is compiled again without it and
 the table says `no` in the fullgraph column (the first line of the fullgraph error is listed below the
 table). Reported per row, backend and side: the first step's wall time (compile time: forward and backward
-graphs), the compiled step (slowest rank's median over the timed steps, ours and torch's alternating step
-by step), that step over the same model compiled on one process (every rank runs it at once, so the
+graphs) and its CPU time (the slowest rank's `process_time`: on a loaded machine the wall time is mostly
+waiting for a core), the compiled step (slowest rank's median and minimum over the timed steps, ours and
+torch's alternating step by step), that step over the same model compiled on one process (every rank runs it at once, so the
 machine's load is alike), ours/torch, collectives per step as each library's own CommDebugMode counts
 them and as gloo saw them (profiler events `gloo:*`, the same yardstick for both), the graph breaks of
 the first steps (`torch._dynamo.utils.counters["graph_break"]`), and the largest difference of the loss
@@ -200,9 +201,10 @@ def _compiled_side(row, side, backend, steps):
                 options["backend"] = backend
             setup = Setup(row, side, options)
             dist.barrier()
-            began = time.perf_counter()
+            began, began_cpu = time.perf_counter(), time.process_time()
             losses = [setup.step(0)]
             result["compile_s"] = time.perf_counter() - began
+            result["compile_cpu_s"] = time.process_time() - began_cpu
             losses += [setup.step(step) for step in range(1, steps)]
         except Exception as error:  # noqa: BLE001 - a failing side is reported, not fatal
             result["fullgraph_error" if fullgraph else "error"] = _first_line(error)
@@ -243,13 +245,18 @@ def _compare(result, eager) -> None:
         result["param_diff"] = _max_diff(parameters, eager[1])
 
 
-def _count_collectives(side, setup, step, result) -> None:
-    result["gloo_ops"] = _gloo_ops(lambda: setup.step(step))
-    try:
-        result["comm_mode"] = _comm_mode_count(side, lambda: setup.step(step + 1))
-    except Exception as error:  # noqa: BLE001
-        result["comm_mode"] = "n/a"
-        result["comm_mode_error"] = _first_line(error)
+def _count_collectives(setups, step, results) -> None:
+    """Gloo's count of every side first, then CommDebugMode's: a compiled step under CommDebugMode fails
+    (see the module docstring), and after ours failed there, torch's next compiled fully_shard x TP step
+    failed in its sharding propagation (`Attempt to trace generator`)."""
+    for side, setup in setups.items():
+        results[side]["gloo_ops"] = _gloo_ops(lambda: setup.step(step))
+    for side, setup in setups.items():
+        try:
+            results[side]["comm_mode"] = _comm_mode_count(side, lambda: setup.step(step + 1))
+        except Exception as error:  # noqa: BLE001
+            results[side]["comm_mode"] = "n/a"
+            results[side]["comm_mode_error"] = _first_line(error)
 
 
 def body(rows, backends, steps, timed, eager_first, sides=SIDES):
@@ -281,9 +288,7 @@ def body(rows, backends, steps, timed, eager_first, sides=SIDES):
                     began = time.perf_counter()
                     setup.step(step)
                     times[name].append(time.perf_counter() - began)
-            for side in SIDES:
-                if setups[side] is not None:
-                    _count_collectives(side, setups[side], steps + timed, results[side])
+            _count_collectives({side: setup for side, setup in setups.items() if setup is not None}, steps + timed, results)
             report[(row, ranks, backend)] = {"times": times, "single_compile_s": single_compile, **results}
         for side in sides:
             eager.setdefault(side, _eager_or_error(row, side, steps))
@@ -292,11 +297,12 @@ def body(rows, backends, steps, timed, eager_first, sides=SIDES):
     return report
 
 
-def _slowest_median(per_rank_times):
+def _slowest(per_rank_times, summary=statistics.median):
+    """`summary` (median or min) over the timed steps of the slowest rank's time at each step."""
     steps = len(per_rank_times[0])
     if steps == 0:
         return math.nan
-    return statistics.median(max(rank[i] for rank in per_rank_times) for i in range(steps))
+    return summary(max(rank[i] for rank in per_rank_times) for i in range(steps))
 
 
 def print_table(report_by_rank, notes):
@@ -304,7 +310,8 @@ def print_table(report_by_rank, notes):
     for key, rank_reports in report_by_rank.items():
         row, ranks, backend = key
         first = rank_reports[0]
-        medians = {name: _slowest_median([r["times"][name] for r in rank_reports]) * 1e3 for name in ("single", *SIDES)}
+        medians = {name: _slowest([r["times"][name] for r in rank_reports]) * 1e3 for name in ("single", *SIDES)}
+        minima = {name: _slowest([r["times"][name] for r in rank_reports], min) * 1e3 for name in ("single", *SIDES)}
         cells = {side: first[side] for side in SIDES}
         failed = {side: "error" in cells[side] or "compile_s" not in cells[side] for side in SIDES}
         for side in SIDES:
@@ -315,14 +322,20 @@ def print_table(report_by_rank, notes):
         def get(side, name, fmt="{}"):
             return "fails" if failed[side] or name not in cells[side] else fmt.format(cells[side][name])
 
+        def cpu(side):  # the slowest rank's CPU seconds of the compiling step
+            return "fails" if failed[side] else f"{max(r[side]['compile_cpu_s'] for r in rank_reports):.2f}"
+
         ratio = medians["ours"] / medians["torch"] if not any(failed.values()) else math.nan
+        min_ratio = minima["ours"] / minima["torch"] if not any(failed.values()) else math.nan
         print(
             f"| {row} | {ranks} | {backend} | "
             f"{get('ours', 'fullgraph', '{!s}').replace('True', 'yes').replace('False', 'no')} / "
             f"{get('torch', 'fullgraph', '{!s}').replace('True', 'yes').replace('False', 'no')} | "
             f"{get('ours', 'compile_s', '{:.1f}')} / {get('torch', 'compile_s', '{:.1f}')} ({first['single_compile_s']:.1f}) | "
+            f"{cpu('ours')} / {cpu('torch')} | "
             f"{medians['ours']:.1f} / {medians['torch']:.1f} ({medians['single']:.1f}) | "
-            f"{medians['ours'] / medians['single']:.2f} / {medians['torch'] / medians['single']:.2f} | {ratio:.2f} | "
+            f"{minima['ours']:.1f} / {minima['torch']:.1f} ({minima['single']:.1f}) | "
+            f"{medians['ours'] / medians['single']:.2f} / {medians['torch'] / medians['single']:.2f} | {ratio:.2f} ({min_ratio:.2f}) | "
             f"{get('ours', 'comm_mode')} / {get('torch', 'comm_mode')} | "
             f"{get('ours', 'gloo_ops')} / {get('torch', 'gloo_ops')} | "
             f"{get('ours', 'breaks')} / {get('torch', 'breaks')} | "
@@ -339,16 +352,17 @@ def main() -> None:
     parser.add_argument("--rows", nargs="+", default=["tp2", "tp4", "fsdp_tp"], choices=["tp2", "tp4", "fsdp_tp"])
     parser.add_argument("--backends", nargs="+", default=["aot_eager", "inductor"])
     parser.add_argument("--steps", type=int, default=3, help="steps compared with eager (the first one compiles)")
-    parser.add_argument("--timed", type=int, default=5, help="timed steps after those")
+    parser.add_argument("--timed", type=int, default=20, help="timed steps after those")
     parser.add_argument("--sides", nargs="+", default=list(SIDES), choices=SIDES, help="run only these sides")
     parser.add_argument("--eager-first", action="store_true", help="run the eager reference before compiling (default: after)")
     options = parser.parse_args()
     torch.set_num_threads(1)
     print(
-        "| row | ranks | backend | fullgraph | compile s (one process) | step ms (one process) | dist / one process | "
-        "ours / torch | collectives (CommDebugMode) | gloo ops | graph breaks | loss diff vs eager | param diff vs eager |"
+        "| row | ranks | backend | fullgraph | compile s (one process) | compile CPU s | step ms median (one process) | step ms min | "
+        "dist / one process | ours / torch median (min) | collectives (CommDebugMode) | gloo ops | graph breaks | "
+        "loss diff vs eager | param diff vs eager |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     notes = []
     for row in options.rows:
         ranks = 2 if row == "tp2" else 4

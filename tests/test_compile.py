@@ -83,6 +83,24 @@ def _train_tp_mlp(mesh, compile_options: dict, steps: int = 3, hidden: int = 16)
 
 
 @spmd(meshes=[(2,)])
+def test_metadata_guard_passes_equal_layouts_and_recompiles_for_others(mesh):
+    """A compiled call's guard on a DTensor input is an identity check of its metadata (one object per
+    spec, which deep copies to itself, as a guard stores it); equal layouts reuse the graph, another
+    layout recompiles, values as eager."""
+    x = distribute_tensor(torch.arange(8.0), mesh, [Shard(0)])
+    y = distribute_tensor(torch.arange(8.0) + 1, mesh, [Shard(0)])
+    z = distribute_tensor(torch.arange(8.0), mesh, [Replicate()])
+    metadata = x.__tensor_flatten__()[1]
+    assert y.__tensor_flatten__()[1] is metadata and copy.deepcopy(metadata) is metadata
+    assert z.__tensor_flatten__()[1] != metadata
+    counter = _fresh_counter("aot_eager")
+    double = torch.compile(lambda t: t * 2, backend=counter, fullgraph=True)
+    for t in (x, y, z, y):
+        assert_close(double(t).full_tensor(), t.full_tensor() * 2)
+    assert counter.frame_count == 2
+
+
+@spmd(meshes=[(2,)])
 def test_tp_mlp_eager_backend(mesh):
     """Issue 24's first row: was a dynamo internal error (`'dict' object has no attribute 'node'`)."""
     counter = _fresh_counter("eager")
@@ -239,10 +257,11 @@ def test_compiled_blocks_under_fully_shard_train_like_one_device(mesh):
             each.step()
             each.zero_grad()
     _assert_same_parameters(model, reference)
-    # Two graphs, none per step: the second block recompiles because dynamo guards the ids of the TP styles'
-    # per-module hook closures. FSDP's hooks are not traced at all (dynamo starts at each block's `forward`,
-    # below nn.Module.__call__ and the disabled hooks), so no graph break shows; a break here is a regression.
-    assert counter.frame_count == 2 and _graph_breaks() == 0, (counter.frame_count, _graph_breaks())
+    # One graph for both blocks, none per step (two while the TP styles' hooks read their function's
+    # signature on every call: dynamo then guarded each block's hook function by identity). FSDP's hooks
+    # are not traced at all (dynamo starts at each block's `forward`, below nn.Module.__call__ and the
+    # disabled hooks), so no graph break shows; a break here is a regression.
+    assert counter.frame_count == 1 and _graph_breaks() == 0, (counter.frame_count, _graph_breaks())
     # A compiled function calling the fully_shard model must break at its hooks: fullgraph names why.
     with pytest.raises(torch._dynamo.exc.Unsupported, match="fully_shard's forward hooks"):
         torch.compile(lambda t: model(t), backend="aot_eager", fullgraph=True)(local_inputs)

@@ -165,11 +165,16 @@ def distribute_tensor(
     return DTensor(local, spec, requires_grad=tensor.requires_grad)
 
 
-def _call_hook(function: Callable, module, value, mesh):
-    """Hooks take (module, value, mesh), or (value, mesh) as PyTorch's older form."""
+def _hook(function: Callable, mesh: DeviceMesh, takes_inputs: bool) -> Callable:
+    """`function` as a forward (pre-)hook: it takes (module, value, mesh), or (value, mesh) as PyTorch's
+    older form. The form is read once here, not per call: torch.compile traces every call's hook."""
     if len(inspect.signature(function).parameters) == 2:
-        return function(value, mesh)
-    return function(module, value, mesh)
+        if takes_inputs:
+            return lambda hooked, inputs: function(inputs, mesh)
+        return lambda hooked, inputs, outputs: function(outputs, mesh)
+    if takes_inputs:
+        return lambda hooked, inputs: function(hooked, inputs, mesh)
+    return lambda hooked, inputs, outputs: function(hooked, outputs, mesh)
 
 
 def _replicate_parameters(module: torch.nn.Module, mesh: DeviceMesh) -> None:
@@ -208,9 +213,9 @@ def distribute_module(
             partition_fn(name, submodule, mesh)
         _replicate_parameters(submodule, mesh)
     if input_fn is not None:
-        module.register_forward_pre_hook(lambda hooked, inputs: _call_hook(input_fn, hooked, inputs, mesh))
+        module.register_forward_pre_hook(_hook(input_fn, mesh, takes_inputs=True))
     if output_fn is not None:
-        module.register_forward_hook(lambda hooked, inputs, outputs: _call_hook(output_fn, hooked, outputs, mesh))
+        module.register_forward_hook(_hook(output_fn, mesh, takes_inputs=False))
     module._distribute_module_applied = True
     return module
 

@@ -303,6 +303,13 @@ def normalize_placements(placements: Sequence[Placement], ndim: int, mesh_ndim: 
     Returns them as a tuple with negative shard dims made non-negative; raises a ValueError or
     TypeError that names what was wrong otherwise.
     """
+    if type(placements) is tuple and len(placements) == mesh_ndim:  # already normal: returned as it is, no loop
+        for placement in placements:  # over enumerate and a new tuple (torch.compile traces every style hook's call)
+            kind = type(placement)
+            if not (kind is Replicate or kind is Partial or (kind is Shard and 0 <= placement.dim < ndim)):
+                break
+        else:
+            return placements
     if isinstance(placements, Placement) or not isinstance(placements, Sequence):
         raise _placements_error(placements, ndim, mesh_ndim, "placements must be a sequence of Placement")
     if len(placements) != mesh_ndim:

@@ -420,11 +420,15 @@ def _to_meta_tensor(value, local_metas: list | None = None):
 
 
 def run_on_meta(op, args: tuple, kwargs: dict, local_metas: list[TensorMeta] | None = None) -> list:
-    """Run `op` on meta tensors standing for the placeholders; `local_metas` replaces DTensor ones in order."""
+    """Run `op` on meta tensors standing for the placeholders; `local_metas` replaces DTensor ones in order.
+
+    Below any dispatch mode: meta tensors need none, and under torch.compile's fake, functional and
+    proxy modes each meta tensor and op would be wrapped and traced into the graph (then dropped)."""
     flat, tree = tree_flatten((args, kwargs))
     queue = list(local_metas) if local_metas is not None else None
-    meta_args, meta_kwargs = tree_unflatten([_to_meta_tensor(value, queue) for value in flat], tree)
-    outputs, _ = tree_flatten(op(*meta_args, **meta_kwargs))
+    with torch._C._DisableTorchDispatch():
+        meta_args, meta_kwargs = tree_unflatten([_to_meta_tensor(value, queue) for value in flat], tree)
+        outputs, _ = tree_flatten(op(*meta_args, **meta_kwargs))
     return [
         TensorMeta(tuple(output.shape), tuple(output.stride()), output.dtype) if isinstance(output, torch.Tensor) else None
         for output in outputs

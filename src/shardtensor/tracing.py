@@ -18,6 +18,7 @@ import torch
 
 from .layout import Layout
 from .mesh import DeviceMesh
+from .process_groups import on_new_world
 from .spec import DTensorSpec
 
 __all__ = ["TraceableMixin", "TracedMetadata"]
@@ -26,12 +27,26 @@ __all__ = ["TraceableMixin", "TracedMetadata"]
 @dataclass(frozen=True, slots=True)
 class TracedMetadata:
     """Everything about a DTensor a compiled graph depends on except its local tensor and global
-    stride (which torch passes to `__tensor_unflatten__` itself)."""
+    stride (which torch passes to `__tensor_unflatten__` itself).
+
+    Immutable, so a deep copy is the value itself: a guard keeps the deep copy of the metadata it
+    was compiled for, and with `__tensor_flatten__` returning one object per spec, a guard check
+    on an unchanged DTensor is one identity test (`TraceableMixin.__metadata_guard__`)."""
 
     mesh: DeviceMesh
     layout: Layout
     dtype: torch.dtype
     requires_grad: bool
+
+    def __deepcopy__(self, memo) -> TracedMetadata:
+        return self
+
+
+# (interned spec, requires_grad) -> its metadata. Bounded like the interned specs: emptied when full,
+# which costs a new object (and a guard check by value), never a wrong comparison.
+_metadata_by_spec: dict[tuple[DTensorSpec, bool], TracedMetadata] = {}
+_MAX_METADATA = 4096
+on_new_world(_metadata_by_spec.clear)  # specs hold meshes, which hold the groups of their world
 
 
 class TraceableMixin:
@@ -42,10 +57,18 @@ class TraceableMixin:
 
     def __tensor_flatten__(self):
         spec = self._spec
-        layout = spec.layout
-        if layout.is_symbolic:  # traced with dynamic shapes: the sizes come back through `__tensor_unflatten__`'s
-            layout = layout.with_example_sizes()  # outer_size (symbolic while tracing, concrete when a graph runs)
-        return ["_local_tensor"], TracedMetadata(spec.mesh, layout, spec.dtype, self.requires_grad)
+        if spec.layout.is_symbolic:  # traced with dynamic shapes: the sizes come back through `__tensor_unflatten__`'s
+            layout = spec.layout.with_example_sizes()  # outer_size (symbolic while tracing, concrete when a graph runs)
+            return ["_local_tensor"], TracedMetadata(spec.mesh, layout, spec.dtype, self.requires_grad)
+        # Called on every DTensor input of every compiled call (by its guards and its runtime wrapper): a
+        # dict lookup on the interned spec's identity instead of a new object.
+        key = (spec, self.requires_grad)
+        metadata = _metadata_by_spec.get(key)
+        if metadata is None:
+            if len(_metadata_by_spec) >= _MAX_METADATA:
+                _metadata_by_spec.clear()
+            metadata = _metadata_by_spec[key] = TracedMetadata(spec.mesh, spec.layout, spec.dtype, self.requires_grad)
+        return ["_local_tensor"], metadata
 
     @classmethod
     def __tensor_unflatten__(cls, inner_tensors, metadata: TracedMetadata, outer_size, outer_stride):
@@ -57,8 +80,9 @@ class TraceableMixin:
     def __metadata_guard__(cls, traced: TracedMetadata, given: TracedMetadata) -> bool:
         """Dynamo's guard on a DTensor input's metadata: equal, except for the sizes that dynamo's guards on
         the tensor's own sizes check (a dim's size, and its pieces where the size alone gives them), so a
-        graph traced with a dynamic size serves every size. Explicit uneven pieces must be equal."""
-        if traced == given:
+        graph traced with a dynamic size serves every size. Explicit uneven pieces must be equal. The common
+        case is one identity test (`__tensor_flatten__` returns one metadata object per spec)."""
+        if given is traced or traced == given:
             return True
         layout, other = traced.layout, given.layout
         return (

@@ -2,10 +2,12 @@
 
 Eagerly these are torch.distributed's in-place collectives, as before. While `torch.compile` traces
 (dynamo, or AOTAutograd running our dispatch on fake tensors) they are functional collectives
-(`torch.ops._c10d_functional.*`, each followed by `wait_tensor`), whose result is copied into the
-buffer the eager call would have written: the graph then holds collectives the compiler can order
-and overlap, and no in-place c10d call the compiled program could race ahead of. Each function
-returns the c10d work (None when traced, where the wait is in the graph).
+(`torch.ops._c10d_functional.*`, each followed by `wait_tensor`): the graph then holds collectives the
+compiler can order and overlap, and no in-place c10d call the compiled program could race ahead of.
+Each function returns (result, c10d work): eagerly the buffer it was given, written in place; traced,
+the functional collective's new tensor in the buffer's shape (the buffer is not written, so a graph
+holds no copy into it and drops a buffer nothing else reads), and None for the work, whose wait is in
+the graph.
 """
 
 from __future__ import annotations
@@ -40,53 +42,48 @@ def tracing() -> bool:
     return _compiling() or torch._C._get_dispatch_mode(_PROXY) is not None
 
 
-def _land(buffer: torch.Tensor, result: torch.Tensor) -> None:
-    buffer.copy_(_functional.wait_tensor(result).view(buffer.shape))
+def _landed(buffer: torch.Tensor, result: torch.Tensor) -> tuple[torch.Tensor, None]:
+    return _functional.wait_tensor(result).view(buffer.shape), None
 
 
 def all_gather_single(output: torch.Tensor, local: torch.Tensor, group, size: int, async_op: bool):
     """Every group rank's flat `local`, in group-rank order, into the flat `output`."""
     if tracing():
-        _land(output, _functional.all_gather_into_tensor(local, size, group.group_name))
-        return None
-    return _all_gather_single(output, local, group=group, async_op=async_op)
+        return _landed(output, _functional.all_gather_into_tensor(local, size, group.group_name))
+    return output, _all_gather_single(output, local, group=group, async_op=async_op)
 
 
 def all_reduce(buffer: torch.Tensor, reduce_op: str, group, async_op: bool):
-    """`buffer` reduced over the group, in place."""
+    """`buffer` reduced over the group (in place when eager)."""
     if tracing():
-        _land(buffer, _functional.all_reduce(buffer, reduce_op, group.group_name))
-        return None
-    return dist.all_reduce(buffer, op=REDUCE_OPS[reduce_op], group=group, async_op=async_op)
+        return _landed(buffer, _functional.all_reduce(buffer, reduce_op, group.group_name))
+    return buffer, dist.all_reduce(buffer, op=REDUCE_OPS[reduce_op], group=group, async_op=async_op)
 
 
 def reduce_scatter_single(output: torch.Tensor, stacked: torch.Tensor, reduce_op: str, group, size: int,
                           async_op: bool):
     """This group rank's equal part of the flat `stacked` reduced over the group, into the flat `output`."""
     if tracing():
-        _land(output, _functional.reduce_scatter_tensor(stacked, reduce_op, size, group.group_name))
-        return None
-    return _reduce_scatter_single(output, stacked, op=REDUCE_OPS[reduce_op], group=group, async_op=async_op)
+        return _landed(output, _functional.reduce_scatter_tensor(stacked, reduce_op, size, group.group_name))
+    return output, _reduce_scatter_single(output, stacked, op=REDUCE_OPS[reduce_op], group=group, async_op=async_op)
 
 
 def all_to_all_single(received: torch.Tensor, sent: torch.Tensor, output_splits: Sequence[int],
                       input_splits: Sequence[int], group, async_op: bool):
     """Part i of the flat `sent` (input_splits[i] elements) to group rank i; what arrives into `received`."""
     if tracing():
-        _land(received, _functional.all_to_all_single(sent, list(output_splits), list(input_splits),
-                                                      group.group_name))
-        return None
-    return dist.all_to_all_single(received, sent, list(output_splits), list(input_splits), group=group,
-                                  async_op=async_op)
+        return _landed(received, _functional.all_to_all_single(sent, list(output_splits), list(input_splits),
+                                                               group.group_name))
+    return received, dist.all_to_all_single(received, sent, list(output_splits), list(input_splits), group=group,
+                                            async_op=async_op)
 
 
 def broadcast(buffer: torch.Tensor, source_rank: int, group, async_op: bool):
-    """Global rank `source_rank`'s `buffer` on every rank of the group, in place."""
+    """Global rank `source_rank`'s `buffer` on every rank of the group (in place when eager)."""
     if tracing():
         source = dist.get_group_rank(group, source_rank)
-        _land(buffer, _functional.broadcast(buffer, source, group.group_name))
-        return None
-    return dist.broadcast(buffer, src=source_rank, group=group, async_op=async_op)
+        return _landed(buffer, _functional.broadcast(buffer, source, group.group_name))
+    return buffer, dist.broadcast(buffer, src=source_rank, group=group, async_op=async_op)
 
 
 def refuse_point_to_point(what: str) -> None:

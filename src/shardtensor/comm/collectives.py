@@ -61,8 +61,8 @@ def all_gather(tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: MeshDims, *, di
     _record_on("all_gather", peers, _nbytes(local) * len(others),
             sum(sizes[c] for c in others) * row * local.element_size())
     if _equal(sizes):
-        output = local.new_empty(peers.size * local.numel())
-        work = c10d.all_gather_single(output, local.reshape(-1), peers.group, peers.size, async_op)
+        output, work = c10d.all_gather_single(local.new_empty(peers.size * local.numel()), local.reshape(-1),
+                                              peers.group, peers.size, async_op)
 
         def finish_even() -> torch.Tensor:
             by_group_rank = output.view(peers.size, *local.shape)
@@ -114,7 +114,9 @@ def all_gather_into(output: torch.Tensor, tensor: torch.Tensor, mesh: DeviceMesh
     target = wire_output if peers.in_coordinate_order else torch.empty_like(wire_output)
     group_sizes = [sizes[c] for c in peers.group_order]
     if len(set(sizes)) == 1 and not peers.parts:
-        work = c10d.all_gather_single(target, local, peers.group, peers.size, async_op)
+        gathered, work = c10d.all_gather_single(target, local, peers.group, peers.size, async_op)
+        if gathered is not target:  # traced: a new tensor (`c10d`), written into the output as eager mode does
+            target.copy_(gathered)
     else:
         # Point-to-point: this piece goes to every peer as it is and each peer's piece lands in its place
         # of the output, so no send buffer repeats the piece (an all_to_all_single would need one).
@@ -200,11 +202,13 @@ def all_reduce(tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: MeshDims, *, re
         collective_check.agree("all_reduce", peers, tensor, (tuple(tensor.shape), op))
     if tensor.dtype == torch.bool:
         buffer = tensor.to(torch.uint8, memory_format=torch.contiguous_format)
+    elif c10d.tracing():  # a functional all_reduce writes no buffer: no copy to protect the input
+        buffer = tensor.contiguous()
     else:
         buffer = tensor.clone(memory_format=torch.contiguous_format)
     traffic = 2 * (peers.size - 1) * _nbytes(buffer) // peers.size
     _record_on("all_reduce", peers, traffic, traffic)
-    work = c10d.all_reduce(buffer, op, peers.group, async_op)
+    buffer, work = c10d.all_reduce(buffer, op, peers.group, async_op)
     return _complete(work, lambda: buffer.to(torch.bool) if tensor.dtype == torch.bool else buffer, async_op)
 
 
@@ -235,7 +239,9 @@ def reduce_scatter(tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: MeshDims, *
             stacked = local.contiguous()
         else:
             stacked = torch.stack([pieces[c] for c in peers.group_order])
-        work = c10d.reduce_scatter_single(output.view(-1), stacked.reshape(-1), op, peers.group, peers.size, async_op)
+        reduced, work = c10d.reduce_scatter_single(output.view(-1), stacked.reshape(-1), op, peers.group, peers.size,
+                                                   async_op)
+        output = reduced.view(output.shape)
     else:
         return _reduce_scatter_uneven(tensor, pieces, op, peers, async_op)
     return _complete(work, lambda: output.to(torch.bool) if tensor.dtype == torch.bool else output, async_op)
@@ -287,8 +293,8 @@ def broadcast(tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: MeshDims, *, src
     else:
         buffer = torch.empty_like(tensor, memory_format=torch.contiguous_format)
         _record_on("broadcast", peers, 0, _nbytes(buffer))
-    work = c10d.broadcast(_wire(buffer), peers.ranks[src], peers.group, async_op)
-    return _complete(work, lambda: buffer, async_op)
+    wired, work = c10d.broadcast(_wire(buffer), peers.ranks[src], peers.group, async_op)
+    return _complete(work, lambda: _unwire(wired, tensor.dtype), async_op)
 
 
 def scatter(pieces: Sequence[torch.Tensor] | None, mesh: DeviceMesh, mesh_dim: MeshDims, *, src: int = 0,

@@ -65,7 +65,8 @@ def _exchange(send: Sequence[torch.Tensor | None], receive_shapes: Sequence[Sequ
     flat = [send[c].reshape(-1) for c in peers.group_order if send[c] is not None]
     send_buffer = torch.cat(flat) if flat else template.new_empty(0)
     receive_buffer = template.new_empty(sum(output_splits))
-    work = c10d.all_to_all_single(receive_buffer, send_buffer, output_splits, input_splits, peers.group, async_op)
+    receive_buffer, work = c10d.all_to_all_single(receive_buffer, send_buffer, output_splits, input_splits,
+                                                  peers.group, async_op)
 
     def received() -> list[torch.Tensor | None]:
         by_group_rank = receive_buffer.split(output_splits)

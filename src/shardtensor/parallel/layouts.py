@@ -132,6 +132,8 @@ def redistribute_to(value, placements: Sequence[Placement]):
     """A DTensor moved to `placements` (a Partial target keeps the value's Partial); other values as they are."""
     if not isinstance(value, DTensor):
         return value
+    if placements == value.placements:  # the common case, checked before normalizing
+        return value
     target = tuple(
         old if isinstance(new, Partial) and old == new else new
         for old, new in zip(value.placements, normalize_placements(placements, value.ndim, value.device_mesh.ndim))

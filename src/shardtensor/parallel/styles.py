@@ -30,6 +30,8 @@ from .style import (
 
 __all__ = ["ColwiseParallel", "RowwiseParallel", "SequenceParallel"]
 
+_REPLICATE = (Replicate(),)  # made once: torch.compile traces every hook call, and a placement made there is traced too
+
 
 def _prepare_first_input(style, module, inputs, mesh, given: tuple, desired: tuple):
     """The module's first positional input as a DTensor with `desired` placements (others untouched)."""
@@ -65,7 +67,7 @@ class ColwiseParallel(ParallelStyle):
             device_mesh,
             placements,
             self.src_data_rank,
-            input_fn=lambda hooked, inputs, mesh: _prepare_first_input(self, hooked, inputs, mesh, given, (Replicate(),)),
+            input_fn=lambda hooked, inputs, mesh: _prepare_first_input(self, hooked, inputs, mesh, given, _REPLICATE),
             output_fn=lambda hooked, outputs, mesh: to_output(outputs, output, self.use_local_output),
         )
 
@@ -92,7 +94,7 @@ class RowwiseParallel(ParallelStyle):
         if isinstance(module, nn.Linear):
             placements, desired = {"weight": Shard(1), "bias": Replicate()}, (Shard(-1),)
         else:
-            placements, desired = {"weight": Shard(0)}, (Replicate(),)
+            placements, desired = {"weight": Shard(0)}, _REPLICATE
         return distribute_parameters(
             module,
             device_mesh,
