@@ -23,7 +23,7 @@ SOURCE = pathlib.Path(shardtensor.__file__).parent
 LAYERS = [
     ["placement"],
     ["layout"],
-    ["rank_state", "process_groups", "simulated_world", "mesh", "launch"],  # simulated_world: in-memory groups for launch.simulate
+    ["rank_state", "process_groups", "simulated_world", "mesh_slicing", "mesh", "launch"],  # simulated_world: in-memory groups for launch.simulate
     ["comm", "halo"],  # halo: point-to-point window exchange built on comm, for spatially sharded ops
     ["redistribute", "random", "log"],
     ["modes", "rules", "row_costs", "propagation", "ops"],  # rules, their costs, the decisions made from them,
