@@ -71,38 +71,45 @@ def from_torch_dtensor(cls, tensor):
     return cls.from_local(tensor.to_local(), mesh, placements, shape=tuple(tensor.shape), stride=tuple(tensor.stride()))
 
 
-def _torch_placement(placement, dtensor):
-    from torch.distributed.tensor import Partial as TorchPartial
-    from torch.distributed.tensor import Replicate as TorchReplicate
-    from torch.distributed.tensor import Shard as TorchShard
+# The placements both libraries have, one row each: ours, torch's (its name in torch.distributed.tensor),
+# and the fields that carry over, in the order both constructors take them.
+_PLACEMENT_PAIRS = (
+    (Shard, "Shard", ("dim",)),
+    (Replicate, "Replicate", ()),
+    (Partial, "Partial", ("reduce_op",)),
+)
 
-    if type(placement) is Shard:
-        return TorchShard(placement.dim)
-    if type(placement) is Replicate:
-        return TorchReplicate()
-    if type(placement) is Partial:
-        return TorchPartial(placement.reduce_op)
-    raise ValueError(
-        f"to_dtensor: PyTorch's DTensor has no placement like {placement!r} (placements {dtensor.placements!r}); "
-        f"redistribute to Shard/Replicate/Partial first, e.g. x.redistribute(placements=[Replicate()] * mesh.ndim)"
-    )
+
+def _converted_placement(placement, to_torch: bool):
+    """`placement` as the other library's placement (`to_torch`: ours to torch's), or None when it has none."""
+    import torch.distributed.tensor as torch_tensor
+
+    for ours, torch_name, fields in _PLACEMENT_PAIRS:
+        theirs = getattr(torch_tensor, torch_name)
+        source, target = (ours, theirs) if to_torch else (theirs, ours)
+        if type(placement) is source:
+            return target(*(getattr(placement, field) for field in fields))
+    return None
+
+
+def _torch_placement(placement, dtensor):
+    converted = _converted_placement(placement, to_torch=True)
+    if converted is None:
+        raise ValueError(
+            f"to_dtensor: PyTorch's DTensor has no placement like {placement!r} (placements {dtensor.placements!r}); "
+            f"redistribute to Shard/Replicate/Partial first, e.g. x.redistribute(placements=[Replicate()] * mesh.ndim)"
+        )
+    return converted
 
 
 def _our_placement(placement, tensor):
-    from torch.distributed.tensor import Partial as TorchPartial
-    from torch.distributed.tensor import Replicate as TorchReplicate
-    from torch.distributed.tensor import Shard as TorchShard
-
-    if type(placement) is TorchShard:
-        return Shard(placement.dim)
-    if type(placement) is TorchReplicate:
-        return Replicate()
-    if type(placement) is TorchPartial:
-        return Partial(placement.reduce_op)
-    raise ValueError(
-        f"from_dtensor: the placement {placement!r} of this DTensor (placements {tensor.placements}) has no "
-        f"counterpart here (Shard, Replicate and Partial do); redistribute it in torch to those first"
-    )
+    converted = _converted_placement(placement, to_torch=False)
+    if converted is None:
+        raise ValueError(
+            f"from_dtensor: the placement {placement!r} of this DTensor (placements {tensor.placements}) has no "
+            f"counterpart here (Shard, Replicate and Partial do); redistribute it in torch to those first"
+        )
+    return converted
 
 
 def _torch_mesh(mesh: DeviceMesh):
