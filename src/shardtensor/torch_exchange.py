@@ -44,7 +44,9 @@ def to_torch_dtensor(dtensor):
     layout = dtensor.sharding
     if not layout.is_chunked() or not layout.has_default_shard_order():
         raise ValueError(_uneven_error(dtensor))
-    placements = [_torch_placement(placement, dtensor) for placement in layout.placements]
+    placements = [_converted_placement(placement, to_torch=True) for placement in layout.placements]
+    if None in placements:
+        raise ValueError(_no_torch_placement_error(dtensor))
     mesh = _torch_mesh(dtensor.device_mesh)
     return TorchDTensor.from_local(dtensor.to_local(), mesh, placements, run_check=False,
                                    shape=tuple(dtensor.shape), stride=tuple(dtensor.stride()))
@@ -66,7 +68,9 @@ def from_torch_dtensor(cls, tensor):
             f"from_dtensor: the DTensor's shard order {order} is not the default one (ascending mesh dims) for "
             f"placements {spec.placements}; redistribute it in torch to a default order first"
         )
-    placements = tuple(_our_placement(placement, tensor) for placement in tensor.placements)
+    placements = tuple(_converted_placement(placement, to_torch=False) for placement in tensor.placements)
+    if None in placements:
+        raise ValueError(_no_placement_here_error(tensor))
     mesh = _our_mesh(tensor.device_mesh)
     return cls.from_local(tensor.to_local(), mesh, placements, shape=tuple(tensor.shape), stride=tuple(tensor.stride()))
 
@@ -90,26 +94,6 @@ def _converted_placement(placement, to_torch: bool):
         if type(placement) is source:
             return target(*(getattr(placement, field) for field in fields))
     return None
-
-
-def _torch_placement(placement, dtensor):
-    converted = _converted_placement(placement, to_torch=True)
-    if converted is None:
-        raise ValueError(
-            f"to_dtensor: PyTorch's DTensor has no placement like {placement!r} (placements {dtensor.placements!r}); "
-            f"redistribute to Shard/Replicate/Partial first, e.g. x.redistribute(placements=[Replicate()] * mesh.ndim)"
-        )
-    return converted
-
-
-def _our_placement(placement, tensor):
-    converted = _converted_placement(placement, to_torch=False)
-    if converted is None:
-        raise ValueError(
-            f"from_dtensor: the placement {placement!r} of this DTensor (placements {tensor.placements}) has no "
-            f"counterpart here (Shard, Replicate and Partial do); redistribute it in torch to those first"
-        )
-    return converted
 
 
 def _torch_mesh(mesh: DeviceMesh):
@@ -157,6 +141,18 @@ def _our_mesh(torch_mesh) -> DeviceMesh:
 def _outside_error(function: str, mesh) -> str:
     return (f"{function}: this rank is not in {mesh!r}; the conversion runs on the ranks of the mesh, which hold "
             f"the shards")
+
+
+def _no_torch_placement_error(dtensor) -> str:
+    placement = next(placement for placement in dtensor.placements if _converted_placement(placement, True) is None)
+    return (f"to_dtensor: PyTorch's DTensor has no placement like {placement!r} (placements {dtensor.placements!r}); "
+            f"redistribute to Shard/Replicate/Partial first, e.g. x.redistribute(placements=[Replicate()] * mesh.ndim)")
+
+
+def _no_placement_here_error(tensor) -> str:
+    placement = next(placement for placement in tensor.placements if _converted_placement(placement, False) is None)
+    return (f"from_dtensor: the placement {placement!r} of this DTensor (placements {tensor.placements}) has no "
+            f"counterpart here (Shard, Replicate and Partial do); redistribute it in torch to those first")
 
 
 def _uneven_error(dtensor) -> str:
