@@ -26,6 +26,7 @@ from .gradients import watch_leaf
 from .layout import Layout
 from .mesh import DeviceMesh, current_mesh
 from .placement import Partial, Placement, Replicate, Shard, check_partial_dtype
+from .redistribute import source_requires_grad
 from .spec import DTensorSpec, global_stride, interned_spec
 from .tensor_methods import FastTensorMethods
 from .torch_exchange import from_torch_dtensor, to_torch_dtensor
@@ -329,7 +330,8 @@ class DTensor(FastTensorMethods, CheckpointableMixin, TraceableMixin, torch.Tens
         mesh = device_mesh if device_mesh is not None else self.device_mesh
         if mesh != self.device_mesh:
             target = _cross_mesh_target(self, mesh, placements)
-            return Redistribute.apply(self, mesh, target, async_op, forward_dtype, backward_dtype)
+            source = _as_the_holders_say(self, mesh)
+            return Redistribute.apply(source, mesh, target, async_op, forward_dtype, backward_dtype)
         if placements is None:
             placements = self.placements
         target = self.sharding.with_placements(tuple(placements))
@@ -424,6 +426,20 @@ def _cross_mesh_target(dtensor: DTensor, mesh: DeviceMesh, placements) -> Layout
             f"{tuple(placements)!r} for {mesh!r}; a Partial source is reduced on its own mesh first"
         )
     return target
+
+
+def _as_the_holders_say(dtensor: DTensor, mesh: DeviceMesh) -> DTensor:
+    """The source of a move to `mesh`, requiring grad on every rank exactly when the source's holders'
+    does: a rank outside the source's mesh passes a stand-in without data, whose own `requires_grad`
+    would decide alone whether this rank's part of the backward runs, and a disagreement leaves the
+    other side waiting in backward (`cross_mesh.source_requires_grad`). Grad mode is the same on every
+    rank (SPMD): without it no backward runs, and nothing is asked."""
+    if not torch.is_grad_enabled():
+        return dtensor
+    requires_grad = source_requires_grad(dtensor.requires_grad, dtensor.device, dtensor.device_mesh, mesh)
+    if dtensor.device_mesh.get_coordinate() is not None or requires_grad == dtensor.requires_grad:
+        return dtensor
+    return type(dtensor)(dtensor._local_tensor.detach(), dtensor._spec, requires_grad=requires_grad)
 
 
 def _uneven_sizes_text(layout: Layout) -> str:

@@ -12,7 +12,9 @@ hand-off). Every rank of the world calls the move (SPMD), whether or not it is i
 
 Ranks outside the target mesh end with a local tensor without elements (as PyTorch's DTensor
 gives ranks outside its mesh); ranks outside the source mesh pass such a tensor, send nothing and
-receive their target shard.
+receive their target shard. Such a stand-in cannot say whether the source requires grad, which decides
+whether the move's backward runs on every rank that takes part: `source_requires_grad` tells the ranks
+of the target mesh that hold no source shard what the source's holders say.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from .bounds import boxes
 from .executor import _narrow, _region, cost_model_for, exchange_into, execute
 from .planner import plan
 
-__all__ = ["Transfer", "HandOff", "hand_off", "redistribute_across_meshes", "empty_shard"]
+__all__ = ["Transfer", "HandOff", "hand_off", "redistribute_across_meshes", "empty_shard", "source_requires_grad"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,3 +141,26 @@ def redistribute_across_meshes(local: torch.Tensor, source: Layout, source_mesh,
             regions.append(region)
 
     return exchange_into(output, wanted_offset, operations, regions, async_op=async_op)
+
+
+def source_requires_grad(requires_grad: bool, device: torch.device, source_mesh, target_mesh) -> bool:
+    """Whether the source of a move from `source_mesh` to `target_mesh` requires grad, as its holders say.
+
+    Every rank of the world calls it, each with what its own DTensor says. A rank of the target mesh
+    outside the source mesh holds a stand-in without data, whose `requires_grad` may differ from the
+    source's: if the holders' source required grad and the stand-in's did not, the holders would wait in
+    backward for a gradient this rank never sends (and the other way round). Each such rank receives
+    the holders' answer (one byte, from one holder, spread over them); every other rank keeps its own.
+    """
+    source_ranks = _ranks(source_mesh)
+    stand_ins = [rank for rank in _ranks(target_mesh) if rank not in source_ranks]
+    me = torch.distributed.get_rank()
+    operations = []
+    for index, receiver in enumerate(stand_ins):
+        sender = source_ranks[index % len(source_ranks)]
+        if sender == me:
+            operations.append(comm.PointToPoint("send", torch.tensor([requires_grad], device=device), receiver))
+        elif receiver == me:
+            operations.append(comm.PointToPoint("recv", torch.empty(1, dtype=torch.bool, device=device), sender))
+    received = comm.batch_p2p(operations)
+    return bool(received[0]) if received else requires_grad
