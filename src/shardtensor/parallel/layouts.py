@@ -32,6 +32,8 @@ __all__ = ["check_tp_mesh", "redistribute_to", "to_dtensor", "to_output"]
 
 # Set on the plain tensor a style returns: (mesh, layout) of the DTensor it was the local shard of.
 _LAYOUT_ATTRIBUTE = "_shardtensor_layout"
+# Set on that tensor's base, for views of it (read only by `_layout_of_view`, which checks it fits the view).
+_BASE_LAYOUT_ATTRIBUTE = "_shardtensor_base_layout"
 
 logger = logging.getLogger(__name__)
 _inferring: set[str] = set()  # the styles (`where`) that have logged that they learn sizes with a collective
@@ -92,7 +94,7 @@ def _layout_of_view(view: torch.Tensor, mesh: DeviceMesh, placements: tuple[Plac
     same run is rows [a / u, b / u) of the view, u = view rows per output row, when every piece divides.
     The view's trailing dims are its local ones, the same on every rank in SPMD code."""
     base = view._base
-    tag = getattr(base, _LAYOUT_ATTRIBUTE, None)
+    tag = getattr(base, _BASE_LAYOUT_ATTRIBUTE, None)
     if tag is None or tag[0] != mesh or mesh.get_coordinate() is None or len(placements) != 1:
         return None
     layout = tag[1]
@@ -191,6 +193,7 @@ def to_output(value, placements: Sequence[Placement] | None, use_local_output: b
     local = value.to_local()
     if not torch.compiler.is_compiling():  # a compiled graph's tensors carry no attributes: the next style reads chunk sizes
         setattr(local, _LAYOUT_ATTRIBUTE, (value.device_mesh, value.sharding))
-        if local._base is not None:  # what a view of `local` (q_proj(x).view(..., heads, head_dim)) has as its base
-            setattr(local._base, _LAYOUT_ATTRIBUTE, (value.device_mesh, value.sharding))
+        base = local._base  # what a view of `local` (q_proj(x).view(..., heads, head_dim)) has as its base
+        if base is not None and base.numel() == local.numel():
+            setattr(base, _BASE_LAYOUT_ATTRIBUTE, (value.device_mesh, value.sharding))
     return local
