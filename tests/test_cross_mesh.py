@@ -185,7 +185,7 @@ def test_a_hand_off_requires_grad_as_the_source_does_whatever_the_stand_in_says(
     generator = torch.Generator().manual_seed(5)
     batch, first, second = (torch.randn(shape, generator=generator, dtype=torch.float64)
                             for shape in ((8, 4), (4, 6), (6, 3)))
-    for frozen_first_stage in (False, True):
+    for frozen_first_stage, asynchronous in ((False, False), (True, False), (False, True), (True, True)):
         weights = [value.clone().requires_grad_(not (frozen_first_stage and index == 0))
                    for index, value in enumerate((first, second))]
         _two_stage_losses(batch, *weights).backward()
@@ -196,7 +196,8 @@ def test_a_hand_off_requires_grad_as_the_source_does_whatever_the_stand_in_says(
             weight = distribute_tensor(second, stages[1], [R]).requires_grad_()
             stand_in = torch.empty(0, 6, dtype=torch.float64, requires_grad=frozen_first_stage)  # the wrong way round
             activations = DTensor.from_local(stand_in, stages[0], [Shard(1)], shape=(8, 6), stride=(6, 1))
-        received = activations.redistribute(stages[1], [Shard(0)])
+        # the answer comes with the data, so with grad mode on an asynchronous move is waited too
+        received = activations.redistribute(stages[1], [Shard(0)], async_op=asynchronous)
         assert received.requires_grad is not frozen_first_stage
         if stage == 1:
             (received.tanh() @ weight).pow(2).sum().full_tensor().backward()

@@ -26,7 +26,6 @@ from .gradients import watch_leaf
 from .layout import Layout
 from .mesh import DeviceMesh, current_mesh
 from .placement import Partial, Placement, Replicate, Shard, check_partial_dtype
-from .redistribute import source_requires_grad
 from .spec import DTensorSpec, global_stride, interned_spec
 from .tensor_methods import FastTensorMethods
 from .torch_exchange import from_torch_dtensor, to_torch_dtensor
@@ -330,8 +329,11 @@ class DTensor(FastTensorMethods, CheckpointableMixin, TraceableMixin, torch.Tens
         mesh = device_mesh if device_mesh is not None else self.device_mesh
         if mesh != self.device_mesh:
             target = _cross_mesh_target(self, mesh, placements)
-            source = _as_the_holders_say(self, mesh)
-            return Redistribute.apply(source, mesh, target, async_op, forward_dtype, backward_dtype)
+            if not torch.is_grad_enabled():
+                return Redistribute.apply(self, mesh, target, async_op, forward_dtype, backward_dtype)
+            # Whether the result requires grad comes from the source's holders with the data: the move is waited.
+            source = _stand_in_requiring_grad(self, mesh)
+            return Redistribute.apply(source, mesh, target, False, forward_dtype, backward_dtype, True)
         if placements is None:
             placements = self.placements
         target = self.sharding.with_placements(tuple(placements))
@@ -428,18 +430,15 @@ def _cross_mesh_target(dtensor: DTensor, mesh: DeviceMesh, placements) -> Layout
     return target
 
 
-def _as_the_holders_say(dtensor: DTensor, mesh: DeviceMesh) -> DTensor:
-    """The source of a move to `mesh`, requiring grad on every rank exactly when the source's holders'
-    does: a rank outside the source's mesh passes a stand-in without data, whose own `requires_grad`
-    would decide alone whether this rank's part of the backward runs, and a disagreement leaves the
-    other side waiting in backward (`cross_mesh.source_requires_grad`). Grad mode is the same on every
-    rank (SPMD): without it no backward runs, and nothing is asked."""
-    if not torch.is_grad_enabled():
+def _stand_in_requiring_grad(dtensor: DTensor, mesh: DeviceMesh) -> DTensor:
+    """On a rank of `mesh` outside `dtensor`'s mesh, its stand-in requiring grad, so that the move's result
+    can: whether it does is the source's holders' answer, which comes with the data
+    (`cross_mesh.redistribute_across_meshes_with_requires_grad`). A stand-in holds no data, and its own
+    `requires_grad` deciding alone left the holders waiting in backward for a gradient this rank never
+    sent (or sent one that a frozen source never took)."""
+    if dtensor.requires_grad or dtensor.device_mesh.get_coordinate() is not None or mesh.get_coordinate() is None:
         return dtensor
-    requires_grad = source_requires_grad(dtensor.requires_grad, dtensor.device, dtensor.device_mesh, mesh)
-    if dtensor.device_mesh.get_coordinate() is not None or requires_grad == dtensor.requires_grad:
-        return dtensor
-    return type(dtensor)(dtensor._local_tensor.detach(), dtensor._spec, requires_grad=requires_grad)
+    return type(dtensor)(dtensor._local_tensor.detach(), dtensor._spec, requires_grad=True)
 
 
 def _uneven_sizes_text(layout: Layout) -> str:
