@@ -26,6 +26,7 @@ import time
 
 import torch
 from mesh_options import run_on_mesh
+from timing import time_per_call
 
 REPEATS = 7
 ITERATIONS = 10
@@ -54,13 +55,6 @@ def _clip_with_all_reduce_reads(parameters, library, mesh) -> torch.Tensor:
     for parameter in parameters:
         parameter.grad.mul_(coefficient)
     return total
-
-
-def _time(function, iterations: int) -> float:
-    start = time.perf_counter()
-    for _ in range(iterations):
-        function()
-    return (time.perf_counter() - start) / iterations * 1e3
 
 
 def _rank_body(mesh_shape: tuple[int, ...], repeats: int, iterations: int):
@@ -94,7 +88,7 @@ def _rank_body(mesh_shape: tuple[int, ...], repeats: int, iterations: int):
             samples = []
             for _ in range(repeats):
                 dist.barrier()
-                samples.append(_time(function, iterations))
+                samples.append(time_per_call(function, iterations, clock=time.perf_counter) * 1e3)
             results[(workload, name)] = (samples, mode.get_total_counts(), received, float(total.full_tensor()))
     return results
 

@@ -23,11 +23,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+from timing import call_times
 
 CHANNELS, LAYERS = 8, 4
 ITEMSIZE = 4  # float32
@@ -56,14 +55,7 @@ def _step(model, field, grad):
 
 
 def _median_ms(function, steps: int, barrier=None) -> float:
-    samples = []
-    for _ in range(steps):
-        if barrier is not None:
-            barrier()
-        start = time.perf_counter()
-        function()
-        samples.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(samples)
+    return statistics.median(call_times(function, steps, before=barrier)) * 1e3
 
 
 def _exact_halo_bytes(local_height: int, local_width: int, neighbours: list[int], two_dims: bool) -> int:

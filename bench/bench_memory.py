@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from timing import call_times
 
 RANKS = 4
 REPEATS = 3
@@ -39,13 +40,7 @@ def _measure(first, again) -> tuple[float, float]:
     result = first()
     peak = _maxrss_mib() - before
     del result
-    times = []
-    for _ in range(REPEATS):
-        dist.barrier()
-        start = time.perf_counter()
-        again()
-        times.append(time.perf_counter() - start)
-    return peak, statistics.median(times)
+    return peak, statistics.median(call_times(again, REPEATS, before=dist.barrier))
 
 
 # A row's mesh shape and the tensor dim each mesh dim shards (Shard(0) on 4 ranks unless listed).

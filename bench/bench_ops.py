@@ -28,6 +28,7 @@ import statistics
 import time
 
 import torch
+from timing import time_per_call
 
 ITERATIONS = 200
 REPEATS = 15
@@ -36,10 +37,7 @@ REPEATS = 15
 def _time_per_call(function, iterations=ITERATIONS) -> float:
     """CPU time of this process per call: time the scheduler gives to other processes on a shared
     machine is left out (the cached path runs no collective, so a rank never waits for another)."""
-    start = time.process_time()
-    for _ in range(iterations):
-        function()
-    return (time.process_time() - start) / iterations * 1e6
+    return time_per_call(function, iterations) * 1e6
 
 
 def _workloads(distribute):

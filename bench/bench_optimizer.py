@@ -15,21 +15,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
+from timing import time_per_call
 
 ITERATIONS = 20
 REPEATS = 7
 PARAMETERS = 24
 SIZE = 64
-
-
-def _time_per_call(function, iterations: int) -> float:
-    start = time.process_time()
-    for _ in range(iterations):
-        function()
-    return (time.process_time() - start) / iterations * 1e3
 
 
 def _parameters(library, mesh, placements):
@@ -135,10 +128,10 @@ def _rank_body(repeats: int, iterations: int):
         our_samples, their_samples, plain_samples = [], [], []
         for _ in range(repeats):
             dist.barrier()
-            our_samples.append(_time_per_call(our_function, iterations))
+            our_samples.append(time_per_call(our_function, iterations) * 1e3)
             if runs_theirs:
-                their_samples.append(_time_per_call(their_function, iterations))
-            plain_samples.append(_time_per_call(plain_function, iterations))
+                their_samples.append(time_per_call(their_function, iterations) * 1e3)
+            plain_samples.append(time_per_call(plain_function, iterations) * 1e3)
         results[name] = (our_samples, their_samples, plain_samples, counts)
     return results
 

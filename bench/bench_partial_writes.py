@@ -14,10 +14,10 @@ Partial operands, from a cached plan after the first call. Torch DTensor refuses
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
 from mesh_options import run_on_mesh
+from timing import time_per_call
 
 REPEATS = 9
 ITERATIONS = 200
@@ -26,13 +26,6 @@ CALLS = {
     "P(max).mul_(-1.0)": ("max", lambda partial: partial.mul_(-1.0)),
     "P(sum).add_(torch.tensor(0.5))": ("sum", lambda partial, scalar=torch.tensor(0.5): partial.add_(scalar)),
 }
-
-
-def _time(function, iterations: int) -> float:
-    start = time.process_time()
-    for _ in range(iterations):
-        function()
-    return (time.process_time() - start) / iterations * 1e6
 
 
 def _rank_body(mesh_shape: tuple[int, ...], repeats: int, iterations: int):
@@ -57,7 +50,7 @@ def _rank_body(mesh_shape: tuple[int, ...], repeats: int, iterations: int):
             samples = []
             for _ in range(repeats):
                 dist.barrier()
-                samples.append(_time(lambda: call(partial), iterations))
+                samples.append(time_per_call(lambda: call(partial), iterations) * 1e6)
             results[(name, library_name)] = samples
     return results
 

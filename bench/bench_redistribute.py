@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from timing import call_times
 
 SIZES = {"4 KB": (32, 32), "1 MB": (512, 512), "16 MB": (2048, 2048)}
 ITERATIONS = {"4 KB": 30, "1 MB": 10, "16 MB": 3}
@@ -96,25 +97,12 @@ def _most(value: int) -> int:
 
 def _time(function, iterations: int) -> float:
     function()  # warm-up: plans, process groups and caches
-    times = []
-    for _ in range(iterations):
-        dist.barrier()
-        start = time.perf_counter()
-        function()
-        times.append(time.perf_counter() - start)
-    return _slowest_median(times)
+    return _slowest_median(call_times(function, iterations, before=dist.barrier))
 
 
 def _first_call_ms(function, repeats: int = 5, setup=None) -> float:
     """Median time of `function`, `setup` (emptying caches) run before each call and not timed."""
-    times = []
-    for _ in range(repeats):
-        if setup is not None:
-            setup()
-        start = time.perf_counter()
-        function()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    return statistics.median(call_times(function, repeats, before=setup)) * 1e3
 
 
 def _clear_planner_caches() -> None:

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from helpers import layout_box
 from spmd import draw_examples, example_note, spmd
 
-from shardtensor import DeviceMesh, DTensor, Partial, Replicate, Shard, comm
+from shardtensor import DeviceMesh, DTensor, Partial, Replicate, Shard, comm, distribute_tensor
 from shardtensor.spec import DTensorSpec, contiguous_stride
 from shardtensor.layout import Layout
 from shardtensor.redistribute import hand_off
@@ -93,7 +93,11 @@ def _check_move(source_mesh, target_mesh, source_placements, target_placements, 
     assert torch.equal(result.to_local(), _expected_local(full, result)), (source_placements, target_placements)
     reduced = source.sharding.with_placements([R if p.is_partial() else p for p in source_placements])
     moved = [record for record in records if record.kind == "batch_p2p"]
-    assert sum(r.bytes_received for r in moved) == _missing_bytes(reduced, source_mesh, result.sharding, target_mesh, 8)
+    # a rank of the target mesh outside the source mesh also receives whether the source requires grad (one byte)
+    stand_in = source_mesh.get_coordinate() is None and target_mesh.get_coordinate() is not None
+    assert sum(r.bytes_received for r in moved) == (
+        _missing_bytes(reduced, source_mesh, result.sharding, target_mesh, 8) + stand_in
+    )
     assert [record.kind for record in records if record.kind != "batch_p2p"] == (
         ["all_reduce"] if source.sharding.partial_mesh_dims() and source_mesh.get_coordinate() is not None else []
     )
@@ -163,6 +167,44 @@ def test_sub_mesh_redistribute_does_not_hang(mesh):
     else:
         assert [record.kind for record in records] == ["all_gather", "all_gather"]
         assert torch.equal(replicated.to_local(), full) and torch.equal(whole, full)
+
+
+def _two_stage_losses(batch, first, second):
+    """Stage 0 computes `batch @ first`, stage 1 the loss `sum(tanh(.) @ second) ** 2` of it."""
+    return (torch.tanh(batch @ first) @ second).pow(2).sum()
+
+
+@spmd(meshes=[(4,)], timeout=120)
+def test_a_hand_off_requires_grad_as_the_source_does_whatever_the_stand_in_says(mesh):
+    """Stage 1 (ranks 2, 3) passes a stand-in for stage 0's activations; its requires_grad, left at the
+    default or set, does not decide: the result requires grad on every rank exactly when stage 0's
+    source does, so the backward runs on both sides (a stand-in without requires_grad left stage 0
+    waiting for its gradient; one with it sent a gradient to a frozen stage 0 that never took it)."""
+    stages = [DeviceMesh("cpu", [0, 1]), DeviceMesh("cpu", [2, 3])]
+    stage = torch.distributed.get_rank() // 2
+    generator = torch.Generator().manual_seed(5)
+    batch, first, second = (torch.randn(shape, generator=generator, dtype=torch.float64)
+                            for shape in ((8, 4), (4, 6), (6, 3)))
+    for frozen_first_stage, asynchronous in ((False, False), (True, False), (False, True), (True, True)):
+        weights = [value.clone().requires_grad_(not (frozen_first_stage and index == 0))
+                   for index, value in enumerate((first, second))]
+        _two_stage_losses(batch, *weights).backward()
+        if stage == 0:
+            weight = distribute_tensor(first, stages[0], [Shard(1)]).requires_grad_(not frozen_first_stage)
+            activations = distribute_tensor(batch, stages[0], [R]) @ weight
+        else:
+            weight = distribute_tensor(second, stages[1], [R]).requires_grad_()
+            stand_in = torch.empty(0, 6, dtype=torch.float64, requires_grad=frozen_first_stage)  # the wrong way round
+            activations = DTensor.from_local(stand_in, stages[0], [Shard(1)], shape=(8, 6), stride=(6, 1))
+        # the answer comes with the data, so with grad mode on an asynchronous move is waited too
+        received = activations.redistribute(stages[1], [Shard(0)], async_op=asynchronous)
+        assert received.requires_grad is not frozen_first_stage
+        if stage == 1:
+            (received.tanh() @ weight).pow(2).sum().full_tensor().backward()
+        elif not frozen_first_stage:
+            torch.autograd.backward([received], [torch.zeros_like(received)])
+        expected = weights[stage].grad
+        assert (weight.grad is None) if expected is None else torch.allclose(weight.grad.full_tensor(), expected)
 
 
 def test_hand_off_sends_each_target_element_once_and_spreads_replicas():

@@ -24,7 +24,7 @@ LAYERS = [
     ["graph_constants"],  # how torch.compile holds the value types below (torch's opaque objects)
     ["placement"],
     ["layout"],
-    ["rank_state", "process_groups", "simulated_world", "mesh", "launch"],  # simulated_world: in-memory groups for launch.simulate
+    ["rank_state", "process_groups", "simulated_world", "mesh_slicing", "mesh", "launch"],  # simulated_world: in-memory groups for launch.simulate
     ["comm", "halo"],  # halo: point-to-point window exchange built on comm, for spatially sharded ops
     ["redistribute", "random", "log"],
     ["modes", "rules", "row_costs", "propagation", "ops"],  # rules, their costs, the decisions made from them,

@@ -205,6 +205,37 @@ def test_a_plain_tensor_of_unknown_global_size_learns_it_from_every_rank(mesh):
         assert_close(output.full_tensor(), nn.functional.layer_norm(full, (4,)))
 
 
+class _PerHeadNorm(nn.Module):
+    """Qwen3's attention in miniature: q_proj split by heads, an RMSNorm over each head's features of the
+    view `q_proj(x).view(..., -1, head_dim)`, and o_proj over the heads."""
+
+    def __init__(self, heads: int, head_dim: int = 3, width: int = 8):
+        super().__init__()
+        self.head_dim = head_dim
+        self.q_proj = nn.Linear(width, heads * head_dim, bias=False)
+        self.q_norm = nn.RMSNorm(head_dim)
+        self.o_proj = nn.Linear(heads * head_dim, width, bias=False)
+
+    def forward(self, x):
+        heads = self.q_proj(x).view(*x.shape[:-1], -1, self.head_dim)
+        return self.o_proj(self.q_norm(heads).flatten(-2))
+
+
+@spmd(meshes=[(2,), (4,)])
+def test_a_per_head_norm_of_a_view_of_a_colwise_output_learns_no_size_with_a_collective(mesh):
+    """The norm's input is a view of q_proj's local output: its layout follows from q_proj's (heads 3/3 on
+    2 ranks, 2/2/2/1 of 7 on 4), so a forward issues o_proj's all_reduce and nothing else, as one without
+    the norm does (it took one all_gather of shapes per norm); training equals one device."""
+    heads = 7 if mesh.size() == 4 else 6  # whole heads in torch.chunk's pieces of heads * 3 features
+    plan = {"q_proj": ColwiseParallel(), "q_norm": SequenceParallel(sequence_dim=-2, use_local_output=True),
+            "o_proj": RowwiseParallel()}
+    model = train_and_compare(mesh, lambda: _PerHeadNorm(heads), plan, lambda generator: [torch.randn(2, 5, 8, generator=generator)])
+    with comm.observe() as records:
+        model(torch.randn(2, 5, 8))
+    assert [record.kind for record in records] == ["all_reduce"]
+    assert model.q_norm.weight.placements == (Replicate(),)
+
+
 @spmd(meshes=[(2,), (4,)])
 def test_the_tensor_parallel_tutorial_s_local_residual_stream_trains_like_one_device(mesh):
     """PyTorch's tensor-parallel tutorial keeps its residual stream as local tensors (the styles'

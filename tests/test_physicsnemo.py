@@ -12,6 +12,7 @@ from spmd import spmd
 
 from shardtensor import DTensor, Partial, Replicate, Shard, comm, distribute_tensor, scatter_tensor
 from shardtensor.mesh import DeviceMesh
+from shardtensor.placement import NormPartial
 
 
 def _uneven_field(mesh):
@@ -300,6 +301,12 @@ def test_to_dtensor_and_back_share_the_shard_and_carry_gradients(mesh):
         assert back.to_local().data_ptr() == x.to_local().data_ptr()
     partial = DTensor.from_local(torch.ones(2, 3), mesh, [Partial()] * mesh.ndim)
     assert torch.equal(partial.to_dtensor().full_tensor(), torch.full((2, 3), float(mesh.size())))
+    largest = DTensor.from_local(torch.full((2, 3), float(mesh.get_rank())), mesh, [Partial("max")] * mesh.ndim)
+    assert list(largest.to_dtensor().placements) == _torch_placements(largest.placements)
+    assert DTensor.from_dtensor(largest.to_dtensor()).placements == largest.placements
+    norm = DTensor.from_local(torch.ones(2, 3), mesh, [NormPartial(2.0)] * mesh.ndim)
+    with pytest.raises(ValueError, match="PyTorch's DTensor has no placement like"):
+        norm.to_dtensor()
 
 
 @spmd()

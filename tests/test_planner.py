@@ -311,11 +311,15 @@ MESH_SHAPES = [(4,), (2, 2), (2, 1, 2), (3,)]
 
 
 @st.composite
-def layout_pairs(draw):
-    mesh_shape = draw(st.sampled_from(MESH_SHAPES))
+def layout_pairs(draw, mesh_shapes=MESH_SHAPES, partial_source=False):
+    """A source layout and a target of the same tensor on one of `mesh_shapes`; with `partial_source`,
+    the source is Partial on at least one mesh dim."""
+    mesh_shape = draw(st.sampled_from(mesh_shapes))
     shape = tuple(draw(st.lists(st.integers(0, 9), min_size=1, max_size=3)))
     choices = [R, Partial("sum")] + [Shard(dim) for dim in range(len(shape))]
     source_placements = draw(st.lists(st.sampled_from(choices), min_size=len(mesh_shape), max_size=len(mesh_shape)))
+    if partial_source:
+        source_placements[draw(st.integers(0, len(mesh_shape) - 1))] = Partial("sum")
     target_placements = draw(st.lists(st.sampled_from(choices), min_size=len(mesh_shape), max_size=len(mesh_shape)))
     source = Layout.create(mesh_shape, source_placements, shape)
     return source, source.with_placements(target_placements)
@@ -536,20 +540,8 @@ def test_a_plan_above_its_bound_explains_the_fewest_bytes_plan():
 PARTIAL_MESH_SHAPES = [(2, 2, 2), (2, 1, 2), (2, 2), (4, 2), (3, 2)]
 
 
-@st.composite
-def partial_layout_pairs(draw):
-    mesh_shape = draw(st.sampled_from(PARTIAL_MESH_SHAPES))
-    shape = tuple(draw(st.lists(st.integers(0, 9), min_size=1, max_size=3)))
-    choices = [R, Partial("sum")] + [Shard(dim) for dim in range(len(shape))]
-    source_placements = draw(st.lists(st.sampled_from(choices), min_size=len(mesh_shape), max_size=len(mesh_shape)))
-    source_placements[draw(st.integers(0, len(mesh_shape) - 1))] = Partial("sum")
-    target_placements = draw(st.lists(st.sampled_from(choices), min_size=len(mesh_shape), max_size=len(mesh_shape)))
-    source = Layout.create(mesh_shape, source_placements, shape)
-    return source, source.with_placements(target_placements)
-
-
 @settings(max_examples=200, deadline=None, derandomize=True)
-@given(partial_layout_pairs(), st.sampled_from([1, 2, 4]))
+@given(layout_pairs(PARTIAL_MESH_SHAPES, partial_source=True), st.sampled_from([1, 2, 4]))
 def test_no_plan_from_a_partial_source_is_below_its_bound(pair, itemsize):
     source, target = pair
     for cost_model in [DEFAULT_COST_MODEL, BYTES_FIRST]:

@@ -11,7 +11,12 @@ import torch
 
 from . import comm
 from .placement import Replicate
-from .redistribute import is_relabel, redistribute_between, redistribute_local_tensor
+from .redistribute import (
+    is_relabel,
+    redistribute_across_meshes_with_requires_grad,
+    redistribute_between,
+    redistribute_local_tensor,
+)
 from .spec import DTensorSpec, global_stride
 
 __all__ = ["FromLocal", "ToLocal", "Redistribute"]
@@ -79,10 +84,14 @@ class ToLocal(torch.autograd.Function):
 class Redistribute(torch.autograd.Function):
     """The same global tensor under `target` on `mesh` (asynchronously with `async_op`), its data cast to
     `forward_dtype` before the collectives; backward's collectives run in `backward_dtype` (default: the
-    input's dtype) and the gradient comes back in the input's dtype."""
+    input's dtype) and the gradient comes back in the input's dtype.
+
+    `holders_decide` (a waited move to another mesh): the result requires grad where the source's
+    holders' source does, told with the data (`cross_mesh.redistribute_across_meshes_with_requires_grad`);
+    a stand-in passed requiring grad gives a result that does not when the holders say no."""
 
     @staticmethod
-    def forward(ctx, dtensor, mesh, target, async_op, forward_dtype=None, backward_dtype=None):
+    def forward(ctx, dtensor, mesh, target, async_op, forward_dtype=None, backward_dtype=None, holders_decide=False):
         cls = type(dtensor)
         ctx.spec, ctx.cls, ctx.backward_dtype = dtensor._spec, cls, backward_dtype
         source = dtensor._spec
@@ -92,6 +101,13 @@ class Redistribute(torch.autograd.Function):
         spec = DTensorSpec(mesh, target, source.stride, local.dtype)
         if mesh == source.mesh and is_relabel(source.layout, target, local.element_size()):
             return cls(local, spec)
+        if holders_decide:
+            result, requires_grad = redistribute_across_meshes_with_requires_grad(
+                local, source.layout, source.mesh, target, mesh, dtensor.requires_grad)
+            output = cls(result, spec)
+            if not requires_grad:
+                ctx.mark_non_differentiable(output)
+            return output
         result = redistribute_between(local, source.layout, source.mesh, target, mesh, async_op=async_op)
         if isinstance(result, torch.Tensor):
             return cls(result, spec)
@@ -111,4 +127,4 @@ class Redistribute(torch.autograd.Function):
             local = _gradient_to(grad, spec, ctx.cls)
         local = local.to(spec.dtype)
         grad_spec = DTensorSpec(spec.mesh, target, spec.stride, spec.dtype)
-        return ctx.cls(local, grad_spec), None, None, None, None, None
+        return ctx.cls(local, grad_spec), None, None, None, None, None, None

@@ -331,7 +331,11 @@ class DTensor(FastTensorMethods, CheckpointableMixin, TraceableMixin, torch.Tens
         mesh = device_mesh if device_mesh is not None else self.device_mesh
         if mesh != self.device_mesh:
             target = _cross_mesh_target(self, mesh, placements)
-            return Redistribute.apply(self, mesh, target, async_op, forward_dtype, backward_dtype)
+            if not torch.is_grad_enabled():
+                return Redistribute.apply(self, mesh, target, async_op, forward_dtype, backward_dtype)
+            # Whether the result requires grad comes from the source's holders with the data: the move is waited.
+            source = _stand_in_requiring_grad(self, mesh)
+            return Redistribute.apply(source, mesh, target, False, forward_dtype, backward_dtype, True)
         if placements is None:
             placements = self.placements
         target = self.sharding.with_placements(tuple(placements))
@@ -426,6 +430,17 @@ def _cross_mesh_target(dtensor: DTensor, mesh: DeviceMesh, placements) -> Layout
             f"{tuple(placements)!r} for {mesh!r}; a Partial source is reduced on its own mesh first"
         )
     return target
+
+
+def _stand_in_requiring_grad(dtensor: DTensor, mesh: DeviceMesh) -> DTensor:
+    """On a rank of `mesh` outside `dtensor`'s mesh, its stand-in requiring grad, so that the move's result
+    can: whether it does is the source's holders' answer, which comes with the data
+    (`cross_mesh.redistribute_across_meshes_with_requires_grad`). A stand-in holds no data, and its own
+    `requires_grad` deciding alone left the holders waiting in backward for a gradient this rank never
+    sent (or sent one that a frozen source never took)."""
+    if dtensor.requires_grad or dtensor.device_mesh.get_coordinate() is not None or mesh.get_coordinate() is None:
+        return dtensor
+    return type(dtensor)(dtensor._local_tensor.detach(), dtensor._spec, requires_grad=True)
 
 
 def _uneven_sizes_text(layout: Layout) -> str:

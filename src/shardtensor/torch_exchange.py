@@ -44,7 +44,9 @@ def to_torch_dtensor(dtensor):
     layout = dtensor.sharding
     if not layout.is_chunked() or not layout.has_default_shard_order():
         raise ValueError(_uneven_error(dtensor))
-    placements = [_torch_placement(placement, dtensor) for placement in layout.placements]
+    placements = [_converted_placement(placement, to_torch=True) for placement in layout.placements]
+    if None in placements:
+        raise ValueError(_no_torch_placement_error(dtensor))
     mesh = _torch_mesh(dtensor.device_mesh)
     return TorchDTensor.from_local(dtensor.to_local(), mesh, placements, run_check=False,
                                    shape=tuple(dtensor.shape), stride=tuple(dtensor.stride()))
@@ -66,43 +68,32 @@ def from_torch_dtensor(cls, tensor):
             f"from_dtensor: the DTensor's shard order {order} is not the default one (ascending mesh dims) for "
             f"placements {spec.placements}; redistribute it in torch to a default order first"
         )
-    placements = tuple(_our_placement(placement, tensor) for placement in tensor.placements)
+    placements = tuple(_converted_placement(placement, to_torch=False) for placement in tensor.placements)
+    if None in placements:
+        raise ValueError(_no_placement_here_error(tensor))
     mesh = _our_mesh(tensor.device_mesh)
     return cls.from_local(tensor.to_local(), mesh, placements, shape=tuple(tensor.shape), stride=tuple(tensor.stride()))
 
 
-def _torch_placement(placement, dtensor):
-    from torch.distributed.tensor import Partial as TorchPartial
-    from torch.distributed.tensor import Replicate as TorchReplicate
-    from torch.distributed.tensor import Shard as TorchShard
-
-    if type(placement) is Shard:
-        return TorchShard(placement.dim)
-    if type(placement) is Replicate:
-        return TorchReplicate()
-    if type(placement) is Partial:
-        return TorchPartial(placement.reduce_op)
-    raise ValueError(
-        f"to_dtensor: PyTorch's DTensor has no placement like {placement!r} (placements {dtensor.placements!r}); "
-        f"redistribute to Shard/Replicate/Partial first, e.g. x.redistribute(placements=[Replicate()] * mesh.ndim)"
-    )
+# The placements both libraries have, one row each: ours, torch's (its name in torch.distributed.tensor),
+# and the fields that carry over, in the order both constructors take them.
+_PLACEMENT_PAIRS = (
+    (Shard, "Shard", ("dim",)),
+    (Replicate, "Replicate", ()),
+    (Partial, "Partial", ("reduce_op",)),
+)
 
 
-def _our_placement(placement, tensor):
-    from torch.distributed.tensor import Partial as TorchPartial
-    from torch.distributed.tensor import Replicate as TorchReplicate
-    from torch.distributed.tensor import Shard as TorchShard
+def _converted_placement(placement, to_torch: bool):
+    """`placement` as the other library's placement (`to_torch`: ours to torch's), or None when it has none."""
+    import torch.distributed.tensor as torch_tensor
 
-    if type(placement) is TorchShard:
-        return Shard(placement.dim)
-    if type(placement) is TorchReplicate:
-        return Replicate()
-    if type(placement) is TorchPartial:
-        return Partial(placement.reduce_op)
-    raise ValueError(
-        f"from_dtensor: the placement {placement!r} of this DTensor (placements {tensor.placements}) has no "
-        f"counterpart here (Shard, Replicate and Partial do); redistribute it in torch to those first"
-    )
+    for ours, torch_name, fields in _PLACEMENT_PAIRS:
+        theirs = getattr(torch_tensor, torch_name)
+        source, target = (ours, theirs) if to_torch else (theirs, ours)
+        if type(placement) is source:
+            return target(*(getattr(placement, field) for field in fields))
+    return None
 
 
 def _torch_mesh(mesh: DeviceMesh):
@@ -150,6 +141,18 @@ def _our_mesh(torch_mesh) -> DeviceMesh:
 def _outside_error(function: str, mesh) -> str:
     return (f"{function}: this rank is not in {mesh!r}; the conversion runs on the ranks of the mesh, which hold "
             f"the shards")
+
+
+def _no_torch_placement_error(dtensor) -> str:
+    placement = next(placement for placement in dtensor.placements if _converted_placement(placement, True) is None)
+    return (f"to_dtensor: PyTorch's DTensor has no placement like {placement!r} (placements {dtensor.placements!r}); "
+            f"redistribute to Shard/Replicate/Partial first, e.g. x.redistribute(placements=[Replicate()] * mesh.ndim)")
+
+
+def _no_placement_here_error(tensor) -> str:
+    placement = next(placement for placement in tensor.placements if _converted_placement(placement, False) is None)
+    return (f"from_dtensor: the placement {placement!r} of this DTensor (placements {tensor.placements}) has no "
+            f"counterpart here (Shard, Replicate and Partial do); redistribute it in torch to those first")
 
 
 def _uneven_error(dtensor) -> str:

@@ -4,7 +4,8 @@ A style turns a module's plain inputs into DTensors with `DTensor.from_local(...
 costs no collective only when the global shape is known. It is known for a Replicate input (the
 local shape), for a dim the module defines (a Linear's input features), and for a local tensor that
 came straight out of another style (`use_local_output=True`): such a tensor carries its DTensor's
-layout (`_LAYOUT_ATTRIBUTE`), so uneven shards (a sequence of 7 over 4 ranks) stay exact. For
+layout (`_LAYOUT_ATTRIBUTE`), so uneven shards (a sequence of 7 over 4 ranks) stay exact, and so does
+a view of it that splits the sharded dim into whole rows (heads of q_proj's output). For
 anything else (the sum of a residual connection made of local tensors, as in PyTorch's tensor
 parallel tutorial) the size along a sharded dim is learnt from every rank's local shape, as
 `from_local` infers it: a small collective per call (one all_gather), logged once per style with
@@ -17,11 +18,13 @@ tensor is read as equal shards, and the graph checks every rank's shape (docs/co
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping, Sequence
 
 import torch
 
 from ..dtensor import DTensor
+from ..layout import Layout
 from ..mesh import DeviceMesh
 from ..modes import is_explicit
 from ..placement import Partial, Placement, Shard, normalize_placements
@@ -30,6 +33,8 @@ __all__ = ["check_tp_mesh", "redistribute_to", "to_dtensor", "to_output"]
 
 # Set on the plain tensor a style returns: (mesh, layout) of the DTensor it was the local shard of.
 _LAYOUT_ATTRIBUTE = "_shardtensor_layout"
+# Set on that tensor's base, for views of it (read only by `_layout_of_view`, which checks it fits the view).
+_BASE_LAYOUT_ATTRIBUTE = "_shardtensor_base_layout"
 
 logger = logging.getLogger(__name__)
 _inferring: set[str] = set()  # the styles (`where`) that have logged that they learn sizes with a collective
@@ -81,6 +86,38 @@ def _tagged_layout(local: torch.Tensor, mesh: DeviceMesh, placements: tuple[Plac
     return layout
 
 
+def _layout_of_view(view: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...]):
+    """The layout of `view`, a reshape of a style's local output (Qwen3's per-head norm reads
+    `q_proj(x).view(batch, sequence, -1, head_dim)`), when the view splits the sharded dim into whole
+    rows of itself on every rank; else None (the size is then learnt with a collective).
+
+    The output's shard along dim d is a run [a, b) of its rows; viewed with the dims before d kept, the
+    same run is rows [a / u, b / u) of the view, u = view rows per output row, when every piece divides.
+    The view's trailing dims are its local ones, the same on every rank in SPMD code."""
+    base = view._base
+    tag = getattr(base, _BASE_LAYOUT_ATTRIBUTE, None)
+    if tag is None or tag[0] != mesh or mesh.get_coordinate() is None or len(placements) != 1:
+        return None
+    layout = tag[1]
+    shard, wanted = layout.placements[0], placements[0]
+    if not (isinstance(shard, Shard) and isinstance(wanted, Shard) and shard.dim == wanted.dim):
+        return None
+    dim, local_shape = shard.dim, layout.local_shape(mesh.get_coordinate())
+    if (tuple(base.shape) != local_shape or not (base.is_contiguous() and view.is_contiguous())
+            or view.data_ptr() != base.data_ptr() or view.numel() != base.numel() or view.ndim <= dim
+            or tuple(view.shape[:dim]) != local_shape[:dim]):
+        return None
+    base_row, view_row = math.prod(local_shape[dim + 1:]), math.prod(view.shape[dim + 1:])
+    if base_row == 0 or view_row % base_row:
+        return None
+    rows = view_row // base_row
+    pieces = layout.pieces[dim]
+    if any(piece % rows for piece in pieces):
+        return None
+    shape = (*layout.shape[:dim], layout.shape[dim] // rows, *view.shape[dim + 1:])
+    return Layout.create(mesh.shape, placements, shape, shard_sizes={0: [piece // rows for piece in pieces]})
+
+
 def to_dtensor(
     value,
     mesh: DeviceMesh,
@@ -105,6 +142,8 @@ def to_dtensor(
         return value
     placements = normalize_placements(placements, value.ndim, mesh.ndim)
     layout = _tagged_layout(value, mesh, placements, where)
+    if layout is None and value._base is not None:
+        layout = _layout_of_view(value, mesh, placements)
     if layout is not None:
         sizes = {mesh_dim: layout.pieces[p.dim] for mesh_dim, p in enumerate(placements) if isinstance(p, Shard)}
         return DTensor.from_local(value, mesh, placements, shape=layout.shape, shard_sizes=sizes or None)
@@ -156,4 +195,7 @@ def to_output(value, placements: Sequence[Placement] | None, use_local_output: b
         return value
     local = value.to_local()
     setattr(local, _LAYOUT_ATTRIBUTE, (value.device_mesh, value.sharding))
+    base = local._base  # what a view of `local` (q_proj(x).view(..., heads, head_dim)) has as its base
+    if base is not None and base.numel() == local.numel() and not torch.compiler.is_compiling():
+        setattr(base, _BASE_LAYOUT_ATTRIBUTE, (value.device_mesh, value.sharding))
     return local

@@ -15,14 +15,20 @@ from __future__ import annotations
 import torch
 
 from ..layout import Layout
-from .cross_mesh import HandOff, empty_shard, hand_off, redistribute_across_meshes
+from .cross_mesh import (
+    HandOff,
+    empty_shard,
+    hand_off,
+    redistribute_across_meshes,
+    redistribute_across_meshes_with_requires_grad,
+)
 from .executor import PendingRedistribute, cost_model_for, execute
 from .explanation import explain_plan
 from .planner import DEFAULT_COST_MODEL, CostModel, Plan, Step, plan
 
 __all__ = [
     "is_relabel", "redistribute_local_tensor", "cost_model_for", "redistribute_between", "explain", "execute", "plan",
-    "hand_off",
+    "hand_off", "redistribute_across_meshes_with_requires_grad",
     "Plan", "Step", "CostModel", "HandOff",
 ]
 

@@ -12,7 +12,9 @@ hand-off). Every rank of the world calls the move (SPMD), whether or not it is i
 
 Ranks outside the target mesh end with a local tensor without elements (as PyTorch's DTensor
 gives ranks outside its mesh); ranks outside the source mesh pass such a tensor, send nothing and
-receive their target shard.
+receive their target shard. Such a stand-in cannot say whether the source requires grad, which decides
+whether the move's backward runs on every rank that takes part: with the data, the holders tell the
+ranks of the target mesh that hold no source shard (`redistribute_across_meshes_with_requires_grad`).
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from .bounds import boxes
 from .executor import _narrow, _region, cost_model_for, exchange_into, execute
 from .planner import plan
 
-__all__ = ["Transfer", "HandOff", "hand_off", "redistribute_across_meshes", "empty_shard"]
+__all__ = ["Transfer", "HandOff", "hand_off", "redistribute_across_meshes", "redistribute_across_meshes_with_requires_grad",
+           "empty_shard"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +116,28 @@ def redistribute_across_meshes(local: torch.Tensor, source: Layout, source_mesh,
 
     Every rank of the world calls it. With `async_op=True` returns a handle whose `wait()` gives the tensor.
     """
+    output, wanted_offset, operations, regions = _hand_off_operations(local, source, source_mesh, target, target_mesh)
+    return exchange_into(output, wanted_offset, operations, regions, async_op=async_op)
+
+
+def redistribute_across_meshes_with_requires_grad(local: torch.Tensor, source: Layout, source_mesh, target: Layout,
+                                                  target_mesh, requires_grad: bool) -> tuple[torch.Tensor, bool]:
+    """`redistribute_across_meshes` (waited) and whether the source requires grad, as its holders say.
+
+    Every rank of the world calls it, each with what its own DTensor says. A rank of the target mesh
+    outside the source mesh holds a stand-in without data, whose `requires_grad` may differ from the
+    source's; each such rank receives the holders' answer (one byte from one holder, spread over them)
+    in the same batch of messages as the data. Every other rank keeps its own answer.
+    """
+    output, wanted_offset, operations, regions = _hand_off_operations(local, source, source_mesh, target, target_mesh)
+    answers, answer = _requires_grad_operations(requires_grad, local.device, source_mesh, target_mesh)
+    output = exchange_into(output, wanted_offset, operations + answers, regions, async_op=False)  # answers last
+    return output, requires_grad if answer is None else bool(answer)
+
+
+def _hand_off_operations(local: torch.Tensor, source: Layout, source_mesh, target: Layout, target_mesh):
+    """This rank's output buffer (its local copies made), its offset, and its sends and receives (with
+    the region of each receive) of a cross-mesh move; a Partial source is reduced first."""
     me = torch.distributed.get_rank()
     reduced = source.without_partial()
     if reduced != source and source_mesh.get_coordinate() is not None:
@@ -137,5 +162,21 @@ def redistribute_across_meshes(local: torch.Tensor, source: Layout, source_mesh,
             buffer = local.new_empty(transfer.shape)
             operations.append(comm.PointToPoint("recv", buffer, transfer.sender))
             regions.append(region)
+    return output, wanted_offset, operations, regions
 
-    return exchange_into(output, wanted_offset, operations, regions, async_op=async_op)
+
+def _requires_grad_operations(requires_grad: bool, device: torch.device, source_mesh, target_mesh):
+    """This rank's sends and receive of the holders' answers (does the source require grad?), and its receive
+    buffer (None on a rank that receives none)."""
+    source_ranks = _ranks(source_mesh)
+    stand_ins = [rank for rank in _ranks(target_mesh) if rank not in source_ranks]
+    me = torch.distributed.get_rank()
+    operations, answer = [], None
+    for index, receiver in enumerate(stand_ins):
+        sender = source_ranks[index % len(source_ranks)]
+        if sender == me:
+            operations.append(comm.PointToPoint("send", torch.tensor([requires_grad], device=device), receiver))
+        elif receiver == me:
+            answer = torch.empty(1, dtype=torch.bool, device=device)
+            operations.append(comm.PointToPoint("recv", answer, sender))
+    return operations, answer
