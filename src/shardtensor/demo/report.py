@@ -1,6 +1,6 @@
 """What the demo shows on rank 0: a progress bar (loss, tokens/s, the one-device loss with
 --compare), then the collectives of one training step, how one weight is laid out, and a sample
-of generated text (which every rank helps compute)."""
+of generated text (sampled on rank 0 from a one-device copy of the trained weights)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from rich.progress import Progress as RichProgress
 from rich.table import Table
 
 from ..debug import visualize_sharding
-from ..dtensor import DTensor
 from .data import Corpus
 
 __all__ = ["Progress", "generate", "print_loss_agreement", "LOSS_TOLERANCE"]
@@ -54,14 +53,13 @@ def communication_table(records) -> Table:
 
 @torch.no_grad()
 def generate(model, corpus: Corpus, options, device: torch.device) -> str:
-    """Sample text from the model (every rank runs it; the same seed gives every rank the same text)."""
+    """Sample text from a one-device model (the trained weights gathered: `train.whole_model`), one
+    plain forward per character; the seed fixes the text."""
     generator = torch.Generator().manual_seed(options.seed)
     prompt = corpus.encode("    def ") if options.data is None else corpus.tokens[:1]  # a method, as most of the corpus is
     tokens = prompt[None].to(device)
     for _ in range(options.sample_length):
         logits = model(tokens[:, -options.block_size :])[:, -1]
-        if isinstance(logits, DTensor):
-            logits = logits.full_tensor()
         probabilities = torch.softmax(logits.float().cpu() / TEMPERATURE, dim=-1)
         tokens = torch.cat([tokens, torch.multinomial(probabilities, 1, generator=generator).to(device)], dim=1)
     return corpus.decode(tokens[0].tolist())
