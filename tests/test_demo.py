@@ -18,7 +18,7 @@ from spmd import spmd
 
 from shardtensor import comm
 from shardtensor.demo.cli import parse_options
-from shardtensor.demo.data import standard_library_text
+from shardtensor.demo.data import Corpus, code_lines, standard_library_text
 from shardtensor.demo.model import GPT, GPTConfig, parallelize, tensor_parallel_plan
 from shardtensor.demo.train import average_gradients, forward_backward, mean_loss, shard_model
 from shardtensor.parallel import loss_parallel
@@ -140,9 +140,14 @@ def test_options_check_the_mesh_against_the_ranks():
             parse_options(wrong)
 
 
-def test_the_default_corpus_is_a_few_hundred_kilobytes_of_python():
+def test_the_default_corpus_is_a_few_hundred_kilobytes_of_python_code_indented_by_tabs():
     text = standard_library_text()
-    assert len(text) == 400_000 and "def " in text and all(c == "\n" or " " <= c <= "~" for c in text[:5000])
+    assert len(text) == 400_000 and "\tdef " in text and all(c in "\n\t" or " " <= c <= "~" for c in text)
+    source = ('class A:\n    """Doc."""\n\n    # a comment\n    def f(self):\n        """Doc,\n        two lines."""\n'
+              '        return (1,  # kept\n                 2)\n')
+    assert code_lines(source) == "class A:\n\tdef f(self):\n\t\treturn (1,  # kept\n\t\t\t\t 2)\n"
+    corpus = Corpus("code", tuple(sorted(set(code_lines(source)))), torch.zeros(1, dtype=torch.long), tab_indents=True)
+    assert corpus.decode(corpus.encode("    def f(self):\n        return (1,")) == "    def f(self):\n        return (1,"
 
 
 def _run(command, timeout=300):

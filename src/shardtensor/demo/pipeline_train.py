@@ -103,7 +103,7 @@ class _PipelineProgress:
         if step_communication:
             self.console.print(report.communication_table(step_communication))
         self.console.rule("sample")
-        self.console.print(sample, markup=False, highlight=False)
+        self.console.print(sample, markup=False, highlight=False, soft_wrap=True)  # code lines unbroken
         self.console.rule()
         report.print_loss_agreement(self.console, self.differences)
 

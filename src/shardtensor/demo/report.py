@@ -19,7 +19,7 @@ __all__ = ["Progress", "generate", "print_loss_agreement", "LOSS_TOLERANCE"]
 
 # Losses of the parallel and the one-device run differ only by float32 rounding (sums in another order).
 LOSS_TOLERANCE = 1e-3
-TEMPERATURE = 0.6  # below 1: the likelier characters, so the sample reads more like the code it learnt
+TEMPERATURE = 0.5  # below 1: the likelier characters, so the sample reads more like the code it learnt
 
 
 _DATA_PARALLEL_NAMES = {"fsdp": "fully_shard", "ddp": "replicated, gradients all-reduced"}
@@ -111,7 +111,7 @@ class Progress:
                   "blocks.0.mlp.fc.weight over tp (each dp row holds the same shards):")
         visualize_sharding(weight, header=header, use_rich=True)
         self.console.rule("sample")
-        self.console.print(sample, markup=False, highlight=False)
+        self.console.print(sample, markup=False, highlight=False, soft_wrap=True)  # code lines unbroken
         self.console.rule()
         print_loss_agreement(self.console, self.differences)
 

@@ -54,7 +54,7 @@ class Options:
     data: str | None = None
     checkpoint: str | None = None
     compare: bool = False
-    sample_length: int = 160
+    sample_length: int = 320
     device_type: str = "cpu"
 
 
