@@ -47,8 +47,8 @@ class Options:
     layers: int = 2
     heads: int = 4
     width: int = 128
-    learning_rate: float = 2e-3  # the peak of the schedule (`schedule.learning_rate_at`)
-    warmup_steps: int = 20
+    learning_rate: float = 2.5e-3  # the peak of the schedule (`schedule.learning_rate_at`)
+    warmup_steps: int = 40
     final_learning_rate_fraction: float = 0.05
     seed: int = 0
     data: str | None = None
