@@ -134,6 +134,8 @@ def test_options_check_the_mesh_against_the_ranks():
     options, size = parse_options([])
     assert options.mesh == (2, 2) and size == 4 and options.data_parallel == "fsdp"
     assert parse_options(["--data-parallel", "ddp"])[0].data_parallel == "ddp"
+    assert options.learning_rate == 2.5e-3 and parse_options(["--pipeline"])[0].learning_rate == 2e-3  # no schedule there
+    assert parse_options(["--pipeline", "--lr", "1e-3"])[0].learning_rate == 1e-3
     for wrong in (["--nproc", "2", "--mesh", "2x2"], ["--mesh", "1x3"], ["--mesh", "4x1", "--batch-size", "6"],
                   ["--data-parallel", "zero"]):
         with pytest.raises(SystemExit):
