@@ -18,7 +18,7 @@ from spmd import spmd
 
 from shardtensor import comm
 from shardtensor.demo.cli import parse_options
-from shardtensor.demo.data import standard_library_text
+from shardtensor.demo.data import Corpus, code_lines, standard_library_text
 from shardtensor.demo.model import GPT, GPTConfig, parallelize, tensor_parallel_plan
 from shardtensor.demo.train import average_gradients, forward_backward, mean_loss, shard_model
 from shardtensor.parallel import loss_parallel
@@ -136,15 +136,22 @@ def test_options_check_the_mesh_against_the_ranks():
     assert parse_options(["--data-parallel", "ddp"])[0].data_parallel == "ddp"
     assert parse_options(["--compile"])[0].compile == "inductor" and parse_options([])[0].compile is None
     assert parse_options(["--mesh", "1x4", "--compile", "aot_eager"])[0].compile == "aot_eager"
+    assert options.learning_rate == 2.5e-3 and parse_options(["--pipeline"])[0].learning_rate == 2e-3  # no schedule there
+    assert parse_options(["--pipeline", "--lr", "1e-3"])[0].learning_rate == 1e-3
     for wrong in (["--nproc", "2", "--mesh", "2x2"], ["--mesh", "1x3"], ["--mesh", "4x1", "--batch-size", "6"],
                   ["--data-parallel", "zero"], ["--pipeline", "--compile"]):
         with pytest.raises(SystemExit):
             parse_options(wrong)
 
 
-def test_the_default_corpus_is_a_few_hundred_kilobytes_of_python():
+def test_the_default_corpus_is_a_few_hundred_kilobytes_of_python_code_indented_by_tabs():
     text = standard_library_text()
-    assert len(text) == 400_000 and "def " in text and all(c == "\n" or " " <= c <= "~" for c in text[:5000])
+    assert len(text) == 400_000 and "\tdef " in text and all(c in "\n\t" or " " <= c <= "~" for c in text)
+    source = ('class A:\n    """Doc."""\n\n    # a comment\n    def f(self):\n        """Doc,\n        two lines."""\n'
+              '        return (1,  # kept\n                 2)\n')
+    assert code_lines(source) == "class A:\n\tdef f(self):\n\t\treturn (1,  # kept\n\t\t\t\t 2)\n"
+    corpus = Corpus("code", tuple(sorted(set(code_lines(source)))), torch.zeros(1, dtype=torch.long), tab_indents=True)
+    assert corpus.decode(corpus.encode("    def f(self):\n        return (1,")) == "    def f(self):\n        return (1,"
 
 
 def _run(command, timeout=300):

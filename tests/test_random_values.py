@@ -187,11 +187,16 @@ def test_filling_a_shard_in_place_holds_at_most_one_tile_more():
         assert torch.equal(out, expected), (shape, offset, local_shape)
 
 
-@spmd(meshes=[(4,)])
+@spmd(meshes=[(4,), (2, 2)])
 def test_empty_normal_on_a_sharded_dtensor_peaks_at_its_shard(mesh):
     """`empty(...).normal_()`: the shard and nothing else when its tiles lie whole in it (a 1-D
-    tensor of one tile per rank), like torch's own normal_ of the shard; the shard plus one tile else."""
-    for shape, placements, ratio in [((4 * BLOCK_SIZE,), [Shard(0)], 1.0), ((1024, 1024), [Shard(0)], 1.25)]:
+    tensor of one tile per rank), like torch's own normal_ of the shard; the shard plus one tile else
+    (256 KiB: 1.25x a 1 MiB shard), on a 2-D mesh too (rows and columns sharded)."""
+    cases = {
+        1: [((4 * BLOCK_SIZE,), [Shard(0)], 1.0), ((1024, 1024), [Shard(0)], 1.25)],
+        2: [((4 * BLOCK_SIZE,), [Shard(0), Shard(0)], 1.0), ((1024, 1024), [Shard(0), Shard(1)], 1.25)],
+    }
+    for shape, placements, ratio in cases[mesh.ndim]:
         shardtensor.empty(*shape, device_mesh=mesh, placements=placements).normal_()  # decided and cached
         shard_bytes = math.prod(shape) // 4 * 4
         peak = _peak_allocated_bytes(lambda: shardtensor.empty(*shape, device_mesh=mesh, placements=placements).normal_())

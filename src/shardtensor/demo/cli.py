@@ -57,7 +57,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--layers", type=int, default=defaults.layers)
     parser.add_argument("--heads", type=int, default=defaults.heads)
     parser.add_argument("--width", type=int, default=defaults.width)
-    parser.add_argument("--lr", type=float, default=defaults.learning_rate, help="peak learning rate (warmup, then cosine decay)")
+    parser.add_argument("--lr", type=float, default=None,
+                        help=f"peak learning rate, warmup then cosine decay (default {defaults.learning_rate}; "
+                             f"{PipelineOptions.learning_rate}, constant, with --pipeline)")
     parser.add_argument("--warmup-steps", type=int, default=defaults.warmup_steps, help="steps of linear learning-rate warmup")
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--data", default=None, help="a text file to train on (default: the Python standard library's source)")
@@ -103,7 +105,8 @@ def _pipeline_options(parser: argparse.ArgumentParser, arguments, world_size: in
         parser.error("--pipeline runs fully_shard on dp and saves no checkpoint: leave out --checkpoint and --data-parallel")
     options = PipelineOptions(
         mesh=mesh, steps=PipelineOptions.steps if arguments.steps is None else arguments.steps, batch_size=arguments.batch_size, block_size=arguments.block_size,
-        layers=arguments.layers, heads=arguments.heads, width=arguments.width, learning_rate=arguments.lr,
+        layers=arguments.layers, heads=arguments.heads, width=arguments.width,
+        learning_rate=PipelineOptions.learning_rate if arguments.lr is None else arguments.lr,
         seed=arguments.seed, data=arguments.data, compare=arguments.compare, sample_length=arguments.sample_length,
         device_type="cuda" if world_size and torch.cuda.is_available() else "cpu",
         schedule=arguments.schedule, microbatches=arguments.microbatches,
@@ -146,8 +149,8 @@ def parse_options(argv=None, world_size: int | None = None) -> tuple[Options, in
         parser.error(f"--batch-size {arguments.batch_size} must divide over the {mesh[0]} data-parallel ranks")
     options = Options(
         mesh=mesh, data_parallel=arguments.data_parallel, steps=Options.steps if arguments.steps is None else arguments.steps, batch_size=arguments.batch_size, block_size=arguments.block_size,
-        layers=arguments.layers, heads=arguments.heads, width=arguments.width, learning_rate=arguments.lr,
-        warmup_steps=arguments.warmup_steps,
+        layers=arguments.layers, heads=arguments.heads, width=arguments.width,
+        learning_rate=Options.learning_rate if arguments.lr is None else arguments.lr, warmup_steps=arguments.warmup_steps,
         seed=arguments.seed, data=arguments.data, checkpoint=arguments.checkpoint, compare=arguments.compare,
         sample_length=arguments.sample_length,
         device_type="cuda" if world_size and torch.cuda.is_available() else "cpu", compile=arguments.compile,

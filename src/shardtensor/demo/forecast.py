@@ -25,8 +25,9 @@ from .train import Options, forward_backward
 
 __all__ = ["make_step", "fit_options", "VOCAB_SIZE", "forecast_demo", "print_forecast"]
 
-# The demo corpus's vocabulary: printable ASCII and the newline (what `data.standard_library_text` keeps).
-VOCAB_SIZE = 96
+# The default corpus's vocabulary (`data.standard_library_text` on Python 3.11): printable ASCII, the
+# newline and the tab that stands for one level of indentation.
+VOCAB_SIZE = 97
 
 
 def _data_dims(mesh: DeviceMesh) -> tuple[str, ...]:

@@ -39,6 +39,7 @@ class PipelineOptions(Options):
     schedule: str = "1f1b"  # one of pipeline.SCHEDULES
     microbatches: int = 2  # per dp rank's batch and step
     steps: int = 80  # a short run: eight processes share the cores of a small machine
+    learning_rate: float = 2e-3  # constant: this loop has no warmup or decay (the 2-D loop's peak is higher)
 
 
 def _adamw(module: torch.nn.Module, options: Options) -> torch.optim.Optimizer:
@@ -103,7 +104,7 @@ class _PipelineProgress:
         if step_communication:
             self.console.print(report.communication_table(step_communication))
         self.console.rule("sample")
-        self.console.print(sample, markup=False, highlight=False)
+        self.console.print(sample, markup=False, highlight=False, soft_wrap=True)  # code lines unbroken
         self.console.rule()
         report.print_loss_agreement(self.console, self.differences)
 

@@ -30,7 +30,8 @@ from .data import Corpus, batch_for_step, load_corpus
 from .model import GPT, GPTConfig, parallelize
 from .schedule import learning_rate_at, set_learning_rate
 
-__all__ = ["Options", "DATA_PARALLEL_MODES", "average_gradients", "compile_blocks", "mean_loss", "shard_model", "forward_backward", "train"]
+__all__ = ["Options", "DATA_PARALLEL_MODES", "average_gradients", "compile_blocks", "mean_loss", "shard_model",
+           "forward_backward", "train", "whole_model"]
 
 DATA_PARALLEL_MODES = ("fsdp", "ddp")
 
@@ -47,14 +48,14 @@ class Options:
     layers: int = 2
     heads: int = 4
     width: int = 128
-    learning_rate: float = 2e-3  # the peak of the schedule (`schedule.learning_rate_at`)
-    warmup_steps: int = 20
+    learning_rate: float = 2.5e-3  # the peak of the schedule (`schedule.learning_rate_at`)
+    warmup_steps: int = 40
     final_learning_rate_fraction: float = 0.05
     seed: int = 0
     data: str | None = None
     checkpoint: str | None = None
     compare: bool = False
-    sample_length: int = 160
+    sample_length: int = 320
     device_type: str = "cpu"
     compile: str | None = None  # a torch.compile backend: each block is compiled with it (`compile_blocks`)
 
@@ -147,6 +148,17 @@ def compile_blocks(model: GPT, backend: str) -> GPT:
     return model
 
 
+def whole_model(model: GPT, device: torch.device) -> GPT:
+    """A one-device GPT with the trained weights, each parameter gathered once over the mesh (every rank
+    calls it): rank 0 samples from it, one plain forward per character instead of a sharded forward and
+    its collectives on every rank."""
+    state = {name: parameter.full_tensor().detach() if isinstance(parameter, DTensor) else parameter.detach()
+             for name, parameter in model.named_parameters()}
+    trained = GPT(model.config).to(device)
+    trained.load_state_dict(state)
+    return trained
+
+
 def _optimizer(model: GPT, options: Options) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=options.learning_rate, betas=(0.9, 0.95), weight_decay=0.01, foreach=True)
 
@@ -197,7 +209,6 @@ def train(options: Options) -> None:
     step_communication = model_records + gradient_records if options.steps > start else []
     if options.checkpoint:
         save_checkpoint(options.checkpoint, model, optimizer, options.steps, reference, reference_optimizer)
-    with torch.compiler.set_stance("force_eager"):  # sampling grows the sequence: a compiled block would recompile per length
-        sample = report.generate(model, corpus, options, device)
+    trained = whole_model(model, device)
     if progress is not None:
-        progress.finish(step_communication, model, sample)
+        progress.finish(step_communication, model, report.generate(trained, corpus, options, device))
