@@ -46,6 +46,23 @@ def _frozen_key_bias(model):
     return model
 
 
+def _three_adamw_steps_as_one_device(model, reference, losses) -> None:
+    """Three AdamW steps of `model` (DTensor parameters) and its one-device `reference`, `losses(step)`
+    giving both losses of a step: the losses and then the parameters agree."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.05)
+    for step in range(3):
+        loss, expected = losses(step)
+        assert_close(loss, expected, msg=lambda m: f"loss of step {step}: {m}")
+        loss.backward()
+        expected.backward()
+        for each in (optimizer, reference_optimizer):
+            each.step()
+            each.zero_grad()
+    for (name, parameter), wanted in zip(model.named_parameters(), reference.parameters()):
+        assert_close(parameter.full_tensor(), wanted, msg=lambda m: f"{name} after 3 steps: {m}")
+
+
 @spmd(meshes=[(2,)], timeout=180)
 def test_sequence_parallel_block_compiles_in_one_graph(mesh):
     """The demo's block under TP + SP (a sequence of 7 over 2 ranks: uneven shards) compiled with
@@ -61,22 +78,14 @@ def test_sequence_parallel_block_compiles_in_one_graph(mesh):
     reference = copy.deepcopy(block)
     parallelize_module(block, mesh, _block_plan())
     compiled = torch.compile(block, backend=counter, fullgraph=True)
-    optimizer = torch.optim.AdamW(block.parameters(), lr=0.05)
-    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.05)
     generator = torch.Generator().manual_seed(1)
-    for step in range(3):
+
+    def losses(step: int):
         x = torch.randn(2, 7, CONFIG.width, generator=generator, dtype=torch.float64)
         weights = torch.randn(2, 7, CONFIG.width, generator=generator, dtype=torch.float64)
-        loss = (compiled(distribute_tensor(x, mesh, [Shard(1)])).full_tensor() * weights).sum()
-        expected = (reference(x) * weights).sum()
-        assert_close(loss, expected, msg=lambda m: f"loss of step {step}: {m}")
-        loss.backward()
-        expected.backward()
-        for each in (optimizer, reference_optimizer):
-            each.step()
-            each.zero_grad()
-    for (name, parameter), wanted in zip(block.named_parameters(), reference.parameters()):
-        assert_close(parameter.full_tensor(), wanted, msg=lambda m: f"{name} after 3 steps: {m}")
+        return (compiled(distribute_tensor(x, mesh, [Shard(1)])).full_tensor() * weights).sum(), (reference(x) * weights).sum()
+
+    _three_adamw_steps_as_one_device(block, reference, losses)
     assert counter.frame_count == 1 and _graph_breaks() == 0, (counter.frame_count, _graph_breaks())
     assert _collectives(recorder.fw_graphs[:1]) == ["all_to_all_single", "wait_tensor", "all_to_all_single", "wait_tensor"] * 2
 
@@ -171,19 +180,12 @@ def test_local_tensors_between_styles_keep_their_layout_when_compiled(mesh):
         "down": RowwiseParallel(),
     })
     compiled = torch.compile(model, backend=counter, fullgraph=True)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
-    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.05)
-    for step in range(3):
+
+    def losses(step: int):
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
-        loss, expected = compiled(x).square().sum(), reference(x).square().sum()
-        assert_close(loss, expected, msg=lambda m: f"loss of step {step}: {m}")
-        loss.backward()
-        expected.backward()
-        for each in (optimizer, reference_optimizer):
-            each.step()
-            each.zero_grad()
-    for (name, parameter), wanted in zip(model.named_parameters(), reference.parameters()):
-        assert_close(parameter.full_tensor(), wanted, msg=lambda m: f"{name} after 3 steps: {m}")
+        return compiled(x).square().sum(), reference(x).square().sum()
+
+    _three_adamw_steps_as_one_device(model, reference, losses)
     assert counter.frame_count == 1 and _graph_breaks() == 0
 
     _fresh_counter("aot_eager")
