@@ -515,10 +515,12 @@ def _cached_plan(source: Layout, target: Layout, itemsize: int, cost_model: Cost
     best = {source: 0.0}
     arrival: dict[Layout, Step] = {}
     counter = itertools.count()
-    frontier = [(estimate, 0.0, next(counter), source)]
+    # among entries of equal estimate the target pops first: its cost is then optimal, and the entries
+    # left could only tie it, never replace it (a step replaces an arrival only when strictly cheaper)
+    frontier = [(estimate, True, 0.0, next(counter), source)]
     expanded = 0
     while frontier:
-        _, cost, _, state = heapq.heappop(frontier)
+        _, _, cost, _, state = heapq.heappop(frontier)
         if state == target:
             break
         if cost > best[state]:
@@ -536,7 +538,7 @@ def _cached_plan(source: Layout, target: Layout, itemsize: int, cost_model: Cost
                 best[step.after] = new_cost
                 arrival[step.after] = step
                 estimate = new_cost + _remaining_cost(step.after, target, itemsize, cost_model)
-                heapq.heappush(frontier, (estimate, new_cost, next(counter), step.after))
+                heapq.heappush(frontier, (estimate, step.after != target, new_cost, next(counter), step.after))
     if target not in best:
         raise _plan_error(
             source, target, "the target is unreachable",
