@@ -59,43 +59,46 @@ def overlap(first, second) -> int:
 
 
 @functools.lru_cache(maxsize=65536)
-def _kept_lengths(held: tuple[tuple[int, int], ...], wanted: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
-    """Per coordinate, on one tensor dim: (length of held ∩ wanted, wanted length)."""
-    return tuple(
-        (max(0, min(held_start + held_length, start + length) - max(held_start, start)), length)
-        for (held_start, held_length), (start, length) in zip(held, wanted)
-    )
-
-
-@functools.lru_cache(maxsize=65536)
 def most_missing(held: Layout, wanted: Layout) -> int:
     """Max over ranks of the elements of its `wanted` shard that its `held` shard lacks.
 
     A box is a product of per-dim intervals: missing = (product of unchanged lengths) *
-    (product of wanted lengths - product of kept lengths) over the changed dims.
+    (product of wanted lengths - product of kept lengths) over the changed dims. A dim unsharded
+    on both sides has one length everywhere, a factor taken out of the max.
     """
     changed, unchanged = [], []
+    factor = 1
     for dim in range(wanted.ndim):
-        if held.pieces[dim] != wanted.pieces[dim] or held.shard_order[dim] != wanted.shard_order[dim]:
-            changed.append(_kept_lengths(_dim_intervals(held, dim), _dim_intervals(wanted, dim)))
-        else:
+        wanted_order, wanted_pieces = wanted.shard_order[dim], wanted.pieces[dim]
+        if held.pieces[dim] != wanted_pieces or held.shard_order[dim] != wanted_order:
+            changed.append(tuple(zip(_dim_intervals(held, dim), _dim_intervals(wanted, dim))))
+        elif wanted_order:
             unchanged.append(_dim_intervals(wanted, dim))
-    if not changed:
+        else:
+            factor *= wanted_pieces[0]
+    if not changed or not factor:
         return 0
     most = 0
+    if len(changed) == 1 and not unchanged:  # the common step: one tensor dim is cut anew
+        for (held_start, held_length), (start, length) in changed[0]:
+            kept = min(held_start + held_length, start + length) - max(held_start, start)
+            missing = length - kept if kept > 0 else length
+            if missing > most:
+                most = missing
+        return most * factor
     for index in range(len(changed[0])):
         wanted_numel = kept = 1
         for column in changed:
-            kept_length, length = column[index]
+            (held_start, held_length), (start, length) = column[index]
             wanted_numel *= length
-            kept *= kept_length
+            kept *= max(0, min(held_start + held_length, start + length) - max(held_start, start))
         if wanted_numel == kept:
             continue
         for column in unchanged:
             wanted_numel *= column[index][1]
             kept *= column[index][1]
         most = max(most, wanted_numel - kept)
-    return most
+    return most * factor
 
 
 @functools.lru_cache(maxsize=65536)
