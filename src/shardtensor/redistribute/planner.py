@@ -341,12 +341,13 @@ def _neighbors(state: Layout, target: Layout, flattened_groups: bool):
         yield None, target
 
 
-def _flattened_reductions(state: Layout, target: Layout):
+def _flattened_reductions(state: Layout, target: Layout, landing: frozenset[int] | None = None):
     """(mesh dims, layout after) for one reduction over two or more Partial mesh dims at once (their
     Partials commute, or `_check` has refused the plan; a mix reduces as `flattened_partial` says).
 
     The new shards are appended in ascending mesh-dim order, which is the row-major order of the
-    flattened sub-mesh that `comm` uses, so peer i of the reduce_scatter receives piece i.
+    flattened sub-mesh that `comm` uses, so peer i of the reduce_scatter receives piece i. With
+    `landing` (the mesh dims where `state` and `target` differ), only the moves that can be the target.
     """
     moving = [
         mesh_dim for mesh_dim, placement in enumerate(state.placements)
@@ -354,26 +355,36 @@ def _flattened_reductions(state: Layout, target: Layout):
     ]
     for count in range(2, len(moving) + 1):
         for mesh_dims in itertools.combinations(moving, count):
-            yield mesh_dims, functools.reduce(lambda layout, m: layout.transition(m, Replicate()), mesh_dims, state)
+            wanted = {target.placements[mesh_dim] for mesh_dim in mesh_dims}
+            if landing is not None and (set(mesh_dims) != landing or len(wanted) > 1):
+                continue
+            if landing is None or wanted == {Replicate()}:
+                yield mesh_dims, functools.reduce(lambda layout, m: layout.transition(m, Replicate()), mesh_dims, state)
             for dim in range(state.ndim):
+                if landing is not None and wanted != {Shard(dim)}:
+                    continue
                 after = state
                 for mesh_dim in mesh_dims:
                     after = after.transition(mesh_dim, Shard(dim), pieces=_target_pieces(after, target, mesh_dim, dim))
                 yield mesh_dims, after
 
 
-def _flattened_gathers(state: Layout):
+def _flattened_gathers(state: Layout, target: Layout | None = None, landing: frozenset[int] | None = None):
     """(mesh dims, layout after) for one all_gather over the mesh dims that shard one tensor dim
     innermost (a suffix of its shard order, with two or more of size > 1), all made Replicate.
 
     The mesh dims are given in shard order (outermost first): row-major over them, peer i holds
     piece i of the pieces being merged, consecutive on the tensor dim, so the collective's
-    concatenation in peer order is the merged piece (exact sizes, uneven ones included).
+    concatenation in peer order is the merged piece (exact sizes, uneven ones included). With
+    `landing`, only the gather over exactly those mesh dims, where `target` replicates.
     """
     for dim, order in enumerate(state.shard_order):
         for start in range(len(order) - 1):
             mesh_dims = order[start:]
             if len([mesh_dim for mesh_dim in mesh_dims if state.mesh_shape[mesh_dim] > 1]) < 2:
+                continue
+            if landing is not None and (set(mesh_dims) != landing or any(
+                    not isinstance(target.placements[mesh_dim], Replicate) for mesh_dim in mesh_dims)):
                 continue
             after = state
             for mesh_dim in reversed(mesh_dims):  # innermost first: only it may leave the shard order
@@ -490,8 +501,8 @@ def _steps_onto(source: Layout, target: Layout, flattened_groups: bool):
             if placement == target.placements[mesh_dim]:
                 yield mesh_dim, source.transition(mesh_dim, placement, pieces=pieces)
     if flattened_groups and len(differing) > 1:
-        yield from _flattened_reductions(source, target)
-        yield from _flattened_gathers(source)
+        yield from _flattened_reductions(source, target, frozenset(differing))
+        yield from _flattened_gathers(source, target, frozenset(differing))
     if _exchange_allowed(source, target):
         yield None, target
 
