@@ -59,6 +59,18 @@ def overlap(first, second) -> int:
 
 
 @functools.lru_cache(maxsize=65536)
+def _kept_lengths(held: tuple[tuple[int, int], ...], wanted: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
+    """Per coordinate, on one tensor dim: (length of held ∩ wanted, wanted length). Keyed by the two
+    cuts alone, so layout pairs that differ only on other tensor dims share it (large meshes)."""
+    kept_lengths = []
+    for (held_start, held_length), (start, length) in zip(held, wanted):
+        held_end, end = held_start + held_length, start + length
+        kept = (held_end if held_end < end else end) - (held_start if held_start > start else start)
+        kept_lengths.append((kept if kept > 0 else 0, length))
+    return tuple(kept_lengths)
+
+
+@functools.lru_cache(maxsize=65536)
 def most_missing(held: Layout, wanted: Layout) -> int:
     """Max over ranks of the elements of its `wanted` shard that its `held` shard lacks.
 
@@ -71,7 +83,7 @@ def most_missing(held: Layout, wanted: Layout) -> int:
     for dim in range(wanted.ndim):
         wanted_order, wanted_pieces = wanted.shard_order[dim], wanted.pieces[dim]
         if held.pieces[dim] != wanted_pieces or held.shard_order[dim] != wanted_order:
-            changed.append(tuple(zip(_dim_intervals(held, dim), _dim_intervals(wanted, dim))))
+            changed.append(_kept_lengths(_dim_intervals(held, dim), _dim_intervals(wanted, dim)))
         elif wanted_order:
             unchanged.append(_dim_intervals(wanted, dim))
         else:
@@ -80,24 +92,22 @@ def most_missing(held: Layout, wanted: Layout) -> int:
         return 0
     most = 0
     if len(changed) == 1 and not unchanged:  # the common step: one tensor dim is cut anew
-        for (held_start, held_length), (start, length) in changed[0]:
-            kept = min(held_start + held_length, start + length) - max(held_start, start)
-            missing = length - kept if kept > 0 else length
-            if missing > most:
-                most = missing
+        for kept, length in changed[0]:
+            if length - kept > most:
+                most = length - kept
         return most * factor
-    for index in range(len(changed[0])):
+    for index, parts in enumerate(zip(*changed)):
         wanted_numel = kept = 1
-        for column in changed:
-            (held_start, held_length), (start, length) = column[index]
+        for kept_length, length in parts:
             wanted_numel *= length
-            kept *= max(0, min(held_start + held_length, start + length) - max(held_start, start))
+            kept *= kept_length
         if wanted_numel == kept:
             continue
         for column in unchanged:
             wanted_numel *= column[index][1]
             kept *= column[index][1]
-        most = max(most, wanted_numel - kept)
+        if wanted_numel - kept > most:
+            most = wanted_numel - kept
     return most * factor
 
 
