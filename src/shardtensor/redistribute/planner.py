@@ -491,7 +491,7 @@ def _step_between(state: Layout, after: Layout, mesh_dim, itemsize: int, cost_mo
     return _make_step(state, after, mesh_dim, itemsize, cost_model)
 
 
-def _steps_onto(source: Layout, target: Layout, flattened_groups: bool):
+def _steps_onto(source: Layout, target: Layout, flattened_groups: bool, exchange: bool = True):
     """The neighbours of `source` (as `_neighbors` gives them) that can be `target`: one mesh dim's move
     to the target's placement where only that mesh dim differs, a flattened collective when several
     differ, the exchange. Cheaper than every neighbour: most moves go elsewhere."""
@@ -503,7 +503,7 @@ def _steps_onto(source: Layout, target: Layout, flattened_groups: bool):
     if flattened_groups and len(differing) > 1:
         yield from _flattened_reductions(source, target, frozenset(differing))
         yield from _flattened_gathers(source, target, frozenset(differing))
-    if _exchange_allowed(source, target):
+    if exchange and _exchange_allowed(source, target):
         yield None, target
 
 
@@ -546,10 +546,15 @@ def _collective_then_local_step(source: Layout, target: Layout, direct: Step | N
         if isinstance(wanted, Shard) and target.shard_order[wanted.dim][-1] != mesh_dim:
             continue
         middle = target.transition(mesh_dim, Replicate())
-        first = _cheapest_step_onto(source, middle, _steps_onto(source, middle, cost_model.flattened_groups), itemsize, cost_model)
+        # every rank's middle shard holds its target shard: an exchange onto it moves the estimate's bytes
+        # or more, so it is over the bound when its latency is (and pricing it visits every rank)
+        exchange = cost_model.latency_of(EXCHANGE) <= latency
+        onto_middle = _steps_onto(source, middle, cost_model.flattened_groups, exchange)
+        first = _cheapest_step_onto(source, middle, onto_middle, itemsize, cost_model)
         if first is None or first.collective in LOCAL_STEPS:
             continue
-        last = _cheapest_step_onto(middle, target, _steps_onto(middle, target, cost_model.flattened_groups), itemsize, cost_model)
+        onto_target = _steps_onto(middle, target, cost_model.flattened_groups, exchange=False)
+        last = _cheapest_step_onto(middle, target, onto_target, itemsize, cost_model)
         if last is None or last.collective not in LOCAL_STEPS:
             continue
         cost = first.cost_us + last.cost_us
