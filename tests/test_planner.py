@@ -376,6 +376,29 @@ def test_a_star_finds_the_same_optimum_as_an_uninformed_search(monkeypatch):
     assert informed == pytest.approx(uninformed, abs=1e-9)
 
 
+def test_shortcuts_return_exactly_the_plan_of_the_search(monkeypatch):
+    """One step at the bound, and a collective then a local step under the bound, skip the search: the
+    same steps as the search finds (ties included), on 2-D and 3-D meshes, Partial sources, three cost models."""
+    from shardtensor.redistribute import planner
+
+    models = [DEFAULT_COST_MODEL, planner.PER_MESH_DIM_COST_MODEL, CostModel(latency_us=1.0, exchange_latency_us=1.5)]
+    pairs = []
+    for mesh_shape, shape, choices, count in [((2, 2), (6, 5), [R, Shard(0), Shard(1), Partial()], 3),
+                                              ((2, 1, 2), (5,), [R, Shard(0), Partial()], 3),
+                                              ((2, 2, 2), (16, 9), [R, Shard(0), Shard(1)], 1)]:
+        for source_placements in itertools.product(choices, repeat=len(mesh_shape)):
+            source = Layout.create(mesh_shape, source_placements, shape)
+            for target_placements in itertools.product(choices, repeat=len(mesh_shape)):
+                pairs += [(source, source.with_placements(target_placements), model) for model in models[:count]]
+    planner._cached_plan.cache_clear()
+    shortcut = [plan(source, target, 4, model) for source, target, model in pairs]
+    planner._cached_plan.cache_clear()
+    monkeypatch.setattr(planner, "_at_most", lambda cost, bound: False)
+    searched = [plan(source, target, 4, model) for source, target, model in pairs]
+    planner._cached_plan.cache_clear()
+    assert shortcut == searched
+
+
 # ---- Partial sources over several mesh dims: brute force and the lower bound ---------------------
 
 

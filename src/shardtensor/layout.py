@@ -371,7 +371,7 @@ class Layout:
         if pieces is not None and not isinstance(placement, Shard):
             raise _layout_error(str(self), f"pieces={tuple(pieces)} given for {placement!r}", "pieces apply to a Shard")
         changes = old != placement or pieces is not None
-        order = [list(mesh_dims) for mesh_dims in self.shard_order]
+        order = list(self.shard_order)
         new_pieces = list(self.pieces)
         parts = self.mesh_shape[mesh_dim]
         if isinstance(old, Shard) and changes:
@@ -379,16 +379,17 @@ class Layout:
                 raise _layout_error(
                     str(self),
                     f"mesh dim {mesh_dim} is not the innermost mesh dim sharding tensor dim {old.dim} "
-                    f"(shard order {tuple(order[old.dim])})",
+                    f"(shard order {order[old.dim]})",
                     "unshard the inner mesh dims first",
                 )
-            order[old.dim].pop()
+            order[old.dim] = order[old.dim][:-1]
             merged = new_pieces[old.dim]
-            new_pieces[old.dim] = tuple(sum(merged[i : i + parts]) for i in range(0, len(merged), parts))
+            new_pieces[old.dim] = merged if parts == 1 else tuple(
+                sum(merged[i : i + parts]) for i in range(0, len(merged), parts))
         if isinstance(placement, Shard) and changes:
             if not 0 <= placement.dim < self.ndim:
                 raise _layout_error(str(self), f"{placement!r} is out of range", f"use 0 <= dim < {self.ndim}")
-            order[placement.dim].append(mesh_dim)
+            order[placement.dim] = order[placement.dim] + (mesh_dim,)
             outer = new_pieces[placement.dim]
             if pieces is None:
                 new_pieces[placement.dim] = tuple(sub for piece in outer for sub in chunk_sizes(piece, parts))
@@ -396,13 +397,7 @@ class Layout:
                 new_pieces[placement.dim] = self._checked_split(outer, tuple(int(size) for size in pieces), parts)
         placements = list(self.placements)
         placements[mesh_dim] = placement
-        return Layout(
-            self.mesh_shape,
-            tuple(placements),
-            self.shape,
-            tuple(tuple(mesh_dims) for mesh_dims in order),
-            tuple(new_pieces),
-        )
+        return Layout(self.mesh_shape, tuple(placements), self.shape, tuple(order), tuple(new_pieces))
 
     @staticmethod
     def _checked_split(outer: tuple[int, ...], pieces: tuple[int, ...], parts: int) -> tuple[int, ...]:

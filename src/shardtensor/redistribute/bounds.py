@@ -60,11 +60,14 @@ def overlap(first, second) -> int:
 
 @functools.lru_cache(maxsize=65536)
 def _kept_lengths(held: tuple[tuple[int, int], ...], wanted: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
-    """Per coordinate, on one tensor dim: (length of held ∩ wanted, wanted length)."""
-    return tuple(
-        (max(0, min(held_start + held_length, start + length) - max(held_start, start)), length)
-        for (held_start, held_length), (start, length) in zip(held, wanted)
-    )
+    """Per coordinate, on one tensor dim: (length of held ∩ wanted, wanted length). Keyed by the two
+    cuts alone, so layout pairs that differ only on other tensor dims share it (large meshes)."""
+    kept_lengths = []
+    for (held_start, held_length), (start, length) in zip(held, wanted):
+        held_end, end = held_start + held_length, start + length
+        kept = (held_end if held_end < end else end) - (held_start if held_start > start else start)
+        kept_lengths.append((kept if kept > 0 else 0, length))
+    return tuple(kept_lengths)
 
 
 @functools.lru_cache(maxsize=65536)
@@ -72,21 +75,30 @@ def most_missing(held: Layout, wanted: Layout) -> int:
     """Max over ranks of the elements of its `wanted` shard that its `held` shard lacks.
 
     A box is a product of per-dim intervals: missing = (product of unchanged lengths) *
-    (product of wanted lengths - product of kept lengths) over the changed dims.
+    (product of wanted lengths - product of kept lengths) over the changed dims. A dim unsharded
+    on both sides has one length everywhere, a factor taken out of the max.
     """
     changed, unchanged = [], []
+    factor = 1
     for dim in range(wanted.ndim):
-        if held.pieces[dim] != wanted.pieces[dim] or held.shard_order[dim] != wanted.shard_order[dim]:
+        wanted_order, wanted_pieces = wanted.shard_order[dim], wanted.pieces[dim]
+        if held.pieces[dim] != wanted_pieces or held.shard_order[dim] != wanted_order:
             changed.append(_kept_lengths(_dim_intervals(held, dim), _dim_intervals(wanted, dim)))
-        else:
+        elif wanted_order:
             unchanged.append(_dim_intervals(wanted, dim))
-    if not changed:
+        else:
+            factor *= wanted_pieces[0]
+    if not changed or not factor:
         return 0
     most = 0
-    for index in range(len(changed[0])):
+    if len(changed) == 1 and not unchanged:  # the common step: one tensor dim is cut anew
+        for kept, length in changed[0]:
+            if length - kept > most:
+                most = length - kept
+        return most * factor
+    for index, parts in enumerate(zip(*changed)):
         wanted_numel = kept = 1
-        for column in changed:
-            kept_length, length = column[index]
+        for kept_length, length in parts:
             wanted_numel *= length
             kept *= kept_length
         if wanted_numel == kept:
@@ -94,8 +106,9 @@ def most_missing(held: Layout, wanted: Layout) -> int:
         for column in unchanged:
             wanted_numel *= column[index][1]
             kept *= column[index][1]
-        most = max(most, wanted_numel - kept)
-    return most
+        if wanted_numel - kept > most:
+            most = wanted_numel - kept
+    return most * factor
 
 
 @functools.lru_cache(maxsize=65536)

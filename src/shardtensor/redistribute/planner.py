@@ -341,12 +341,13 @@ def _neighbors(state: Layout, target: Layout, flattened_groups: bool):
         yield None, target
 
 
-def _flattened_reductions(state: Layout, target: Layout):
+def _flattened_reductions(state: Layout, target: Layout, landing: frozenset[int] | None = None):
     """(mesh dims, layout after) for one reduction over two or more Partial mesh dims at once (their
     Partials commute, or `_check` has refused the plan; a mix reduces as `flattened_partial` says).
 
     The new shards are appended in ascending mesh-dim order, which is the row-major order of the
-    flattened sub-mesh that `comm` uses, so peer i of the reduce_scatter receives piece i.
+    flattened sub-mesh that `comm` uses, so peer i of the reduce_scatter receives piece i. With
+    `landing` (the mesh dims where `state` and `target` differ), only the moves that can be the target.
     """
     moving = [
         mesh_dim for mesh_dim, placement in enumerate(state.placements)
@@ -354,26 +355,36 @@ def _flattened_reductions(state: Layout, target: Layout):
     ]
     for count in range(2, len(moving) + 1):
         for mesh_dims in itertools.combinations(moving, count):
-            yield mesh_dims, functools.reduce(lambda layout, m: layout.transition(m, Replicate()), mesh_dims, state)
+            wanted = {target.placements[mesh_dim] for mesh_dim in mesh_dims}
+            if landing is not None and (set(mesh_dims) != landing or len(wanted) > 1):
+                continue
+            if landing is None or wanted == {Replicate()}:
+                yield mesh_dims, functools.reduce(lambda layout, m: layout.transition(m, Replicate()), mesh_dims, state)
             for dim in range(state.ndim):
+                if landing is not None and wanted != {Shard(dim)}:
+                    continue
                 after = state
                 for mesh_dim in mesh_dims:
                     after = after.transition(mesh_dim, Shard(dim), pieces=_target_pieces(after, target, mesh_dim, dim))
                 yield mesh_dims, after
 
 
-def _flattened_gathers(state: Layout):
+def _flattened_gathers(state: Layout, target: Layout | None = None, landing: frozenset[int] | None = None):
     """(mesh dims, layout after) for one all_gather over the mesh dims that shard one tensor dim
     innermost (a suffix of its shard order, with two or more of size > 1), all made Replicate.
 
     The mesh dims are given in shard order (outermost first): row-major over them, peer i holds
     piece i of the pieces being merged, consecutive on the tensor dim, so the collective's
-    concatenation in peer order is the merged piece (exact sizes, uneven ones included).
+    concatenation in peer order is the merged piece (exact sizes, uneven ones included). With
+    `landing`, only the gather over exactly those mesh dims, where `target` replicates.
     """
     for dim, order in enumerate(state.shard_order):
         for start in range(len(order) - 1):
             mesh_dims = order[start:]
             if len([mesh_dim for mesh_dim in mesh_dims if state.mesh_shape[mesh_dim] > 1]) < 2:
+                continue
+            if landing is not None and (set(mesh_dims) != landing or any(
+                    not isinstance(target.placements[mesh_dim], Replicate) for mesh_dim in mesh_dims)):
                 continue
             after = state
             for mesh_dim in reversed(mesh_dims):  # innermost first: only it may leave the shard order
@@ -388,8 +399,16 @@ def _remaining_cost(state: Layout, target: Layout, itemsize: int, cost_model: Co
     reduce them all; without `flattened_groups`, one each). Shard mesh dims that must move need a
     collective per tensor dim they shard (a flattened all_gather may move all of one tensor dim's;
     without `flattened_groups`, one per mesh dim), unless one exchange moves them all. Bytes: the
-    lower bound of what the busiest rank must still receive.
+    lower bound of what the busiest rank must still receive. Local steps are not counted.
     """
+    latency, partial_moves = _remaining_latency(state, target, cost_model)
+    # with Partial mesh dims to reduce, the lower bound also counts the reduction's bytes
+    missing = lower_bound_bytes(state, target, itemsize) if partial_moves else most_missing(state, target) * itemsize
+    return latency + missing / cost_model.bytes_per_us
+
+
+def _remaining_latency(state: Layout, target: Layout, cost_model: CostModel) -> tuple[float, int]:
+    """The latency part of `_remaining_cost`, and how many reductions it counts."""
     partial_moves = 0
     moving_dims = set()
     for mesh_dim, current in enumerate(state.placements):
@@ -400,13 +419,11 @@ def _remaining_cost(state: Layout, target: Layout, itemsize: int, cost_model: Co
         elif isinstance(current, Shard) and _shard_must_move(state, target, mesh_dim, current.dim):
             moving_dims.add(current.dim)
     shard_moves = len(moving_dims)
-    # with Partial mesh dims to reduce, the lower bound also counts the reduction's bytes
-    missing = lower_bound_bytes(state, target, itemsize) if partial_moves else most_missing(state, target) * itemsize
     least = cost_model.least_latency_us
     latency = partial_moves * least
     if shard_moves:
         latency += min(shard_moves * least, cost_model.latency_of(EXCHANGE))
-    return latency + missing / cost_model.bytes_per_us
+    return latency, partial_moves
 
 
 def _shard_must_move(state: Layout, target: Layout, mesh_dim: int, dim: int) -> bool:
@@ -489,7 +506,7 @@ def _step_between(state: Layout, after: Layout, mesh_dim, itemsize: int, cost_mo
     return _make_step(state, after, mesh_dim, itemsize, cost_model)
 
 
-def _steps_onto(source: Layout, target: Layout, flattened_groups: bool):
+def _steps_onto(source: Layout, target: Layout, flattened_groups: bool, exchange: bool = True):
     """The neighbours of `source` (as `_neighbors` gives them) that can be `target`: one mesh dim's move
     to the target's placement where only that mesh dim differs, a flattened collective when several
     differ, the exchange. Cheaper than every neighbour: most moves go elsewhere."""
@@ -499,24 +516,66 @@ def _steps_onto(source: Layout, target: Layout, flattened_groups: bool):
             if placement == target.placements[mesh_dim]:
                 yield mesh_dim, source.transition(mesh_dim, placement, pieces=pieces)
     if flattened_groups and len(differing) > 1:
-        yield from _flattened_reductions(source, target)
-        yield from _flattened_gathers(source)
-    if _exchange_allowed(source, target):
+        yield from _flattened_reductions(source, target, frozenset(differing))
+        yield from _flattened_gathers(source, target, frozenset(differing))
+    if exchange and _exchange_allowed(source, target):
         yield None, target
 
 
-def _one_step_at_the_bound(source: Layout, target: Layout, neighbors, estimate: float, itemsize: int,
-                           cost_model: CostModel) -> Step | None:
-    """The cheapest single step among `neighbors` of `source` that lands on `target`, when it costs no more
-    than the search's admissible `estimate` (so no plan is cheaper: the search would return it too), else
-    None. Most redistributes are one collective; this finds them without pricing every neighbour."""
+def _cheapest_step_onto(source: Layout, target: Layout, neighbors, itemsize: int, cost_model: CostModel) -> Step | None:
+    """The cheapest single step among `neighbors` of `source` that lands on `target` (None if none does)."""
     best = None
     for mesh_dim, after in neighbors:
         if after == target:
             step = _step_between(source, after, mesh_dim, itemsize, cost_model)
             if best is None or step.cost_us < best.cost_us:
                 best = step
-    return best if best is not None and best.cost_us <= estimate * (1 + 1e-12) else None
+    return best
+
+
+def _at_most(cost: float, bound: float) -> bool:
+    return cost <= bound * (1 + 1e-12)
+
+
+def _collective_then_local_step(source: Layout, target: Layout, direct: Step | None, estimate: float, itemsize: int,
+                                cost_model: CostModel) -> tuple[Step, Step] | None:
+    """One collective onto the target with one mesh dim made Replicate, then that mesh dim's local step
+    (a slice, or make_partial), when no plan is cheaper, else None. E.g. (S0,R)->(R,S0): all_gather, slice.
+
+    Bound: `estimate` counts collectives alone, so a plan with a local step costs at least `estimate +
+    local_step_us`; one with two collectives at least two latencies plus the bytes part of the estimate,
+    which is no less when the estimate counts at most one latency; one step costs `direct`. A candidate
+    at that bound, strictly below `direct`, is what the search returns (the target pops first on ties).
+    """
+    latency, _ = _remaining_latency(source, target, cost_model)
+    least = cost_model.least_latency_us
+    local = cost_model.local_step_us
+    if latency > least or local > least:
+        return None
+    bound = estimate + local
+    best = None
+    for mesh_dim in range(source.mesh_ndim):
+        wanted = target.placements[mesh_dim]
+        if wanted == source.placements[mesh_dim] or isinstance(wanted, Replicate):
+            continue
+        if isinstance(wanted, Shard) and target.shard_order[wanted.dim][-1] != mesh_dim:
+            continue
+        middle = target.transition(mesh_dim, Replicate())
+        # every rank's middle shard holds its target shard: an exchange onto it moves the estimate's bytes
+        # or more, so it is over the bound when its latency is (and pricing it visits every rank)
+        exchange = cost_model.latency_of(EXCHANGE) <= latency
+        onto_middle = _steps_onto(source, middle, cost_model.flattened_groups, exchange)
+        first = _cheapest_step_onto(source, middle, onto_middle, itemsize, cost_model)
+        if first is None or first.collective in LOCAL_STEPS:
+            continue
+        onto_target = _steps_onto(middle, target, cost_model.flattened_groups, exchange=False)
+        last = _cheapest_step_onto(middle, target, onto_target, itemsize, cost_model)
+        if last is None or last.collective not in LOCAL_STEPS:
+            continue
+        cost = first.cost_us + last.cost_us
+        if _at_most(cost, bound) and (direct is None or cost < direct.cost_us) and (best is None or cost < best[0]):
+            best = (cost, first, last)
+    return best[1:] if best is not None else None
 
 
 @functools.lru_cache(maxsize=4096)
@@ -524,16 +583,21 @@ def _cached_plan(source: Layout, target: Layout, itemsize: int, cost_model: Cost
     _check(source, target)
     estimate = _remaining_cost(source, target, itemsize, cost_model)
     onto = _steps_onto(source, target, cost_model.flattened_groups) if source != target else ()
-    direct = _one_step_at_the_bound(source, target, onto, estimate, itemsize, cost_model)
-    if direct is not None:
+    direct = _cheapest_step_onto(source, target, onto, itemsize, cost_model)
+    if direct is not None and _at_most(direct.cost_us, estimate):  # no plan is cheaper: the search would return it too
         return _logged(Plan(source, target, itemsize, (direct,), lower_bound_bytes(source, target, itemsize)))
+    two = _collective_then_local_step(source, target, direct, estimate, itemsize, cost_model) if source != target else None
+    if two is not None:
+        return _logged(Plan(source, target, itemsize, two, lower_bound_bytes(source, target, itemsize)))
     best = {source: 0.0}
     arrival: dict[Layout, Step] = {}
     counter = itertools.count()
-    frontier = [(estimate, 0.0, next(counter), source)]
+    # among entries of equal estimate the target pops first: its cost is then optimal, and the entries
+    # left could only tie it, never replace it (a step replaces an arrival only when strictly cheaper)
+    frontier = [(estimate, True, 0.0, next(counter), source)]
     expanded = 0
     while frontier:
-        _, cost, _, state = heapq.heappop(frontier)
+        _, _, cost, _, state = heapq.heappop(frontier)
         if state == target:
             break
         if cost > best[state]:
@@ -551,7 +615,7 @@ def _cached_plan(source: Layout, target: Layout, itemsize: int, cost_model: Cost
                 best[step.after] = new_cost
                 arrival[step.after] = step
                 estimate = new_cost + _remaining_cost(step.after, target, itemsize, cost_model)
-                heapq.heappush(frontier, (estimate, new_cost, next(counter), step.after))
+                heapq.heappush(frontier, (estimate, step.after != target, new_cost, next(counter), step.after))
     if target not in best:
         raise _plan_error(
             source, target, "the target is unreachable",
