@@ -118,14 +118,9 @@ def planning() -> None:
 
 def _first_call_us(function, repeats: int = 21, setup=None) -> float:
     """Median time of `function`, `setup` (emptying caches) run before each call and not timed."""
-    times = []
-    for _ in range(repeats):
-        if setup is not None:
-            setup()
-        began = time.perf_counter()
-        function()
-        times.append(time.perf_counter() - began)
-    return statistics.median(times) * 1e6
+    from timing import call_times  # bench/, on the path when this file runs as a script
+
+    return statistics.median(call_times(function, repeats, before=setup)) * 1e6
 
 
 if __name__ == "__main__":
