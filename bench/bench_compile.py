@@ -12,6 +12,15 @@ Rows (issue 24, item 6):
   TP on "tp" (Colwise q/k/v/fc, Rowwise out/proj), each block `.compile()`d, then `fully_shard` over "dp"
   per block and at the root (the torchtitan order), on a 2x2 mesh; each dp rank trains on its slice of the batch.
 
+Fair compile times: every world first compiles, with the row's backend, a plain-tensor function with a
+functional all_reduce, forward and backward (`_warm_up`), so the compiler's one-time costs (imports,
+code caches, collective lowering) fall on neither side; then the one-process model, then both sides,
+and by default each row and backend runs twice, in two fresh worlds, once with ours compiled first and
+once with torch's (the `first` column; `--first ours` runs one order). Read each side's compile time
+from the world where it went first: it is then, as for a user of one library, the first distributed
+program compiled in its process (after the one-process model, whose `forward` code object it shares, so
+its compile is dynamo's second cache entry of that frame, the second side's the third).
+
 Each side is compiled with `fullgraph=True` first; if that fails it is compiled again without it and
 the table says `no` in the fullgraph column (the first line of the fullgraph error is listed below the
 table). Reported per row, backend and side: the first step's wall time (compile time: forward and backward
@@ -190,6 +199,20 @@ def _comm_mode_count(side, run):
     return mode.get_total_counts()
 
 
+def _warm_up(backend) -> None:
+    """Compile, with `backend`, a plain-tensor function with a functional all_reduce, forward and backward:
+    the compiler's first-use costs (imports, code caches, collective lowering) that would otherwise fall on
+    whichever side compiles first."""
+    from torch.distributed import _functional_collectives as functional
+
+    def program(x):
+        return (x.relu() * functional.all_reduce(x.detach() * 2, "sum", dist.group.WORLD)).square().mean()
+
+    compiled = torch.compile(program, fullgraph=True, **({"backend": backend} if backend != "inductor" else {}))
+    compiled(torch.randn(8, 8, requires_grad=True)).backward()
+    torch._dynamo.reset()
+
+
 def _compiled_side(row, side, backend, steps):
     """Compile one side (fullgraph first), run `steps` steps; returns its Setup and a result dict."""
     result = {}
@@ -259,23 +282,24 @@ def _count_collectives(setups, step, results) -> None:
             results[side]["comm_mode_error"] = _first_line(error)
 
 
-def body(rows, backends, steps, timed, eager_first, sides=SIDES):
-    """Every row on this world: per backend, both sides compiled, timings alternating step by step;
-    the eager runs the values are compared with come last (or first with `eager_first`)."""
+def body(rows, backends, steps, timed, eager_first, sides=SIDES, order=SIDES):
+    """Every row on this world: per backend, the one-process model compiled (which also warms the
+    backend up), then both sides in `order`, timings alternating step by step; the eager runs the
+    values are compared with come last (or first with `eager_first`)."""
     torch._dynamo.config.cache_size_limit = 64
     ranks = dist.get_world_size()
     report = {}
     for row in rows:
         eager = {side: _eager_or_error(row, side, steps) for side in sides} if eager_first else {}
         for backend in backends:
-            torch._dynamo.reset()
+            _warm_up(backend)
             single = Setup(row, None, {"backend": backend} if backend != "inductor" else {})
             dist.barrier()
             began = time.perf_counter()
             single.step(0)
             single_compile = time.perf_counter() - began
             setups, results = {}, {}
-            for side in SIDES:
+            for side in order:
                 if side in sides:
                     setups[side], results[side] = _compiled_side(row, side, backend, steps)
                 else:
@@ -305,8 +329,8 @@ def _slowest(per_rank_times, summary=statistics.median):
     return summary(max(rank[i] for rank in per_rank_times) for i in range(steps))
 
 
-def print_table(report_by_rank, notes):
-    """One table row per (row, ranks, backend); cells are `ours / torch`."""
+def print_table(report_by_rank, notes, first_side):
+    """One table row per (row, ranks, backend); cells are `ours / torch`; `first_side` compiled first."""
     for key, rank_reports in report_by_rank.items():
         row, ranks, backend = key
         first = rank_reports[0]
@@ -328,7 +352,7 @@ def print_table(report_by_rank, notes):
         ratio = medians["ours"] / medians["torch"] if not any(failed.values()) else math.nan
         min_ratio = minima["ours"] / minima["torch"] if not any(failed.values()) else math.nan
         print(
-            f"| {row} | {ranks} | {backend} | "
+            f"| {row} | {ranks} | {backend} | {first_side} | "
             f"{get('ours', 'fullgraph', '{!s}').replace('True', 'yes').replace('False', 'no')} / "
             f"{get('torch', 'fullgraph', '{!s}').replace('True', 'yes').replace('False', 'no')} | "
             f"{get('ours', 'compile_s', '{:.1f}')} / {get('torch', 'compile_s', '{:.1f}')} ({first['single_compile_s']:.1f}) | "
@@ -355,27 +379,33 @@ def main() -> None:
     parser.add_argument("--timed", type=int, default=20, help="timed steps after those")
     parser.add_argument("--sides", nargs="+", default=list(SIDES), choices=SIDES, help="run only these sides")
     parser.add_argument("--eager-first", action="store_true", help="run the eager reference before compiling (default: after)")
+    parser.add_argument(
+        "--first", nargs="+", default=list(SIDES), choices=SIDES,
+        help="the side compiled first in a fresh world; each one given is a world of its own (default: both orders)",
+    )
     options = parser.parse_args()
     torch.set_num_threads(1)
     print(
-        "| row | ranks | backend | fullgraph | compile s (one process) | compile CPU s | step ms median (one process) | step ms min | "
+        "| row | ranks | backend | first | fullgraph | compile s (one process) | compile CPU s | step ms median (one process) | step ms min | "
         "dist / one process | ours / torch median (min) | collectives (CommDebugMode) | gloo ops | graph breaks | "
         "loss diff vs eager | param diff vs eager |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     notes = []
     for row in options.rows:
         ranks = 2 if row == "tp2" else 4
-        for backend in options.backends:  # a fresh world per row and backend: a crash loses one row
-            try:
-                with LocalWorkers(ranks, timeout=1800) as workers:
-                    arguments = ([row], [backend], options.steps, options.timed, options.eager_first, options.sides)
-                    reports = workers.run(body, *arguments, timeout=3600)
-            except Exception as error:  # noqa: BLE001 - e.g. a worker's segfault
-                print(f"| {row} | {ranks} | {backend} | crashed: {_first_line(error)} |", flush=True)
-                notes.append(f"{row} x{ranks} {backend}: " + " ".join(str(error).split())[:400])
-                continue
-            print_table({key: [r[key] for r in reports] for key in reports[0]}, notes)
+        for backend in options.backends:  # a fresh world per row, backend and order: a crash loses one row
+            for first in options.first:
+                order = (first, *(side for side in SIDES if side != first))
+                try:
+                    with LocalWorkers(ranks, timeout=1800) as workers:
+                        arguments = ([row], [backend], options.steps, options.timed, options.eager_first, options.sides, order)
+                        reports = workers.run(body, *arguments, timeout=3600)
+                except Exception as error:  # noqa: BLE001 - e.g. a worker's segfault
+                    print(f"| {row} | {ranks} | {backend} | {first} | crashed: {_first_line(error)} |", flush=True)
+                    notes.append(f"{row} x{ranks} {backend} {first} first: " + " ".join(str(error).split())[:400])
+                    continue
+                print_table({key: [r[key] for r in reports] for key in reports[0]}, notes, first)
     for note in notes:
         print(f"- {note}")
 

@@ -68,6 +68,18 @@ def _layout_error(layout_text: str, problem: str, allowed: str) -> ValueError:
     return ValueError(f"{problem} (layout: {layout_text}); {allowed}")
 
 
+class SymbolicLayoutHashError(TypeError):
+    """`hash` of a layout with symbolic sizes; its message is formatted only when read, because callers
+    catch it while tracing and printing symbolic sizes costs milliseconds of sympy."""
+
+    def __init__(self, layout) -> None:
+        super().__init__()
+        self.layout = layout
+
+    def __str__(self) -> str:
+        return f"a layout with symbolic sizes is not hashable: {self.layout}"
+
+
 @dataclass(frozen=True, slots=True)
 class Layout:
     """Global shape, mesh shape, placements, shard order and exact piece sizes of a tensor.
@@ -94,7 +106,7 @@ class Layout:
 
     def __hash__(self) -> int:
         if self._hash is None:
-            raise TypeError(f"a layout with symbolic sizes is not hashable: {self}")
+            raise SymbolicLayoutHashError(self)
         return self._hash
 
     def __reduce__(self):

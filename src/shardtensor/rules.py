@@ -11,7 +11,7 @@ import cmath
 import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -95,6 +95,15 @@ class OpCall:
     inputs: tuple[TensorMeta, ...]
     args: tuple
     kwargs: tuple[tuple[str, object], ...]
+    _global_outputs: list | None = field(default=None, init=False, repr=False, compare=False, hash=False)
+
+    def global_output_metas(self) -> list:
+        """`run_on_meta` of the op on the global inputs, run once per call: a rule asks for it several
+        times per decision (a view per coordinate), and under torch.compile's symbolic shapes a run
+        costs milliseconds of sympy."""
+        if self._global_outputs is None:
+            object.__setattr__(self, "_global_outputs", run_on_meta(self.op, self.args, dict(self.kwargs)))
+        return list(self._global_outputs)
 
     def kwarg(self, name: str, default=None):
         for key, value in self.kwargs:
@@ -231,7 +240,7 @@ class ShardingRule:
         tensors; a rule whose op cannot run on them (`histogram`) says what it returns."""
         if self.returns_value:
             return [None]
-        return run_on_meta(call.op, call.args, dict(call.kwargs))
+        return call.global_output_metas()
 
     def local_arguments(
         self, call: OpCall, input_layouts: Sequence[Layout], coordinate: Sequence[int]

@@ -34,7 +34,7 @@ from .. import comm
 from ..layout import Layout
 from ..placement import Replicate, Shard
 from ..propagation import decide
-from ..rules import ComposedRule, Decision, OpCall, ResizesWritten, TensorMeta, run_on_meta, sign_of
+from ..rules import ComposedRule, Decision, OpCall, ResizesWritten, TensorMeta, sign_of
 from .registry import InPlaceVariantRule, RULES, aten, register_rule
 
 __all__ = ["ForeachRule", "ListReductionRule", "FusedStepRule", "canonical_scalar", "canonical_arguments"]
@@ -263,7 +263,7 @@ class ListReductionRule(ComposedRule):
 
     def decision(self, call: OpCall, layouts: Sequence[Layout], coordinate: Sequence[int]) -> Decision:
         targets = tuple(_without_partial(layout) for layout in layouts)
-        metas = tuple(run_on_meta(call.op, call.args, dict(call.kwargs)))
+        metas = tuple(call.global_output_metas())
         sharded = [{mesh_dim for mesh_dim, p in enumerate(layout.placements) if isinstance(p, Shard)} for layout in targets]
         mesh_dims = tuple(sorted(set().union(*sharded))) if sharded else ()
         contributes = tuple(

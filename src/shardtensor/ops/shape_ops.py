@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from ..layout import Layout
 from ..placement import REDUCE_OPS, Partial, Replicate, Shard
-from ..rules import OpCall, Row, ShardingRule, run_on_meta
+from ..rules import OpCall, Row, ShardingRule
 from .common import dim_argument, normalized_dim
 from .registry import aten, register_rule
 
@@ -54,7 +54,7 @@ class DiagonalFillRule(ShardingRule):
     @staticmethod
     def _geometry(call: OpCall) -> tuple[tuple[int, ...], int, int, int]:
         """(global output shape, offset, dim1, dim2)."""
-        shape = run_on_meta(call.op, call.args, dict(call.kwargs))[0].shape
+        shape = call.global_output_metas()[0].shape
         offset, dim1, dim2 = call.argument("offset"), call.argument("dim1"), call.argument("dim2")
         return shape, offset, normalized_dim(dim1, len(shape)), normalized_dim(dim2, len(shape))
 

@@ -34,7 +34,7 @@ import torch
 from .. import comm
 from ..layout import contiguous_stride
 from ..placement import Partial, Replicate, Shard
-from ..rules import DataDependentOutput, LocalCollective, OpCall, Row, ShardingRule, TensorMeta, run_on_meta, schema_positions
+from ..rules import DataDependentOutput, LocalCollective, OpCall, Row, ShardingRule, TensorMeta, schema_positions
 from .nn import GroupNorm, _masked_outputs, layer_norm, layer_norm_backward
 from .nn_spatial import _BATCH_NORM_FORWARD, BatchNorm, BatchNormBackward, _channels_or_zeros, _running_statistics, _training
 from .registry import aten, register_rule
@@ -256,7 +256,7 @@ def _synchronized_batch_norm(call: OpCall, reduction: _Reduction):
     """The training forward on a batch- or spatially sharded shard: merged statistics, normalized
     output, saved mean and inverse std, running statistics updated in place like torch's kernel."""
     op = call.op
-    metas = run_on_meta(call.op, call.args, dict(call.kwargs))  # dtypes: a bfloat16 input saves float statistics
+    metas = call.global_output_metas()  # dtypes: a bfloat16 input saves float statistics
     count = math.prod(call.inputs[0].shape) // call.inputs[0].shape[1]
     extra_outputs = metas[3:]
 

@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_map
 
 from ..layout import Layout
 from ..placement import REDUCE_OPS, Partial, Replicate, Shard
-from ..rules import OpCall, Row, ShardingRule, run_on_meta
+from ..rules import OpCall, Row, ShardingRule
 from .common import normalized_dim
 from .registry import RULES, aten, register_rule
 
@@ -84,7 +84,7 @@ def view_dim_map(input_shape: Sequence[int], output_shape: Sequence[int]) -> tup
 
 
 def _output_shape(call: OpCall) -> tuple[int, ...]:
-    return run_on_meta(call.op, call.args, dict(call.kwargs))[0].shape
+    return call.global_output_metas()[0].shape
 
 
 class ViewRule(ShardingRule):
@@ -106,7 +106,7 @@ class ViewRule(ShardingRule):
 
     def _rows(self, call: OpCall, kept: Sequence[KeptDim]) -> list[Row]:
         inputs = len(call.inputs)
-        outputs = len([meta for meta in run_on_meta(call.op, call.args, dict(call.kwargs)) if meta is not None])
+        outputs = len([meta for meta in call.global_output_metas() if meta is not None])
         rows = [Row((Replicate(),) * outputs, (Replicate(),) * inputs)]
         rows += [Row((Shard(k.output_dim),) * outputs, (Shard(k.input_dim),) * inputs) for k in kept]
         return rows + [Row((Partial(op),) * outputs, (Partial(op),) * inputs) for op in self.partials]
