@@ -161,8 +161,7 @@ def _exchange(local, mesh, placements) -> dict:
     _RECORD_DIMS dims, every rank, having seen the same records, exchanges the whole entries as objects.
     """
     digest = _digest(local, placements)
-    sizes = list(local.shape[:_RECORD_DIMS])
-    record = torch.tensor([local.ndim, digest, *sizes] + [0] * (_RECORD_DIMS - len(sizes)), device=mesh.device_type)
+    record = torch.tensor(_record(local.shape[:_RECORD_DIMS], local.ndim, digest, 2 + _RECORD_DIMS), device=mesh.device_type)
     rows = comm.all_gather_over_mesh(record, mesh).tolist()
     coordinates = _coordinates(mesh.shape)
     if all(row[0] <= _RECORD_DIMS and row[1] == digest for row in rows):
