@@ -17,6 +17,9 @@ from shardtensor.debug import direct_collectives
 from shardtensor.debug.comm_mode import CommCounts, DirectRecord
 
 ONE_D = [(1,), (2,), (4,)]
+# torch 2.15's all_gather_object gathers its pickled objects with all_gather_into_tensor (c10d's
+# `_allgather_base_`); earlier versions with all_gather (`allgather_`).
+_OBJECT_GATHER_KEY = "c10d._allgather_base_" if tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 15) else "c10d.allgather_"
 
 
 def _torch_mode():
@@ -71,7 +74,7 @@ def _direct_programs(n: int, rank: int) -> dict:
         "scatter": (lambda: dist.scatter(ones(), root_list(n), src=0), {"c10d.scatter_": 1}),
         "reduce": (lambda: dist.reduce(ones(), 0), {"c10d.reduce_": 1}),
         "all_reduce_coalesced": (lambda: dist.all_reduce_coalesced([ones(), ones(2)]), {"c10d.allreduce_coalesced_": 1}),
-        "all_gather_object": (lambda: dist.all_gather_object([None] * n, {"rank": rank}), {"c10d.allgather_": 2}),
+        "all_gather_object": (lambda: dist.all_gather_object([None] * n, {"rank": rank}), {_OBJECT_GATHER_KEY: 2}),
         "broadcast_object_list": (lambda: dist.broadcast_object_list([rank, "x"], 0), {"c10d.broadcast_": 2}),
         "barrier (not counted)": (dist.barrier, {}),
         "send and recv (not counted)": (exchange_with_neighbour, {}),

@@ -80,7 +80,7 @@ class SymbolicLayoutHashError(TypeError):
         return f"a layout with symbolic sizes is not hashable: {self.layout}"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, weakref_slot=True)
 class Layout:
     """Global shape, mesh shape, placements, shard order and exact piece sizes of a tensor.
 
