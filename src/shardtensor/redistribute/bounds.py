@@ -7,13 +7,27 @@ planner prices its steps and its search heuristic with these, and prints each pl
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 
 from ..layout import Layout
 from ..placement import Partial
 
-__all__ = ["boxes", "overlap", "most_missing", "shard_shapes", "lower_bound_bytes"]
+__all__ = ["boxes", "overlap", "most_missing", "missing_at", "busiest_rank", "shard_shapes", "lower_bound_bytes"]
+
+
+@functools.lru_cache(maxsize=4096)
+def _piece_indices(mesh_shape: tuple[int, ...], order: tuple[int, ...]) -> tuple[int, ...]:
+    """Index of the piece held at every coordinate, in `itertools.product` order, for a tensor dim split
+    by the mesh dims `order` (outermost first). It does not depend on sizes: every shape shares it."""
+    strides = [0] * len(mesh_shape)
+    step = 1
+    for mesh_dim in reversed(order):
+        strides[mesh_dim] = step
+        step *= mesh_shape[mesh_dim]
+    indices = [0]
+    for size, stride in zip(mesh_shape, strides):  # row-major: the last mesh dim varies fastest
+        indices = [index + stride * value for index in indices for value in range(size)]
+    return tuple(indices)
 
 
 @functools.lru_cache(maxsize=65536)
@@ -25,16 +39,12 @@ def _intervals(mesh_shape: tuple[int, ...], order: tuple[int, ...], pieces: tupl
     """
     if not order:
         return ((0, pieces[0]),) * math.prod(mesh_shape)
-    strides = [0] * len(mesh_shape)
-    step = 1
-    for mesh_dim in reversed(order):
-        strides[mesh_dim] = step
-        step *= mesh_shape[mesh_dim]
-    indices = [0]
-    for size, stride in zip(mesh_shape, strides):  # row-major: the last mesh dim varies fastest
-        indices = [index + stride * value for index in indices for value in range(size)]
-    starts = tuple(itertools.accumulate(pieces, initial=0))
-    return tuple((starts[index], pieces[index]) for index in indices)
+    start = 0
+    spans = []
+    for length in pieces:
+        spans.append((start, length))
+        start += length
+    return tuple([spans[index] for index in _piece_indices(mesh_shape, order)])
 
 
 def _dim_intervals(layout: Layout, dim: int) -> tuple[tuple[int, int], ...]:
@@ -70,9 +80,19 @@ def _kept_lengths(held: tuple[tuple[int, int], ...], wanted: tuple[tuple[int, in
     return tuple(kept_lengths)
 
 
-@functools.lru_cache(maxsize=65536)
 def most_missing(held: Layout, wanted: Layout) -> int:
-    """Max over ranks of the elements of its `wanted` shard that its `held` shard lacks.
+    """Max over ranks of the elements of its `wanted` shard that its `held` shard lacks."""
+    return _most_missing(held, wanted)[0]
+
+
+def busiest_rank(held: Layout, wanted: Layout) -> int:
+    """A coordinate (its index in `itertools.product` order) that lacks `most_missing` elements."""
+    return _most_missing(held, wanted)[1]
+
+
+@functools.lru_cache(maxsize=65536)
+def _most_missing(held: Layout, wanted: Layout) -> tuple[int, int]:
+    """`most_missing` and `busiest_rank`.
 
     A box is a product of per-dim intervals: missing = (product of unchanged lengths) *
     (product of wanted lengths - product of kept lengths) over the changed dims. A dim unsharded
@@ -89,13 +109,13 @@ def most_missing(held: Layout, wanted: Layout) -> int:
         else:
             factor *= wanted_pieces[0]
     if not changed or not factor:
-        return 0
-    most = 0
+        return 0, 0
+    most = busiest = 0
     if len(changed) == 1 and not unchanged:  # the common step: one tensor dim is cut anew
-        for kept, length in changed[0]:
+        for index, (kept, length) in enumerate(changed[0]):
             if length - kept > most:
-                most = length - kept
-        return most * factor
+                most, busiest = length - kept, index
+        return most * factor, busiest
     for index, parts in enumerate(zip(*changed)):
         wanted_numel = kept = 1
         for kept_length, length in parts:
@@ -107,8 +127,31 @@ def most_missing(held: Layout, wanted: Layout) -> int:
             wanted_numel *= column[index][1]
             kept *= column[index][1]
         if wanted_numel - kept > most:
-            most = wanted_numel - kept
-    return most * factor
+            most, busiest = wanted_numel - kept, index
+    return most * factor, busiest
+
+
+def missing_at(held: Layout, wanted: Layout, rank: int) -> int:
+    """Elements of the `wanted` shard at one coordinate (`rank`, its index in `itertools.product` order)
+    that the `held` shard there lacks: one rank's term of `most_missing`, so never above it."""
+    wanted_numel = kept = 1
+    for dim in range(wanted.ndim):
+        start, length = _interval_at(wanted, dim, rank)
+        held_start, held_length = _interval_at(held, dim, rank)
+        end, held_end = start + length, held_start + held_length
+        common = (end if end < held_end else held_end) - (start if start > held_start else held_start)
+        wanted_numel *= length
+        kept *= common if common > 0 else 0
+    return wanted_numel - kept
+
+
+def _interval_at(layout: Layout, dim: int, rank: int) -> tuple[int, int]:
+    order = layout.shard_order[dim]
+    pieces = layout.pieces[dim]
+    if not order:
+        return 0, pieces[0]
+    index = _piece_indices(layout.mesh_shape, order)[rank]
+    return sum(pieces[:index]), pieces[index]
 
 
 @functools.lru_cache(maxsize=65536)

@@ -48,7 +48,7 @@ from dataclasses import replace
 
 from ..layout import Layout
 from ..placement import Partial, Placement, Replicate, Shard
-from .bounds import lower_bound_bytes, most_missing, shard_shapes
+from .bounds import busiest_rank, lower_bound_bytes, missing_at, most_missing, shard_shapes
 from .steps import (
     ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, DEFAULT_COST_MODEL, EXCHANGE, LOCAL_STEPS, MAKE_PARTIAL, PER_MESH_DIM_COST_MODEL,
     REDUCE_SCATTER, RELABEL, SLICE, CostModel, Plan, Step, received_bytes,
@@ -425,6 +425,27 @@ def _collective_then_local_step(source: Layout, target: Layout, direct: Step | N
     return best[1:] if best is not None else None
 
 
+def _through_lower_bound(state: Layout, after: Layout, mesh_dim, target: Layout, rank: int, itemsize: int,
+                         cost_model: CostModel) -> float:
+    """A lower bound, cheaper than pricing, of the step `state` -> `after` plus the rest of any plan from
+    `after` to `target`, neither side Partial: each part's latency, and the elements one rank (`rank`)
+    receives in the step and still lacks after it. The busiest rank of the whole move is the witness:
+    a step that sends it elements it does not keep (all_gather before a slice) is priced out by them."""
+    if mesh_dim is None or isinstance(mesh_dim, tuple):
+        collective = ALL_GATHER
+    else:
+        collective = _collective(state.placements[mesh_dim], after.placements[mesh_dim], state.mesh_shape[mesh_dim])
+    step = cost_model.step_cost(collective, missing_at(state, after, rank) * itemsize)
+    latency, _ = _remaining_latency(after, target, cost_model)
+    return step + (latency + missing_at(after, target, rank) * itemsize / cost_model.bytes_per_us)
+
+
+def _beyond(upper: float, bound: float) -> bool:
+    """Whether a path whose cost is at least `bound` cannot beat a plan of cost `upper` (it would pop
+    after the target, which pops first among equal estimates)."""
+    return upper <= bound
+
+
 @functools.lru_cache(maxsize=4096)
 def _cached_plan(source: Layout, target: Layout, itemsize: int, cost_model: CostModel) -> Plan:
     _check(source, target)
@@ -436,6 +457,10 @@ def _cached_plan(source: Layout, target: Layout, itemsize: int, cost_model: Cost
     two = _collective_then_local_step(source, target, direct, estimate, itemsize, cost_model) if source != target else None
     if two is not None:
         return _logged(Plan(source, target, itemsize, two, lower_bound_bytes(source, target, itemsize)))
+    # a plan known to reach the target (the cheapest single step) bounds the search: a neighbour whose
+    # lower bound is no below it would pop after the target, so it is not priced (`_through_lower_bound`)
+    upper = direct.cost_us if direct is not None and not source.partial_mesh_dims() and not target.partial_mesh_dims() else None
+    witness = busiest_rank(source, target) if upper is not None else 0
     best = {source: 0.0}
     arrival: dict[Layout, Step] = {}
     counter = itertools.count()
@@ -455,6 +480,9 @@ def _cached_plan(source: Layout, target: Layout, itemsize: int, cost_model: Cost
         neighbors = _neighbors(state, target, cost_model.flattened_groups)
         for mesh_dim, after in neighbors:
             if best.get(after, math.inf) <= cost:
+                continue
+            if upper is not None and after != target and _beyond(
+                    upper, cost + _through_lower_bound(state, after, mesh_dim, target, witness, itemsize, cost_model)):
                 continue
             step = _step_between(state, after, mesh_dim, itemsize, cost_model)
             new_cost = cost + step.cost_us
