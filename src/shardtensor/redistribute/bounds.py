@@ -7,12 +7,13 @@ planner prices its steps and its search heuristic with these, and prints each pl
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 
 from ..layout import Layout
 from ..placement import Partial
 
-__all__ = ["boxes", "overlap", "most_missing", "missing_at", "busiest_rank", "shard_shapes", "lower_bound_bytes"]
+__all__ = ["boxes", "overlap", "most_missing", "missing_at", "busiest_rank", "coordinate_of", "shard_shapes", "lower_bound_bytes"]
 
 
 @functools.lru_cache(maxsize=4096)
@@ -90,6 +91,10 @@ def busiest_rank(held: Layout, wanted: Layout) -> int:
     return _most_missing(held, wanted)[1]
 
 
+# Up to this many ranks, `_most_missing` visits every coordinate: cheaper than building interval tables.
+_PER_COORDINATE_RANKS = 4
+
+
 @functools.lru_cache(maxsize=65536)
 def _most_missing(held: Layout, wanted: Layout) -> tuple[int, int]:
     """`most_missing` and `busiest_rank`.
@@ -98,6 +103,14 @@ def _most_missing(held: Layout, wanted: Layout) -> tuple[int, int]:
     (product of wanted lengths - product of kept lengths) over the changed dims. A dim unsharded
     on both sides has one length everywhere, a factor taken out of the max.
     """
+    mesh_shape = wanted.mesh_shape
+    if math.prod(mesh_shape) <= _PER_COORDINATE_RANKS:
+        most = busiest = 0
+        for index, coordinate in enumerate(itertools.product(*map(range, mesh_shape))):
+            missing = missing_at(held, wanted, coordinate)
+            if missing > most:
+                most, busiest = missing, index
+        return most, busiest
     changed, unchanged = [], []
     factor = 1
     for dim in range(wanted.ndim):
@@ -131,27 +144,38 @@ def _most_missing(held: Layout, wanted: Layout) -> tuple[int, int]:
     return most * factor, busiest
 
 
-def missing_at(held: Layout, wanted: Layout, rank: int) -> int:
-    """Elements of the `wanted` shard at one coordinate (`rank`, its index in `itertools.product` order)
-    that the `held` shard there lacks: one rank's term of `most_missing`, so never above it."""
+def missing_at(held: Layout, wanted: Layout, coordinate: tuple[int, ...]) -> int:
+    """Elements of the `wanted` shard at one mesh coordinate that the `held` shard there lacks: one
+    rank's term of `most_missing`, so never above it (and cheaper: no per-coordinate tables)."""
+    mesh_shape = wanted.mesh_shape
     wanted_numel = kept = 1
-    for dim in range(wanted.ndim):
-        start, length = _interval_at(wanted, dim, rank)
-        held_start, held_length = _interval_at(held, dim, rank)
-        end, held_end = start + length, held_start + held_length
-        common = (end if end < held_end else held_end) - (start if start > held_start else held_start)
+    for wanted_order, wanted_pieces, held_order, held_pieces in zip(
+            wanted.shard_order, wanted.pieces, held.shard_order, held.pieces):
+        index = 0
+        for mesh_dim in wanted_order:
+            index = index * mesh_shape[mesh_dim] + coordinate[mesh_dim]
+        length = wanted_pieces[index]
         wanted_numel *= length
+        if held_order == wanted_order and held_pieces == wanted_pieces:
+            kept *= length
+            continue
+        held_index = 0
+        for mesh_dim in held_order:
+            held_index = held_index * mesh_shape[mesh_dim] + coordinate[mesh_dim]
+        start, held_start = sum(wanted_pieces[:index]), sum(held_pieces[:held_index])
+        end, held_end = start + length, held_start + held_pieces[held_index]
+        common = (end if end < held_end else held_end) - (start if start > held_start else held_start)
         kept *= common if common > 0 else 0
     return wanted_numel - kept
 
 
-def _interval_at(layout: Layout, dim: int, rank: int) -> tuple[int, int]:
-    order = layout.shard_order[dim]
-    pieces = layout.pieces[dim]
-    if not order:
-        return 0, pieces[0]
-    index = _piece_indices(layout.mesh_shape, order)[rank]
-    return sum(pieces[:index]), pieces[index]
+def coordinate_of(mesh_shape: tuple[int, ...], rank: int) -> tuple[int, ...]:
+    """The mesh coordinate at index `rank` of `itertools.product` order (row-major)."""
+    coordinate = []
+    for size in reversed(mesh_shape):
+        rank, position = divmod(rank, size)
+        coordinate.append(position)
+    return tuple(reversed(coordinate))
 
 
 @functools.lru_cache(maxsize=65536)

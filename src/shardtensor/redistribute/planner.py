@@ -48,7 +48,7 @@ from dataclasses import replace
 
 from ..layout import Layout
 from ..placement import Partial, Placement, Replicate, Shard
-from .bounds import busiest_rank, lower_bound_bytes, missing_at, most_missing, shard_shapes
+from .bounds import busiest_rank, coordinate_of, lower_bound_bytes, missing_at, most_missing, shard_shapes
 from .steps import (
     ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, DEFAULT_COST_MODEL, EXCHANGE, LOCAL_STEPS, MAKE_PARTIAL, PER_MESH_DIM_COST_MODEL,
     REDUCE_SCATTER, RELABEL, SLICE, CostModel, Plan, Step, received_bytes,
@@ -160,20 +160,29 @@ def _moves(state: Layout, target: Layout, mesh_dim: int):
     """Candidate (placement, pieces) moves for one mesh dim of `state`."""
     current = state.placements[mesh_dim]
     wanted = target.placements[mesh_dim]
-    if isinstance(current, Shard) and state.shard_order[current.dim][-1] != mesh_dim:
+    is_shard = isinstance(current, Shard)
+    if is_shard and state.shard_order[current.dim][-1] != mesh_dim:
         return
     if not isinstance(current, Replicate):
-        yield Replicate(), None
+        yield _REPLICATE, None
+    current_dim = current.dim if current.__class__ is Shard else None  # what `Shard(dim) == current` tests
     for dim in range(state.ndim):
-        shard = Shard(dim)
-        if shard == current:
-            pieces = _target_pieces(state, target, mesh_dim, dim)
-            if pieces is not None and pieces != state.pieces[dim]:
-                yield shard, pieces
-        else:
-            yield shard, _target_pieces(state, target, mesh_dim, dim)
-    if isinstance(current, Replicate) and isinstance(wanted, Partial):
+        pieces = _target_pieces(state, target, mesh_dim, dim)
+        if dim != current_dim:
+            yield _shard(dim), pieces
+        elif pieces is not None and pieces != state.pieces[dim]:
+            yield _shard(dim), pieces
+    if not is_shard and isinstance(current, Replicate) and isinstance(wanted, Partial):
         yield wanted, None
+
+
+_REPLICATE = Replicate()
+
+
+@functools.lru_cache(maxsize=64)
+def _shard(dim: int) -> Shard:
+    """One `Shard(dim)` per dim: a planner step builds many and compares them."""
+    return Shard(dim)
 
 
 def _neighbors(state: Layout, target: Layout, flattened_groups: bool):
@@ -205,7 +214,10 @@ def _flattened_reductions(state: Layout, target: Layout, landing: frozenset[int]
             wanted = {target.placements[mesh_dim] for mesh_dim in mesh_dims}
             if landing is not None and (set(mesh_dims) != landing or len(wanted) > 1):
                 continue
-            if landing is None or wanted == {Replicate()}:
+            if landing is not None and wanted == {Replicate()} and state.shard_order == target.shard_order and (
+                    state.pieces == target.pieces):  # the layout after is the target: yield it as is
+                yield mesh_dims, target
+            elif landing is None or wanted == {Replicate()}:
                 yield mesh_dims, functools.reduce(lambda layout, m: layout.transition(m, Replicate()), mesh_dims, state)
             for dim in range(state.ndim):
                 if landing is not None and wanted != {Shard(dim)}:
@@ -230,13 +242,30 @@ def _flattened_gathers(state: Layout, target: Layout | None = None, landing: fro
             mesh_dims = order[start:]
             if len([mesh_dim for mesh_dim in mesh_dims if state.mesh_shape[mesh_dim] > 1]) < 2:
                 continue
-            if landing is not None and (set(mesh_dims) != landing or any(
-                    not isinstance(target.placements[mesh_dim], Replicate) for mesh_dim in mesh_dims)):
-                continue
+            if landing is not None:
+                if set(mesh_dims) != landing or any(
+                        not isinstance(target.placements[mesh_dim], Replicate) for mesh_dim in mesh_dims):
+                    continue
+                if _gathered_is(state, dim, start, target):  # the layout after is the target: yield it as is
+                    yield mesh_dims, target
+                    continue
             after = state
             for mesh_dim in reversed(mesh_dims):  # innermost first: only it may leave the shard order
                 after = after.transition(mesh_dim, Replicate())
             yield mesh_dims, after
+
+
+def _gathered_is(state: Layout, dim: int, start: int, target: Layout) -> bool:
+    """Whether gathering the mesh dims `state.shard_order[dim][start:]` (made Replicate) gives `target`,
+    where the target replicates them and every other mesh dim's placement is already the target's."""
+    orders, pieces = state.shard_order, state.pieces
+    if target.shard_order[:dim] != orders[:dim] or target.shard_order[dim + 1:] != orders[dim + 1:]:
+        return False
+    if target.pieces[:dim] != pieces[:dim] or target.pieces[dim + 1:] != pieces[dim + 1:]:
+        return False
+    if target.shard_order[dim] != orders[dim][:start]:
+        return False
+    return target.pieces[dim] == _group_to_depth(state, dim, orders[dim][:start])
 
 
 def _remaining_cost(state: Layout, target: Layout, itemsize: int, cost_model: CostModel) -> float:
@@ -254,6 +283,7 @@ def _remaining_cost(state: Layout, target: Layout, itemsize: int, cost_model: Co
     return latency + missing / cost_model.bytes_per_us
 
 
+@functools.lru_cache(maxsize=65536)
 def _remaining_latency(state: Layout, target: Layout, cost_model: CostModel) -> tuple[float, int]:
     """The latency part of `_remaining_cost`, and how many reductions it counts."""
     partial_moves = 0
@@ -373,6 +403,9 @@ def _cheapest_step_onto(source: Layout, target: Layout, neighbors, itemsize: int
     """The cheapest single step among `neighbors` of `source` that lands on `target` (None if none does)."""
     best = None
     for mesh_dim, after in neighbors:
+        if mesh_dim is None and best is not None and best.collective in (ALL_GATHER, ALL_TO_ALL) and (
+                cost_model.latency_of(best.collective) <= cost_model.latency_of(EXCHANGE)):
+            continue  # the exchange moves the same bytes (the most missing) and starts no sooner
         if after == target:
             step = _step_between(source, after, mesh_dim, itemsize, cost_model)
             if best is None or step.cost_us < best.cost_us:
@@ -425,19 +458,23 @@ def _collective_then_local_step(source: Layout, target: Layout, direct: Step | N
     return best[1:] if best is not None else None
 
 
-def _through_lower_bound(state: Layout, after: Layout, mesh_dim, target: Layout, rank: int, itemsize: int,
-                         cost_model: CostModel) -> float:
-    """A lower bound, cheaper than pricing, of the step `state` -> `after` plus the rest of any plan from
-    `after` to `target`, neither side Partial: each part's latency, and the elements one rank (`rank`)
-    receives in the step and still lacks after it. The busiest rank of the whole move is the witness:
-    a step that sends it elements it does not keep (all_gather before a slice) is priced out by them."""
+def _priced_out(upper: float, cost: float, state: Layout, after: Layout, mesh_dim, target: Layout,
+                rank: tuple[int, ...], itemsize: int, cost_model: CostModel) -> bool:
+    """Whether the step `state` -> `after` (reached at `cost`) plus the rest of any plan to `target` costs
+    at least `upper`, neither side Partial, from a lower bound cheaper than pricing: each part's latency,
+    and the elements one rank (at `rank`) receives in the step and still lacks after it. The busiest rank
+    of the whole move is the witness: a step that sends it elements it does not keep (an all_gather
+    before a slice) is priced out by them. The rest's latency is added only when the bytes fall short."""
     if mesh_dim is None or isinstance(mesh_dim, tuple):
         collective = ALL_GATHER
     else:
         collective = _collective(state.placements[mesh_dim], after.placements[mesh_dim], state.mesh_shape[mesh_dim])
-    step = cost_model.step_cost(collective, missing_at(state, after, rank) * itemsize)
+    reached = cost + cost_model.step_cost(collective, missing_at(state, after, rank) * itemsize)
+    rest = missing_at(after, target, rank) * itemsize / cost_model.bytes_per_us
+    if _beyond(upper, reached + rest):
+        return True
     latency, _ = _remaining_latency(after, target, cost_model)
-    return step + (latency + missing_at(after, target, rank) * itemsize / cost_model.bytes_per_us)
+    return _beyond(upper, reached + (latency + rest))
 
 
 def _beyond(upper: float, bound: float) -> bool:
@@ -458,9 +495,9 @@ def _cached_plan(source: Layout, target: Layout, itemsize: int, cost_model: Cost
     if two is not None:
         return _logged(Plan(source, target, itemsize, two, lower_bound_bytes(source, target, itemsize)))
     # a plan known to reach the target (the cheapest single step) bounds the search: a neighbour whose
-    # lower bound is no below it would pop after the target, so it is not priced (`_through_lower_bound`)
+    # lower bound is not below it would pop after the target, so it is not priced (`_priced_out`)
     upper = direct.cost_us if direct is not None and not source.partial_mesh_dims() and not target.partial_mesh_dims() else None
-    witness = busiest_rank(source, target) if upper is not None else 0
+    witness = coordinate_of(source.mesh_shape, busiest_rank(source, target)) if upper is not None else ()
     best = {source: 0.0}
     arrival: dict[Layout, Step] = {}
     counter = itertools.count()
@@ -481,8 +518,8 @@ def _cached_plan(source: Layout, target: Layout, itemsize: int, cost_model: Cost
         for mesh_dim, after in neighbors:
             if best.get(after, math.inf) <= cost:
                 continue
-            if upper is not None and after != target and _beyond(
-                    upper, cost + _through_lower_bound(state, after, mesh_dim, target, witness, itemsize, cost_model)):
+            if upper is not None and after != target and _priced_out(
+                    upper, cost, state, after, mesh_dim, target, witness, itemsize, cost_model):
                 continue
             step = _step_between(state, after, mesh_dim, itemsize, cost_model)
             new_cost = cost + step.cost_us
