@@ -226,6 +226,11 @@ def _reduced_mesh_dims(source: Layout, target: Layout) -> tuple[int, ...]:
 def _reduction_bound(target: Layout, group: int, kept: int) -> int:
     """`lower_bound_bytes` in elements times the number of ranks, for `kept` separate reductions
     of `group` operands per element: it depends on the target alone, so a search prices it once."""
-    numels = [math.prod(shape) for shape in shard_shapes(target)]
-    combine_and_copy = kept * target.numel * (group - 2) + sum(numels)
-    return max(combine_and_copy, math.prod(target.mesh_shape) * max(numels))
+    ranks = math.prod(target.mesh_shape)
+    if any(target.shard_order):
+        numels = [math.prod(shape) for shape in shard_shapes(target)]
+        total, largest = sum(numels), max(numels)
+    else:  # every rank holds the whole tensor
+        total, largest = ranks * target.numel, target.numel
+    combine_and_copy = kept * target.numel * (group - 2) + total
+    return max(combine_and_copy, ranks * largest)

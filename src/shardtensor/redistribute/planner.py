@@ -82,7 +82,7 @@ def _step_bytes(before: Layout, after: Layout, collective: str, group_size: int,
     if collective in (ALL_GATHER, ALL_TO_ALL, EXCHANGE):
         return most_missing(before, after) * itemsize
     # a reduction's bytes grow with the rank's piece after it: the largest piece is the busiest rank
-    largest = ((0,), (max(map(math.prod, shard_shapes(after))),))
+    largest = ((0,), (max(map(math.prod, shard_shapes(after))) if any(after.shard_order) else after.numel,))
     return received_bytes(collective, group_size, largest, largest, itemsize)
 
 
@@ -139,7 +139,7 @@ def _target_pieces(state: Layout, target: Layout, mesh_dim: int, dim: int) -> tu
         return None
     inner = math.prod(target.mesh_shape[m] for m in target_order[len(order):])
     final = target.pieces[dim]
-    grouped = tuple(sum(final[i : i + inner]) for i in range(0, len(final), inner))
+    grouped = final if inner == 1 else tuple(sum(final[i : i + inner]) for i in range(0, len(final), inner))
     parts = state.mesh_shape[mesh_dim]
     outer_order = order[:-1]
     outer = _group_to_depth(state, dim, outer_order)
@@ -151,22 +151,27 @@ def _target_pieces(state: Layout, target: Layout, mesh_dim: int, dim: int) -> tu
 def _group_to_depth(state: Layout, dim: int, order: tuple[int, ...]) -> tuple[int, ...]:
     """Pieces of `dim` when only the mesh dims `order` (a prefix of its shard order) split it."""
     current = state.shard_order[dim]
-    inner = math.prod(state.mesh_shape[m] for m in current[len(order):])
     pieces = state.pieces[dim]
+    if len(order) == len(current):
+        return pieces
+    if not order:
+        return (sum(pieces),)
+    inner = math.prod(state.mesh_shape[m] for m in current[len(order):])
     return tuple(sum(pieces[i : i + inner]) for i in range(0, len(pieces), inner))
 
 
-def _moves(state: Layout, target: Layout, mesh_dim: int):
-    """Candidate (placement, pieces) moves for one mesh dim of `state`."""
+def _moves(state: Layout, target: Layout, mesh_dim: int, only: Placement | None = None):
+    """Candidate (placement, pieces) moves for one mesh dim of `state`; with `only`, just those to it."""
     current = state.placements[mesh_dim]
     wanted = target.placements[mesh_dim]
     is_shard = isinstance(current, Shard)
     if is_shard and state.shard_order[current.dim][-1] != mesh_dim:
         return
-    if not isinstance(current, Replicate):
+    if not isinstance(current, Replicate) and (only is None or isinstance(only, Replicate)):
         yield _REPLICATE, None
     current_dim = current.dim if current.__class__ is Shard else None  # what `Shard(dim) == current` tests
-    for dim in range(state.ndim):
+    dims = range(state.ndim) if only is None else (only.dim,) if only.__class__ is Shard else ()
+    for dim in dims:
         pieces = _target_pieces(state, target, mesh_dim, dim)
         if dim != current_dim:
             yield _shard(dim), pieces
@@ -331,12 +336,14 @@ def _check(source: Layout, target: Layout) -> None:
             source, target, f"tensor shapes differ ({source.shape} vs {target.shape})",
             "A redistribute keeps the global shape; reshape separately.",
         )
+    source_ops = {placement for placement in source.placements if isinstance(placement, Partial)}
+    if len(source_ops) < 2:  # one reduce op (or none) always has one value
+        return
     reduced_ops = {
         placement
         for mesh_dim, placement in enumerate(source.placements)
         if isinstance(placement, Partial) and target.placements[mesh_dim] != placement
     }
-    source_ops = {placement for placement in source.placements if isinstance(placement, Partial)}
     commuting = all(first.commutes_with(second) for first in source_ops for second in source_ops)
     if reduced_ops and not commuting:
         raise _plan_error(
@@ -389,7 +396,7 @@ def _steps_onto(source: Layout, target: Layout, flattened_groups: bool, exchange
     differ, the exchange. Cheaper than every neighbour: most moves go elsewhere."""
     differing = [mesh_dim for mesh_dim in range(source.mesh_ndim) if source.placements[mesh_dim] != target.placements[mesh_dim]]
     for mesh_dim in differing if len(differing) == 1 else range(source.mesh_ndim) if not differing else ():
-        for placement, pieces in _moves(source, target, mesh_dim):
+        for placement, pieces in _moves(source, target, mesh_dim, only=target.placements[mesh_dim]):
             if placement == target.placements[mesh_dim]:
                 yield mesh_dim, source.transition(mesh_dim, placement, pieces=pieces)
     if flattened_groups and len(differing) > 1:
@@ -526,7 +533,8 @@ def _cached_plan(source: Layout, target: Layout, itemsize: int, cost_model: Cost
             if new_cost < best.get(step.after, math.inf):
                 best[step.after] = new_cost
                 arrival[step.after] = step
-                estimate = new_cost + _remaining_cost(step.after, target, itemsize, cost_model)
+                # nothing remains at the target (the estimate there is 0)
+                estimate = new_cost if step.after == target else new_cost + _remaining_cost(step.after, target, itemsize, cost_model)
                 heapq.heappush(frontier, (estimate, step.after != target, new_cost, next(counter), step.after))
     if target not in best:
         raise _plan_error(
