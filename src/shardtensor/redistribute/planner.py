@@ -396,7 +396,13 @@ def _steps_onto(source: Layout, target: Layout, flattened_groups: bool, exchange
     differ, the exchange. Cheaper than every neighbour: most moves go elsewhere."""
     differing = [mesh_dim for mesh_dim in range(source.mesh_ndim) if source.placements[mesh_dim] != target.placements[mesh_dim]]
     for mesh_dim in differing if len(differing) == 1 else range(source.mesh_ndim) if not differing else ():
-        for placement, pieces in _moves(source, target, mesh_dim, only=target.placements[mesh_dim]):
+        current, wanted = source.placements[mesh_dim], target.placements[mesh_dim]
+        if isinstance(current, Shard) and isinstance(wanted, Replicate) and differing:  # a gather: no layout to build
+            order = source.shard_order[current.dim]
+            if order[-1] == mesh_dim and _gathered_is(source, current.dim, len(order) - 1, target):
+                yield mesh_dim, target
+            continue
+        for placement, pieces in _moves(source, target, mesh_dim, only=wanted):
             if placement == target.placements[mesh_dim]:
                 yield mesh_dim, source.transition(mesh_dim, placement, pieces=pieces)
     if flattened_groups and len(differing) > 1:
