@@ -385,6 +385,7 @@ def test_shortcuts_return_exactly_the_plan_of_the_search(monkeypatch):
     models = [DEFAULT_COST_MODEL, planner.PER_MESH_DIM_COST_MODEL, CostModel(latency_us=1.0, exchange_latency_us=1.5)]
     pairs = []
     for mesh_shape, shape, choices, count in [((2, 2), (6, 5), [R, Shard(0), Shard(1), Partial()], 3),
+                                              ((2, 2), (64, 33), [R, Shard(0), Shard(1)], 3),  # bytes decide
                                               ((2, 1, 2), (5,), [R, Shard(0), Partial()], 3),
                                               ((2, 2, 2), (16, 9), [R, Shard(0), Shard(1)], 1)]:
         for source_placements in itertools.product(choices, repeat=len(mesh_shape)):

@@ -447,6 +447,8 @@ def _collective_then_local_step(source: Layout, target: Layout, direct: Step | N
         return None
     bound = estimate + local
     best = None
+    witness = coordinate_of(source.mesh_shape, busiest_rank(source, target))
+    first_latency = min(least, cost_model.latency_of(EXCHANGE))
     for mesh_dim in range(source.mesh_ndim):
         wanted = target.placements[mesh_dim]
         if wanted == source.placements[mesh_dim] or isinstance(wanted, Replicate):
@@ -454,6 +456,10 @@ def _collective_then_local_step(source: Layout, target: Layout, direct: Step | N
         if isinstance(wanted, Shard) and target.shard_order[wanted.dim][-1] != mesh_dim:
             continue
         middle = target.transition(mesh_dim, Replicate())
+        # no step onto the middle fits the bound when one rank lacks too much of it (a cheap lower bound)
+        lacking = missing_at(source, middle, witness) * itemsize / cost_model.bytes_per_us
+        if not _at_most(first_latency + lacking + local, bound):
+            continue
         # every rank's middle shard holds its target shard: an exchange onto it moves the estimate's bytes
         # or more, so it is over the bound when its latency is (and pricing it visits every rank)
         exchange = cost_model.latency_of(EXCHANGE) <= latency
