@@ -377,13 +377,15 @@ def test_a_star_finds_the_same_optimum_as_an_uninformed_search(monkeypatch):
 
 
 def test_shortcuts_return_exactly_the_plan_of_the_search(monkeypatch):
-    """One step at the bound, and a collective then a local step under the bound, skip the search: the
-    same steps as the search finds (ties included), on 2-D and 3-D meshes, Partial sources, three cost models."""
+    """One step at the bound, and a collective then a local step under the bound, skip the search, and
+    neighbours whose lower bound reaches the cheapest single step are not priced: the same steps as the
+    search finds (ties included), on 2-D and 3-D meshes, Partial sources, three cost models."""
     from shardtensor.redistribute import planner
 
     models = [DEFAULT_COST_MODEL, planner.PER_MESH_DIM_COST_MODEL, CostModel(latency_us=1.0, exchange_latency_us=1.5)]
     pairs = []
     for mesh_shape, shape, choices, count in [((2, 2), (6, 5), [R, Shard(0), Shard(1), Partial()], 3),
+                                              ((2, 2), (64, 33), [R, Shard(0), Shard(1)], 3),  # bytes decide
                                               ((2, 1, 2), (5,), [R, Shard(0), Partial()], 3),
                                               ((2, 2, 2), (16, 9), [R, Shard(0), Shard(1)], 1)]:
         for source_placements in itertools.product(choices, repeat=len(mesh_shape)):
@@ -394,6 +396,7 @@ def test_shortcuts_return_exactly_the_plan_of_the_search(monkeypatch):
     shortcut = [plan(source, target, 4, model) for source, target, model in pairs]
     planner._cached_plan.cache_clear()
     monkeypatch.setattr(planner, "_at_most", lambda cost, bound: False)
+    monkeypatch.setattr(planner, "_beyond", lambda upper, bound: False)
     searched = [plan(source, target, 4, model) for source, target, model in pairs]
     planner._cached_plan.cache_clear()
     assert shortcut == searched

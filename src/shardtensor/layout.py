@@ -403,7 +403,9 @@ class Layout:
                 raise _layout_error(str(self), f"{placement!r} is out of range", f"use 0 <= dim < {self.ndim}")
             order[placement.dim] = order[placement.dim] + (mesh_dim,)
             outer = new_pieces[placement.dim]
-            if pieces is None:
+            if pieces is None and len(outer) == 1:
+                new_pieces[placement.dim] = chunk_sizes(outer[0], parts)
+            elif pieces is None:
                 new_pieces[placement.dim] = tuple(sub for piece in outer for sub in chunk_sizes(piece, parts))
             else:
                 new_pieces[placement.dim] = self._checked_split(outer, tuple(int(size) for size in pieces), parts)

@@ -34,14 +34,13 @@ def chunk_sizes(size: int, parts: int) -> tuple[int, ...]:
     expressions for a symbolic `size`: torch.compile's dynamic shapes, with no guard on the size)."""
     if isinstance(size, torch.SymInt):
         return _symbolic_chunk_sizes(size, parts)
-    step = -(-size // parts) if size else 0
-    sizes = []
-    remaining = size
-    for _ in range(parts):
-        take = min(step, remaining)
-        sizes.append(take)
-        remaining -= take
-    return tuple(sizes)
+    if not size:
+        return (0,) * parts
+    step = -(-size // parts)
+    full = size // step  # pieces of `step`, then the rest, then empty pieces
+    if full >= parts:
+        return (step,) * parts
+    return (step,) * full + (size - full * step,) + (0,) * (parts - full - 1)
 
 
 def _symbolic_chunk_sizes(size: torch.SymInt, parts: int) -> tuple[torch.SymInt, ...]:

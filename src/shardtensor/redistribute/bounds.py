@@ -13,7 +13,22 @@ import math
 from ..layout import Layout
 from ..placement import Partial
 
-__all__ = ["boxes", "overlap", "most_missing", "shard_shapes", "lower_bound_bytes"]
+__all__ = ["boxes", "overlap", "most_missing", "missing_at", "busiest_rank", "coordinate_of", "shard_shapes", "lower_bound_bytes"]
+
+
+@functools.lru_cache(maxsize=4096)
+def _piece_indices(mesh_shape: tuple[int, ...], order: tuple[int, ...]) -> tuple[int, ...]:
+    """Index of the piece held at every coordinate, in `itertools.product` order, for a tensor dim split
+    by the mesh dims `order` (outermost first). It does not depend on sizes: every shape shares it."""
+    strides = [0] * len(mesh_shape)
+    step = 1
+    for mesh_dim in reversed(order):
+        strides[mesh_dim] = step
+        step *= mesh_shape[mesh_dim]
+    indices = [0]
+    for size, stride in zip(mesh_shape, strides):  # row-major: the last mesh dim varies fastest
+        indices = [index + stride * value for index in indices for value in range(size)]
+    return tuple(indices)
 
 
 @functools.lru_cache(maxsize=65536)
@@ -25,16 +40,12 @@ def _intervals(mesh_shape: tuple[int, ...], order: tuple[int, ...], pieces: tupl
     """
     if not order:
         return ((0, pieces[0]),) * math.prod(mesh_shape)
-    strides = [0] * len(mesh_shape)
-    step = 1
-    for mesh_dim in reversed(order):
-        strides[mesh_dim] = step
-        step *= mesh_shape[mesh_dim]
-    indices = [0]
-    for size, stride in zip(mesh_shape, strides):  # row-major: the last mesh dim varies fastest
-        indices = [index + stride * value for index in indices for value in range(size)]
-    starts = tuple(itertools.accumulate(pieces, initial=0))
-    return tuple((starts[index], pieces[index]) for index in indices)
+    start = 0
+    spans = []
+    for length in pieces:
+        spans.append((start, length))
+        start += length
+    return tuple([spans[index] for index in _piece_indices(mesh_shape, order)])
 
 
 def _dim_intervals(layout: Layout, dim: int) -> tuple[tuple[int, int], ...]:
@@ -70,14 +81,36 @@ def _kept_lengths(held: tuple[tuple[int, int], ...], wanted: tuple[tuple[int, in
     return tuple(kept_lengths)
 
 
-@functools.lru_cache(maxsize=65536)
 def most_missing(held: Layout, wanted: Layout) -> int:
-    """Max over ranks of the elements of its `wanted` shard that its `held` shard lacks.
+    """Max over ranks of the elements of its `wanted` shard that its `held` shard lacks."""
+    return _most_missing(held, wanted)[0]
+
+
+def busiest_rank(held: Layout, wanted: Layout) -> int:
+    """A coordinate (its index in `itertools.product` order) that lacks `most_missing` elements."""
+    return _most_missing(held, wanted)[1]
+
+
+# Up to this many ranks, `_most_missing` visits every coordinate: cheaper than building interval tables.
+_PER_COORDINATE_RANKS = 4
+
+
+@functools.lru_cache(maxsize=65536)
+def _most_missing(held: Layout, wanted: Layout) -> tuple[int, int]:
+    """`most_missing` and `busiest_rank`.
 
     A box is a product of per-dim intervals: missing = (product of unchanged lengths) *
     (product of wanted lengths - product of kept lengths) over the changed dims. A dim unsharded
     on both sides has one length everywhere, a factor taken out of the max.
     """
+    mesh_shape = wanted.mesh_shape
+    if math.prod(mesh_shape) <= _PER_COORDINATE_RANKS:
+        most = busiest = 0
+        for index, coordinate in enumerate(itertools.product(*map(range, mesh_shape))):
+            missing = missing_at(held, wanted, coordinate)
+            if missing > most:
+                most, busiest = missing, index
+        return most, busiest
     changed, unchanged = [], []
     factor = 1
     for dim in range(wanted.ndim):
@@ -89,13 +122,13 @@ def most_missing(held: Layout, wanted: Layout) -> int:
         else:
             factor *= wanted_pieces[0]
     if not changed or not factor:
-        return 0
-    most = 0
+        return 0, 0
+    most = busiest = 0
     if len(changed) == 1 and not unchanged:  # the common step: one tensor dim is cut anew
-        for kept, length in changed[0]:
+        for index, (kept, length) in enumerate(changed[0]):
             if length - kept > most:
-                most = length - kept
-        return most * factor
+                most, busiest = length - kept, index
+        return most * factor, busiest
     for index, parts in enumerate(zip(*changed)):
         wanted_numel = kept = 1
         for kept_length, length in parts:
@@ -107,8 +140,42 @@ def most_missing(held: Layout, wanted: Layout) -> int:
             wanted_numel *= column[index][1]
             kept *= column[index][1]
         if wanted_numel - kept > most:
-            most = wanted_numel - kept
-    return most * factor
+            most, busiest = wanted_numel - kept, index
+    return most * factor, busiest
+
+
+def missing_at(held: Layout, wanted: Layout, coordinate: tuple[int, ...]) -> int:
+    """Elements of the `wanted` shard at one mesh coordinate that the `held` shard there lacks: one
+    rank's term of `most_missing`, so never above it (and cheaper: no per-coordinate tables)."""
+    mesh_shape = wanted.mesh_shape
+    wanted_numel = kept = 1
+    for wanted_order, wanted_pieces, held_order, held_pieces in zip(
+            wanted.shard_order, wanted.pieces, held.shard_order, held.pieces):
+        index = 0
+        for mesh_dim in wanted_order:
+            index = index * mesh_shape[mesh_dim] + coordinate[mesh_dim]
+        length = wanted_pieces[index]
+        wanted_numel *= length
+        if held_order == wanted_order and held_pieces == wanted_pieces:
+            kept *= length
+            continue
+        held_index = 0
+        for mesh_dim in held_order:
+            held_index = held_index * mesh_shape[mesh_dim] + coordinate[mesh_dim]
+        start, held_start = sum(wanted_pieces[:index]), sum(held_pieces[:held_index])
+        end, held_end = start + length, held_start + held_pieces[held_index]
+        common = (end if end < held_end else held_end) - (start if start > held_start else held_start)
+        kept *= common if common > 0 else 0
+    return wanted_numel - kept
+
+
+def coordinate_of(mesh_shape: tuple[int, ...], rank: int) -> tuple[int, ...]:
+    """The mesh coordinate at index `rank` of `itertools.product` order (row-major)."""
+    coordinate = []
+    for size in reversed(mesh_shape):
+        rank, position = divmod(rank, size)
+        coordinate.append(position)
+    return tuple(reversed(coordinate))
 
 
 @functools.lru_cache(maxsize=65536)
@@ -159,6 +226,11 @@ def _reduced_mesh_dims(source: Layout, target: Layout) -> tuple[int, ...]:
 def _reduction_bound(target: Layout, group: int, kept: int) -> int:
     """`lower_bound_bytes` in elements times the number of ranks, for `kept` separate reductions
     of `group` operands per element: it depends on the target alone, so a search prices it once."""
-    numels = [math.prod(shape) for shape in shard_shapes(target)]
-    combine_and_copy = kept * target.numel * (group - 2) + sum(numels)
-    return max(combine_and_copy, math.prod(target.mesh_shape) * max(numels))
+    ranks = math.prod(target.mesh_shape)
+    if any(target.shard_order):
+        numels = [math.prod(shape) for shape in shard_shapes(target)]
+        total, largest = sum(numels), max(numels)
+    else:  # every rank holds the whole tensor
+        total, largest = ranks * target.numel, target.numel
+    combine_and_copy = kept * target.numel * (group - 2) + total
+    return max(combine_and_copy, ranks * largest)

@@ -35,6 +35,9 @@ Cost model (alpha-beta, `CostModel`): a step costs `latency_us` per collective p
 rank that finishes last). Sizes are exact per rank, uneven and empty pieces included (`bounds.py`). `plan`
 runs an exact shortest path (A* with an admissible heuristic: latency plus missing bytes) and caches per
 (source, target, itemsize, cost model); each plan carries `bounds.lower_bound_bytes` to print itself against.
+Shortcuts before the search (one step at the estimate, a collective then a local step) and, in it, neighbours
+dropped unpriced when one rank's bytes show they cannot beat a known single step, return the search's plan
+(tests/test_planner.py compares them with the search without them).
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ from dataclasses import replace
 
 from ..layout import Layout
 from ..placement import Partial, Placement, Replicate, Shard
-from .bounds import lower_bound_bytes, most_missing, shard_shapes
+from .bounds import busiest_rank, coordinate_of, lower_bound_bytes, missing_at, most_missing, shard_shapes
 from .steps import (
     ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, DEFAULT_COST_MODEL, EXCHANGE, LOCAL_STEPS, MAKE_PARTIAL, PER_MESH_DIM_COST_MODEL,
     REDUCE_SCATTER, RELABEL, SLICE, CostModel, Plan, Step, received_bytes,
@@ -82,7 +85,7 @@ def _step_bytes(before: Layout, after: Layout, collective: str, group_size: int,
     if collective in (ALL_GATHER, ALL_TO_ALL, EXCHANGE):
         return most_missing(before, after) * itemsize
     # a reduction's bytes grow with the rank's piece after it: the largest piece is the busiest rank
-    largest = ((0,), (max(map(math.prod, shard_shapes(after))),))
+    largest = ((0,), (max(map(math.prod, shard_shapes(after))) if any(after.shard_order) else after.numel,))
     return received_bytes(collective, group_size, largest, largest, itemsize)
 
 
@@ -139,7 +142,7 @@ def _target_pieces(state: Layout, target: Layout, mesh_dim: int, dim: int) -> tu
         return None
     inner = math.prod(target.mesh_shape[m] for m in target_order[len(order):])
     final = target.pieces[dim]
-    grouped = tuple(sum(final[i : i + inner]) for i in range(0, len(final), inner))
+    grouped = final if inner == 1 else tuple(sum(final[i : i + inner]) for i in range(0, len(final), inner))
     parts = state.mesh_shape[mesh_dim]
     outer_order = order[:-1]
     outer = _group_to_depth(state, dim, outer_order)
@@ -151,29 +154,43 @@ def _target_pieces(state: Layout, target: Layout, mesh_dim: int, dim: int) -> tu
 def _group_to_depth(state: Layout, dim: int, order: tuple[int, ...]) -> tuple[int, ...]:
     """Pieces of `dim` when only the mesh dims `order` (a prefix of its shard order) split it."""
     current = state.shard_order[dim]
-    inner = math.prod(state.mesh_shape[m] for m in current[len(order):])
     pieces = state.pieces[dim]
+    if len(order) == len(current):
+        return pieces
+    if not order:
+        return (sum(pieces),)
+    inner = math.prod(state.mesh_shape[m] for m in current[len(order):])
     return tuple(sum(pieces[i : i + inner]) for i in range(0, len(pieces), inner))
 
 
-def _moves(state: Layout, target: Layout, mesh_dim: int):
-    """Candidate (placement, pieces) moves for one mesh dim of `state`."""
+def _moves(state: Layout, target: Layout, mesh_dim: int, only: Placement | None = None):
+    """Candidate (placement, pieces) moves for one mesh dim of `state`; with `only`, just those to it."""
     current = state.placements[mesh_dim]
     wanted = target.placements[mesh_dim]
-    if isinstance(current, Shard) and state.shard_order[current.dim][-1] != mesh_dim:
+    is_shard = isinstance(current, Shard)
+    if is_shard and state.shard_order[current.dim][-1] != mesh_dim:
         return
-    if not isinstance(current, Replicate):
-        yield Replicate(), None
-    for dim in range(state.ndim):
-        shard = Shard(dim)
-        if shard == current:
-            pieces = _target_pieces(state, target, mesh_dim, dim)
-            if pieces is not None and pieces != state.pieces[dim]:
-                yield shard, pieces
-        else:
-            yield shard, _target_pieces(state, target, mesh_dim, dim)
-    if isinstance(current, Replicate) and isinstance(wanted, Partial):
+    if not isinstance(current, Replicate) and (only is None or isinstance(only, Replicate)):
+        yield _REPLICATE, None
+    current_dim = current.dim if current.__class__ is Shard else None  # what `Shard(dim) == current` tests
+    dims = range(state.ndim) if only is None else (only.dim,) if only.__class__ is Shard else ()
+    for dim in dims:
+        pieces = _target_pieces(state, target, mesh_dim, dim)
+        if dim != current_dim:
+            yield _shard(dim), pieces
+        elif pieces is not None and pieces != state.pieces[dim]:
+            yield _shard(dim), pieces
+    if not is_shard and isinstance(current, Replicate) and isinstance(wanted, Partial):
         yield wanted, None
+
+
+_REPLICATE = Replicate()
+
+
+@functools.lru_cache(maxsize=64)
+def _shard(dim: int) -> Shard:
+    """One `Shard(dim)` per dim: a planner step builds many and compares them."""
+    return Shard(dim)
 
 
 def _neighbors(state: Layout, target: Layout, flattened_groups: bool):
@@ -205,7 +222,10 @@ def _flattened_reductions(state: Layout, target: Layout, landing: frozenset[int]
             wanted = {target.placements[mesh_dim] for mesh_dim in mesh_dims}
             if landing is not None and (set(mesh_dims) != landing or len(wanted) > 1):
                 continue
-            if landing is None or wanted == {Replicate()}:
+            if landing is not None and wanted == {Replicate()} and state.shard_order == target.shard_order and (
+                    state.pieces == target.pieces):  # the layout after is the target: yield it as is
+                yield mesh_dims, target
+            elif landing is None or wanted == {Replicate()}:
                 yield mesh_dims, functools.reduce(lambda layout, m: layout.transition(m, Replicate()), mesh_dims, state)
             for dim in range(state.ndim):
                 if landing is not None and wanted != {Shard(dim)}:
@@ -230,13 +250,30 @@ def _flattened_gathers(state: Layout, target: Layout | None = None, landing: fro
             mesh_dims = order[start:]
             if len([mesh_dim for mesh_dim in mesh_dims if state.mesh_shape[mesh_dim] > 1]) < 2:
                 continue
-            if landing is not None and (set(mesh_dims) != landing or any(
-                    not isinstance(target.placements[mesh_dim], Replicate) for mesh_dim in mesh_dims)):
-                continue
+            if landing is not None:
+                if set(mesh_dims) != landing or any(
+                        not isinstance(target.placements[mesh_dim], Replicate) for mesh_dim in mesh_dims):
+                    continue
+                if _gathered_is(state, dim, start, target):  # the layout after is the target: yield it as is
+                    yield mesh_dims, target
+                    continue
             after = state
             for mesh_dim in reversed(mesh_dims):  # innermost first: only it may leave the shard order
                 after = after.transition(mesh_dim, Replicate())
             yield mesh_dims, after
+
+
+def _gathered_is(state: Layout, dim: int, start: int, target: Layout) -> bool:
+    """Whether gathering the mesh dims `state.shard_order[dim][start:]` (made Replicate) gives `target`,
+    where the target replicates them and every other mesh dim's placement is already the target's."""
+    orders, pieces = state.shard_order, state.pieces
+    if target.shard_order[:dim] != orders[:dim] or target.shard_order[dim + 1:] != orders[dim + 1:]:
+        return False
+    if target.pieces[:dim] != pieces[:dim] or target.pieces[dim + 1:] != pieces[dim + 1:]:
+        return False
+    if target.shard_order[dim] != orders[dim][:start]:
+        return False
+    return target.pieces[dim] == _group_to_depth(state, dim, orders[dim][:start])
 
 
 def _remaining_cost(state: Layout, target: Layout, itemsize: int, cost_model: CostModel) -> float:
@@ -254,6 +291,7 @@ def _remaining_cost(state: Layout, target: Layout, itemsize: int, cost_model: Co
     return latency + missing / cost_model.bytes_per_us
 
 
+@functools.lru_cache(maxsize=65536)
 def _remaining_latency(state: Layout, target: Layout, cost_model: CostModel) -> tuple[float, int]:
     """The latency part of `_remaining_cost`, and how many reductions it counts."""
     partial_moves = 0
@@ -301,12 +339,14 @@ def _check(source: Layout, target: Layout) -> None:
             source, target, f"tensor shapes differ ({source.shape} vs {target.shape})",
             "A redistribute keeps the global shape; reshape separately.",
         )
+    source_ops = {placement for placement in source.placements if isinstance(placement, Partial)}
+    if len(source_ops) < 2:  # one reduce op (or none) always has one value
+        return
     reduced_ops = {
         placement
         for mesh_dim, placement in enumerate(source.placements)
         if isinstance(placement, Partial) and target.placements[mesh_dim] != placement
     }
-    source_ops = {placement for placement in source.placements if isinstance(placement, Partial)}
     commuting = all(first.commutes_with(second) for first in source_ops for second in source_ops)
     if reduced_ops and not commuting:
         raise _plan_error(
@@ -359,7 +399,13 @@ def _steps_onto(source: Layout, target: Layout, flattened_groups: bool, exchange
     differ, the exchange. Cheaper than every neighbour: most moves go elsewhere."""
     differing = [mesh_dim for mesh_dim in range(source.mesh_ndim) if source.placements[mesh_dim] != target.placements[mesh_dim]]
     for mesh_dim in differing if len(differing) == 1 else range(source.mesh_ndim) if not differing else ():
-        for placement, pieces in _moves(source, target, mesh_dim):
+        current, wanted = source.placements[mesh_dim], target.placements[mesh_dim]
+        if isinstance(current, Shard) and isinstance(wanted, Replicate) and differing:  # a gather: no layout to build
+            order = source.shard_order[current.dim]
+            if order[-1] == mesh_dim and _gathered_is(source, current.dim, len(order) - 1, target):
+                yield mesh_dim, target
+            continue
+        for placement, pieces in _moves(source, target, mesh_dim, only=wanted):
             if placement == target.placements[mesh_dim]:
                 yield mesh_dim, source.transition(mesh_dim, placement, pieces=pieces)
     if flattened_groups and len(differing) > 1:
@@ -373,6 +419,9 @@ def _cheapest_step_onto(source: Layout, target: Layout, neighbors, itemsize: int
     """The cheapest single step among `neighbors` of `source` that lands on `target` (None if none does)."""
     best = None
     for mesh_dim, after in neighbors:
+        if mesh_dim is None and best is not None and best.collective in (ALL_GATHER, ALL_TO_ALL) and (
+                cost_model.latency_of(best.collective) <= cost_model.latency_of(EXCHANGE)):
+            continue  # the exchange moves the same bytes (the most missing) and starts no sooner
         if after == target:
             step = _step_between(source, after, mesh_dim, itemsize, cost_model)
             if best is None or step.cost_us < best.cost_us:
@@ -401,6 +450,8 @@ def _collective_then_local_step(source: Layout, target: Layout, direct: Step | N
         return None
     bound = estimate + local
     best = None
+    witness = coordinate_of(source.mesh_shape, busiest_rank(source, target))
+    first_latency = min(least, cost_model.latency_of(EXCHANGE))
     for mesh_dim in range(source.mesh_ndim):
         wanted = target.placements[mesh_dim]
         if wanted == source.placements[mesh_dim] or isinstance(wanted, Replicate):
@@ -408,6 +459,10 @@ def _collective_then_local_step(source: Layout, target: Layout, direct: Step | N
         if isinstance(wanted, Shard) and target.shard_order[wanted.dim][-1] != mesh_dim:
             continue
         middle = target.transition(mesh_dim, Replicate())
+        # no step onto the middle fits the bound when one rank lacks too much of it (a cheap lower bound)
+        lacking = missing_at(source, middle, witness) * itemsize / cost_model.bytes_per_us
+        if not _at_most(first_latency + lacking + local, bound):
+            continue
         # every rank's middle shard holds its target shard: an exchange onto it moves the estimate's bytes
         # or more, so it is over the bound when its latency is (and pricing it visits every rank)
         exchange = cost_model.latency_of(EXCHANGE) <= latency
@@ -425,6 +480,31 @@ def _collective_then_local_step(source: Layout, target: Layout, direct: Step | N
     return best[1:] if best is not None else None
 
 
+def _priced_out(upper: float, cost: float, state: Layout, after: Layout, mesh_dim, target: Layout,
+                rank: tuple[int, ...], itemsize: int, cost_model: CostModel) -> bool:
+    """Whether the step `state` -> `after` (reached at `cost`) plus the rest of any plan to `target` costs
+    at least `upper`, neither side Partial, from a lower bound cheaper than pricing: each part's latency,
+    and the elements one rank (at `rank`) receives in the step and still lacks after it. The busiest rank
+    of the whole move is the witness: a step that sends it elements it does not keep (an all_gather
+    before a slice) is priced out by them. The rest's latency is added only when the bytes fall short."""
+    if mesh_dim is None or isinstance(mesh_dim, tuple):
+        collective = ALL_GATHER
+    else:
+        collective = _collective(state.placements[mesh_dim], after.placements[mesh_dim], state.mesh_shape[mesh_dim])
+    reached = cost + cost_model.step_cost(collective, missing_at(state, after, rank) * itemsize)
+    rest = missing_at(after, target, rank) * itemsize / cost_model.bytes_per_us
+    if _beyond(upper, reached + rest):
+        return True
+    latency, _ = _remaining_latency(after, target, cost_model)
+    return _beyond(upper, reached + (latency + rest))
+
+
+def _beyond(upper: float, bound: float) -> bool:
+    """Whether a path whose cost is at least `bound` cannot beat a plan of cost `upper` (it would pop
+    after the target, which pops first among equal estimates)."""
+    return upper <= bound
+
+
 @functools.lru_cache(maxsize=4096)
 def _cached_plan(source: Layout, target: Layout, itemsize: int, cost_model: CostModel) -> Plan:
     _check(source, target)
@@ -436,6 +516,10 @@ def _cached_plan(source: Layout, target: Layout, itemsize: int, cost_model: Cost
     two = _collective_then_local_step(source, target, direct, estimate, itemsize, cost_model) if source != target else None
     if two is not None:
         return _logged(Plan(source, target, itemsize, two, lower_bound_bytes(source, target, itemsize)))
+    # a plan known to reach the target (the cheapest single step) bounds the search: a neighbour whose
+    # lower bound is not below it would pop after the target, so it is not priced (`_priced_out`)
+    upper = direct.cost_us if direct is not None and not source.partial_mesh_dims() and not target.partial_mesh_dims() else None
+    witness = coordinate_of(source.mesh_shape, busiest_rank(source, target)) if upper is not None else ()
     best = {source: 0.0}
     arrival: dict[Layout, Step] = {}
     counter = itertools.count()
@@ -456,12 +540,16 @@ def _cached_plan(source: Layout, target: Layout, itemsize: int, cost_model: Cost
         for mesh_dim, after in neighbors:
             if best.get(after, math.inf) <= cost:
                 continue
+            if upper is not None and after != target and _priced_out(
+                    upper, cost, state, after, mesh_dim, target, witness, itemsize, cost_model):
+                continue
             step = _step_between(state, after, mesh_dim, itemsize, cost_model)
             new_cost = cost + step.cost_us
             if new_cost < best.get(step.after, math.inf):
                 best[step.after] = new_cost
                 arrival[step.after] = step
-                estimate = new_cost + _remaining_cost(step.after, target, itemsize, cost_model)
+                # nothing remains at the target (the estimate there is 0)
+                estimate = new_cost if step.after == target else new_cost + _remaining_cost(step.after, target, itemsize, cost_model)
                 heapq.heappush(frontier, (estimate, step.after != target, new_cost, next(counter), step.after))
     if target not in best:
         raise _plan_error(
