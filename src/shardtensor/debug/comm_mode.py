@@ -49,6 +49,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import comm, dispatch
+from ..comm.records import record_collective
 from ..dtensor import DTensor
 from ..redistribute.executor import observe_plans
 from ..redistribute.planner import Plan
@@ -165,6 +166,10 @@ class _Operations(TorchDispatchMode):
         self.mode = mode
         self.local_ops = _LocalOps(mode)
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         tensors = _tensor_arguments(args) + _tensor_arguments(kwargs.values())
@@ -247,7 +252,11 @@ class CommDebugMode:
         """Run an op on plain tensors, noted as `kind`; a collective the program called directly (not
         through `shardtensor.comm`, which records its own) is recorded as issued by that op."""
         index = self._note_operation(func, kind, tensors, range(0))
+        start = len(self.records)
         result = func(*args, **kwargs)
+        if func is record_collective:  # a compiled graph's collective of ours: the op recorded it
+            self.operations[index] = dataclasses.replace(self.operations[index], records=range(start, len(self.records)))
+            return result
         record = direct_collectives.direct_record(func, args, kwargs)
         if record is not None:
             self.records.append(record)
