@@ -269,9 +269,11 @@ def _compare(result, eager) -> None:
 
 
 def _count_collectives(setups, step, results) -> None:
-    """Gloo's count of every side first, then CommDebugMode's: a compiled step under CommDebugMode fails
-    (see the module docstring), and after ours failed there, torch's next compiled fully_shard x TP step
-    failed in its sharding propagation (`Attempt to trace generator`)."""
+    """Gloo's count of every side first, then CommDebugMode's. Ours counts a compiled step (docs/compile.md,
+    "Counting a compiled step's collectives"); torch's cannot (its dispatch mode makes dynamo skip the
+    frames: "found no compiled frames" with fullgraph), shown as n/a. Gloo's come first because torch's
+    compiled fully_shard x TP step once failed in its sharding propagation (`Attempt to trace generator`)
+    after a side had failed under CommDebugMode."""
     for side, setup in setups.items():
         results[side]["gloo_ops"] = _gloo_ops(lambda: setup.step(step))
     for side, setup in setups.items():
