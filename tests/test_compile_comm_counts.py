@@ -1,21 +1,19 @@
 """A compiled step's collectives are counted as the eager step's: `comm.observe()` and `CommDebugMode` see
-the same kinds, mesh dims and bytes per call, forward and backward, on aot_eager and inductor, fullgraph.
+the same kinds, mesh dims and bytes per call, forward and backward, on aot_eager and inductor, fullgraph
+(the sequence-parallel block's: `test_compile_models.py`, beside the test that compiles it).
 A traced collective leaves `shardtensor::record_collective` in its graph (`comm/records.py`), which records
 each time the graph runs; tracing records nothing. docs/compile.md ("Counting a compiled step's
 collectives") says how.
 """
 
-import collections
 import dataclasses
 
 import torch
 from spmd import spmd
 from test_compile import _MLP, _fresh_counter, _graph_breaks
-from test_compile_models import CONFIG, _block_plan, _frozen_key_bias
 
-from shardtensor import Shard, comm, distribute_tensor
+from shardtensor import comm
 from shardtensor.debug import CommDebugMode
-from shardtensor.demo.model import Block
 from shardtensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 
@@ -85,28 +83,3 @@ def test_compiled_tp_mlp_step_counts_as_eager_with_inductor(mesh):
     assert _under_comm_debug_mode(_mlp_step(compiled, 4)) == _under_comm_debug_mode(_mlp_step(model, 4))
     assert _observed(_mlp_step(compiled, 4)) == _observed(_mlp_step(model, 4)) == [("all_reduce", 0, 2, 128, 128)] * 2
     assert counter.frame_count == 1 and _graph_breaks() == 0
-
-
-@spmd(meshes=[(2,)], timeout=180)
-def test_compiled_sequence_parallel_block_counts_as_eager(mesh):
-    """The demo's block under TP + SP (a sequence of 7 over 2 ranks: uneven all_to_alls), forward, loss
-    through `full_tensor` and backward: the compiled step's records equal the eager step's, one by one."""
-    torch.manual_seed(0)
-    block = _frozen_key_bias(Block(CONFIG)).double()
-    parallelize_module(block, mesh, _block_plan())
-    counter = _fresh_counter("aot_eager")
-    compiled = torch.compile(block, backend=counter, fullgraph=True)
-    x = torch.randn(2, 7, CONFIG.width, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-
-    def step(module):
-        return lambda: module(distribute_tensor(x, mesh, [Shard(1)])).full_tensor().square().sum().backward()
-
-    eager = _observed(step(block))
-    # distribute_tensor's scatter (eager, outside the graph); SP's uneven gathers of the sequence and
-    # scatters back (all_to_alls, recorded by kind), both ways; the backward's all_reduce
-    kinds = collections.Counter(record[0] for record in eager)
-    assert kinds == {"scatter": 1, "all_gather": 5, "reduce_scatter": 4, "all_reduce": 1}, kinds
-    assert _observed(step(compiled)) == eager
-    assert _observed(step(compiled)) == eager
-    assert _under_comm_debug_mode(step(compiled))[:2] == _under_comm_debug_mode(step(block))[:2]
-    assert counter.frame_count <= 2 and _graph_breaks() == 0, counter.frame_count
