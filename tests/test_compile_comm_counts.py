@@ -1,19 +1,22 @@
 """A compiled step's collectives are counted as the eager step's: `comm.observe()` and `CommDebugMode` see
-the same kinds, mesh dims and bytes per call, forward and backward, on aot_eager and inductor, fullgraph
-(the sequence-parallel block's: `test_compile_models.py`, beside the test that compiles it).
+the same kinds, mesh dims and bytes per call, forward and backward, on aot_eager and inductor, fullgraph,
+for the TP MLP and the sequence-parallel block.
 A traced collective leaves `shardtensor::record_collective` in its graph (`comm/records.py`), which records
 each time the graph runs; tracing records nothing. docs/compile.md ("Counting a compiled step's
 collectives") says how.
 """
 
+import collections
 import dataclasses
 
 import torch
 from spmd import spmd
 from test_compile import _MLP, _fresh_counter, _graph_breaks
+from test_compile_models import CONFIG, _block_plan, _frozen_key_bias
 
-from shardtensor import comm
+from shardtensor import Shard, comm, distribute_tensor
 from shardtensor.debug import CommDebugMode
+from shardtensor.demo.model import Block
 from shardtensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 
@@ -83,3 +86,28 @@ def test_compiled_tp_mlp_step_counts_as_eager_with_inductor(mesh):
     assert _under_comm_debug_mode(_mlp_step(compiled, 4)) == _under_comm_debug_mode(_mlp_step(model, 4))
     assert _observed(_mlp_step(compiled, 4)) == _observed(_mlp_step(model, 4)) == [("all_reduce", 0, 2, 128, 128)] * 2
     assert counter.frame_count == 1 and _graph_breaks() == 0
+
+
+@spmd(meshes=[(2,)], timeout=180)
+def test_compiled_sequence_parallel_block_counts_as_eager(mesh):
+    """The demo's block under TP + SP (a sequence of 7 over 2 ranks: uneven gathers and scatters as
+    all_to_alls), forward, loss through `full_tensor` and backward: record by record as eager."""
+    with CommDebugMode():  # its global module hook, kept from then on, is there before compiling: no recompile
+        pass
+    torch.manual_seed(0)
+    block = _frozen_key_bias(Block(CONFIG)).double()
+    parallelize_module(block, mesh, _block_plan())
+    counter = _fresh_counter("aot_eager")
+    compiled = torch.compile(block, backend=counter, fullgraph=True)
+    x = torch.randn(2, 7, CONFIG.width, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+
+    def step(module):  # forward, loss through full_tensor (eager: outside the graph), backward
+        return lambda: module(distribute_tensor(x, mesh, [Shard(1)])).full_tensor().square().sum().backward()
+
+    eager = _observed(step(block))
+    kinds = collections.Counter(record[0] for record in eager)  # distribute_tensor's scatter (outside the graph),
+    assert kinds == {"scatter": 1, "all_gather": 5, "reduce_scatter": 4, "all_reduce": 1}, kinds  # SP's, both ways
+    assert _observed(step(compiled)) == eager  # the call that compiles
+    assert _observed(step(compiled)) == eager
+    assert _under_comm_debug_mode(step(compiled)) == _under_comm_debug_mode(step(block))
+    assert counter.frame_count == 1 and _graph_breaks() == 0, counter.frame_count
