@@ -193,10 +193,12 @@ def _gloo_ops(run) -> int:
 
 
 def _comm_mode_count(side, run):
+    """The collectives CommDebugMode counts in `run()`. Torch's is a dispatch mode that dynamo does not
+    compile under (it skips the frames), so its count is of the step run eagerly: marked so."""
     mode = _libraries(side)[5]()
     with mode:
         run()
-    return mode.get_total_counts()
+    return f"{mode.get_total_counts()}" if side == "ours" else f"{mode.get_total_counts()} eager"
 
 
 def _warm_up(backend) -> None:
@@ -269,9 +271,12 @@ def _compare(result, eager) -> None:
 
 
 def _count_collectives(setups, step, results) -> None:
-    """Gloo's count of every side first, then CommDebugMode's: a compiled step under CommDebugMode fails
-    (see the module docstring), and after ours failed there, torch's next compiled fully_shard x TP step
-    failed in its sharding propagation (`Attempt to trace generator`)."""
+    """Gloo's count of every side first, then CommDebugMode's. Ours counts the compiled step (docs/compile.md,
+    "Counting a compiled step's collectives"); torch's cannot: dynamo compiles no frame under its dispatch
+    mode, so the step runs eagerly (marked "eager"), or fails ("found no compiled frames" with fullgraph:
+    n/a; seen on main, where it failed for both sides).
+    Gloo's come first because torch's compiled fully_shard x TP step once failed in its sharding
+    propagation (`Attempt to trace generator`) after a side had failed under CommDebugMode."""
     for side, setup in setups.items():
         results[side]["gloo_ops"] = _gloo_ops(lambda: setup.step(step))
     for side, setup in setups.items():

@@ -11,17 +11,18 @@ on a slice without one (a pipeline stage's mesh, whose siblings may run other op
 mesh dim with the same result (its members alone cannot make a group: see `peers`).
 
 Observability: every call with more than one rank adds 1 to `call_counts[kind]` and appends a
-`CommRecord` to every list yielded by an active `observe()`. Bytes are this rank's, for an ideal
-algorithm (see `CommRecord`). A one-rank group makes no c10d call and no record, and every function
-returns its input as is (collectives over one rank are identities).
+`CommRecord` to every list yielded by an active `observe()`, also inside a torch.compile graph, each
+time the graph runs (see `records`). Bytes are this rank's, for an ideal algorithm (see `CommRecord`).
+A one-rank group makes no c10d call and no record, and every function returns its input as is
+(collectives over one rank are identities).
 
     >>> with observe() as records:  # doctest: +SKIP
     ...     total = all_reduce(local, mesh, 0, reduce_op="sum")
     >>> records[0].bytes_sent  # doctest: +SKIP
 
-The package's modules, one job each: `records` (observe, call counts), `handles` (async results),
-`peers` (coordinate versus c10d group order, size checks), `wire` (how tensors travel, the uneven
-exchange), `collectives` (the collectives along mesh dims), `objects` (Python objects, a gather over a whole mesh) and
+The package's modules, one job each: `records` (observe, call counts, the op a graph records with),
+`handles` (async results), `peers` (coordinate versus c10d group order, size checks), `wire` (how
+tensors travel, what each collective is recorded as, the uneven exchange), `collectives` (the collectives along mesh dims), `objects` (Python objects, a gather over a whole mesh) and
 `point_to_point` (global-rank send/recv/batch). Names with a leading underscore are shared inside
 the package only.
 """

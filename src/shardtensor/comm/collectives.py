@@ -21,14 +21,9 @@ from ..mesh import DeviceMesh
 from . import c10d
 from .handles import _complete, _identity
 from .peers import MeshDims, _Peers, _check_sizes, _peers, _sizes_error
-from .records import _record
-from .wire import _exchange, _nbytes, _reduce_op, _unwire, _wire, _with_size
+from .wire import _exchange, _nbytes, _record_on, _reduce_op, _unwire, _wire, _with_size
 
 __all__ = ["all_gather", "all_gather_into", "all_to_all", "all_reduce", "reduce_scatter", "broadcast", "scatter"]
-
-def _record_on(kind: str, peers: _Peers, bytes_sent: int, bytes_received: int) -> None:
-    _record(kind, peers.mesh_dim, peers.size, bytes_sent, bytes_received, peers.mesh_dim_names)
-
 
 def _equal(sizes: list) -> bool:
     """Whether every peer's size is the same int. Symbolic sizes (torch.compile's dynamic shapes) count as
@@ -56,13 +51,11 @@ def all_gather(tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: MeshDims, *, di
     if collective_check.enabled:
         collective_check.agree("all_gather", peers, tensor, (dim, tuple(sizes), tuple(_with_size(tensor.shape, dim, 0))))
     local = _wire(tensor).contiguous()
-    others = [c for c in range(peers.size) if c != peers.coordinate]
-    row = math.prod(_with_size(local.shape, dim, 1))
-    _record_on("all_gather", peers, _nbytes(local) * len(others),
-            sum(sizes[c] for c in others) * row * local.element_size())
     if _equal(sizes):
+        others = peers.size - 1
+        record = _record_on("all_gather", peers, _nbytes(local) * others, _nbytes(local) * others)
         output, work = c10d.all_gather_single(local.new_empty(peers.size * local.numel()), local.reshape(-1),
-                                              peers.group, peers.size, async_op)
+                                              peers.group, peers.size, async_op, record)
 
         def finish_even() -> torch.Tensor:
             by_group_rank = output.view(peers.size, *local.shape)
@@ -74,7 +67,7 @@ def all_gather(tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: MeshDims, *, di
         return _complete(work, finish_even, async_op)
     send = [None if c == peers.coordinate else local for c in range(peers.size)]
     shapes = [None if c == peers.coordinate else _with_size(local.shape, dim, sizes[c]) for c in range(peers.size)]
-    work, received, _, _ = _exchange(send, shapes, local, peers, async_op)
+    work, received = _exchange(send, shapes, local, peers, async_op, "all_gather")
 
     def finish_uneven() -> torch.Tensor:
         pieces = received()
@@ -109,12 +102,12 @@ def all_gather_into(output: torch.Tensor, tensor: torch.Tensor, mesh: DeviceMesh
         return _identity(output, async_op)
     local = _wire(tensor).contiguous()
     wire_output = _wire(output)
-    _record_on("all_gather", peers, _nbytes(local) * (peers.size - 1),
-            (sum(sizes) - sizes[peers.coordinate]) * local.element_size())
+    record = _record_on("all_gather", peers, _nbytes(local) * (peers.size - 1),
+                        (sum(sizes) - sizes[peers.coordinate]) * local.element_size())
     target = wire_output if peers.in_coordinate_order else torch.empty_like(wire_output)
     group_sizes = [sizes[c] for c in peers.group_order]
     if len(set(sizes)) == 1 and not peers.parts:
-        gathered, work = c10d.all_gather_single(target, local, peers.group, peers.size, async_op)
+        gathered, work = c10d.all_gather_single(target, local, peers.group, peers.size, async_op, record)
         if gathered is not target:  # traced: a new tensor (`c10d`), written into the output as eager mode does
             target.copy_(gathered)
     else:
@@ -177,8 +170,7 @@ def all_to_all(tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: MeshDims, *, sp
     receive_shape = _with_size(local.shape, split_dim, split_sizes[me])
     send = [None if c == me else pieces[c] for c in range(peers.size)]
     shapes = [None if c == me else _with_size(receive_shape, concat_dim, concat_sizes[c]) for c in range(peers.size)]
-    work, received, sent_bytes, received_bytes = _exchange(send, shapes, local, peers, async_op)
-    _record_on("all_to_all", peers, sent_bytes, received_bytes)
+    work, received = _exchange(send, shapes, local, peers, async_op, "all_to_all")
 
     def finish() -> torch.Tensor:
         arrived = received()
@@ -207,8 +199,8 @@ def all_reduce(tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: MeshDims, *, re
     else:
         buffer = tensor.clone(memory_format=torch.contiguous_format)
     traffic = 2 * (peers.size - 1) * _nbytes(buffer) // peers.size
-    _record_on("all_reduce", peers, traffic, traffic)
-    buffer, work = c10d.all_reduce(buffer, op, peers.group, async_op)
+    record = _record_on("all_reduce", peers, traffic, traffic)
+    buffer, work = c10d.all_reduce(buffer, op, peers.group, async_op, record)
     return _complete(work, lambda: buffer.to(torch.bool) if tensor.dtype == torch.bool else buffer, async_op)
 
 
@@ -232,15 +224,15 @@ def reduce_scatter(tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: MeshDims, *
     pieces = local.split(sizes, dim)
     me = peers.coordinate
     output = torch.empty(pieces[me].shape, dtype=local.dtype, device=local.device)
-    _record_on("reduce_scatter", peers, _nbytes(local) - _nbytes(output),
-            (peers.size - 1) * _nbytes(output))
     if _equal(sizes):
+        record = _record_on("reduce_scatter", peers, _nbytes(local) - _nbytes(output),
+                            (peers.size - 1) * _nbytes(output))
         if dim == 0 and peers.in_coordinate_order:
             stacked = local.contiguous()
         else:
             stacked = torch.stack([pieces[c] for c in peers.group_order])
         reduced, work = c10d.reduce_scatter_single(output.view(-1), stacked.reshape(-1), op, peers.group, peers.size,
-                                                   async_op)
+                                                   async_op, record)
         output = reduced.view(output.shape)
     else:
         return _reduce_scatter_uneven(tensor, pieces, op, peers, async_op)
@@ -260,7 +252,7 @@ def _reduce_scatter_uneven(tensor: torch.Tensor, pieces: Sequence[torch.Tensor],
     own = pieces[me]
     send = [None if c == me else pieces[c] for c in range(peers.size)]
     shapes = [None if c == me else own.shape for c in range(peers.size)]
-    work, received, _, _ = _exchange(send, shapes, own, peers, async_op)
+    work, received = _exchange(send, shapes, own, peers, async_op, "reduce_scatter")
     combine = _LOCAL_REDUCTIONS[op]
 
     def finish() -> torch.Tensor:
@@ -289,11 +281,11 @@ def broadcast(tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: MeshDims, *, src
         collective_check.agree("broadcast", peers, tensor, (tuple(tensor.shape), src))
     if peers.coordinate == src:
         buffer = tensor.clone(memory_format=torch.contiguous_format)
-        _record_on("broadcast", peers, _nbytes(buffer) * (peers.size - 1), 0)
+        record = _record_on("broadcast", peers, _nbytes(buffer) * (peers.size - 1), 0)
     else:
         buffer = torch.empty_like(tensor, memory_format=torch.contiguous_format)
-        _record_on("broadcast", peers, 0, _nbytes(buffer))
-    wired, work = c10d.broadcast(_wire(buffer), peers.ranks[src], peers.group, async_op)
+        record = _record_on("broadcast", peers, 0, _nbytes(buffer))
+    wired, work = c10d.broadcast(_wire(buffer), peers.ranks[src], peers.group, async_op, record)
     return _complete(work, lambda: _unwire(wired, tensor.dtype), async_op)
 
 
@@ -431,8 +423,7 @@ def _all_to_all_per_mesh_dim(tensor, mesh, peers: _Peers, split_dim: int, split_
         if collective_check.enabled:
             others = _with_size(_with_size(tensor.shape, split_dim, 0), concat_dim, 0)
             collective_check.agree("all_to_all", part, local, (split_dim, concat_dim, tuple(others)))
-        _, received, sent_bytes, received_bytes = _exchange(send, receive, local, part, False)
-        _record_on("all_to_all", part, sent_bytes, received_bytes)
+        _, received = _exchange(send, receive, local, part, False, "all_to_all")
         for position, message in enumerate(received()):
             if message is not None:
                 pieces = message.split([numel[source][target] for source, target in expected[position]])

@@ -1,7 +1,12 @@
 """Observability of every collective: `observe()` collects records, `call_counts` counts calls.
 
-Every collective with more than one rank calls `_record` exactly once, whatever c10d calls it makes,
-so debug tools and benchmarks read the same numbers.
+Every collective with more than one rank is recorded exactly once per call, whatever c10d calls it makes,
+so debug tools and benchmarks read the same numbers. Eagerly it calls `_record`. Traced into a
+torch.compile graph it emits `_emit`'s op, `torch.ops.shardtensor.record_collective`, beside its
+functional collective: the graph then records the collective each time it runs (the op's kernel calls
+`_record`), and tracing records nothing. The op reads the collective's input (which orders it before
+the collective, as eager mode records first, and keeps inductor from fusing across it only where the
+collective already stops fusion), returns nothing and is marked side-effecting, so no pass removes it.
 """
 
 from __future__ import annotations
@@ -9,6 +14,9 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+
+import torch
+from torch.fx.node import has_side_effect
 
 from ..rank_state import per_rank_contents
 
@@ -66,3 +74,34 @@ def _record(kind: str, mesh_dim: int | tuple[int, ...] | None, group_size: int, 
         for records in _observers:
             records.append(record)
 
+
+
+# The op a traced collective leaves in its graph. Its arguments are the record's fields as plain values
+# (a graph holds no Python object, and inductor's on-disk cache may load the graph in another process);
+# `mesh_dim` is a list: one entry for a mesh dim, more for a tuple of mesh dims (never one: see `_peers`).
+_library = torch.library.Library("shardtensor", "FRAGMENT")
+_library.define(
+    "record_collective(Tensor sent, str kind, int[] mesh_dim, int group_size, SymInt bytes_sent, "
+    "SymInt bytes_received, str[]? mesh_dim_names) -> ()"
+)
+
+
+def _record_collective(sent, kind, mesh_dim, group_size, bytes_sent, bytes_received, mesh_dim_names) -> None:
+    _record(kind, mesh_dim[0] if len(mesh_dim) == 1 else tuple(mesh_dim), group_size, bytes_sent, bytes_received,
+            None if mesh_dim_names is None else tuple(mesh_dim_names))
+
+
+def _traced_record_collective(*arguments) -> None:
+    """While tracing (fake or functional tensors) nothing is recorded: the graph records when it runs."""
+
+
+_library.impl("record_collective", _record_collective, "CompositeExplicitAutograd")
+torch.library.register_fake("shardtensor::record_collective", _traced_record_collective, lib=_library)
+record_collective = has_side_effect(torch.ops.shardtensor.record_collective.default)
+
+
+def _emit(record: CommRecord, sent: torch.Tensor) -> None:
+    """Leave `record` in the graph being traced, read with `sent`, the tensor its collective sends."""
+    mesh_dim = list(record.mesh_dim) if isinstance(record.mesh_dim, tuple) else [record.mesh_dim]
+    names = None if record.mesh_dim_names is None else list(record.mesh_dim_names)
+    record_collective(sent, record.kind, mesh_dim, record.group_size, record.bytes_sent, record.bytes_received, names)

@@ -17,6 +17,12 @@ torch: `direct_collectives`; counted on one-rank groups too, bytes not measured)
 not count `dist.barrier`, `dist.send` or `dist.recv` (`comm`'s send, recv and batch_p2p do count). c10d
 calls that `comm` makes itself count once, as its record.
 
+Unlike torch's, it counts a torch.compile'd step (docs/compile.md, "Counting a compiled step's
+collectives"): its dispatch mode lets dynamo compile under it (`ignore_compile_internals`), a graph's
+collectives of ours are recorded by the op each leaves in the graph, and collective ops a compiled
+graph issues are not counted again as direct calls; a compiled region counts for the module called
+eagerly around it.
+
 Counts are keyed by our collective kinds (strings); torch's collective ops read them too, with torch's
 counts (`counts[torch.ops.c10d_functional.all_reduce]`, 0 for one that did not run: `CommCounts`).
 Their c10d counterparts (`C10D_NAMES`):
@@ -49,6 +55,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import comm, dispatch
+from ..comm.records import record_collective
 from ..dtensor import DTensor
 from ..redistribute.executor import observe_plans
 from ..redistribute.planner import Plan
@@ -165,6 +172,12 @@ class _Operations(TorchDispatchMode):
         self.mode = mode
         self.local_ops = _LocalOps(mode)
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """Let dynamo compile while the mode is active (it skips every frame under any other dispatch mode);
+        the mode is off while compiling and sees the compiled code's ops when it runs."""
+        return True
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         tensors = _tensor_arguments(args) + _tensor_arguments(kwargs.values())
@@ -247,7 +260,11 @@ class CommDebugMode:
         """Run an op on plain tensors, noted as `kind`; a collective the program called directly (not
         through `shardtensor.comm`, which records its own) is recorded as issued by that op."""
         index = self._note_operation(func, kind, tensors, range(0))
+        start = len(self.records)
         result = func(*args, **kwargs)
+        if func is record_collective:  # a compiled graph's collective of ours: the op recorded it
+            self.operations[index] = dataclasses.replace(self.operations[index], records=range(start, len(self.records)))
+            return result
         record = direct_collectives.direct_record(func, args, kwargs)
         if record is not None:
             self.records.append(record)

@@ -1,6 +1,7 @@
 """Collectives a program calls directly through `torch.distributed` or torch's functional collectives,
 as `CommDebugMode` sees them: which torch ops count, under which key, and whether `shardtensor.comm`
-issued the call (it records its own collectives, so those must not count twice).
+issued the call (it records its own collectives, so those must not count twice), eagerly or in a
+compiled graph (whose collectives of ours each come with the op that records them: `comm.records`).
 
 The table is the one torch's CommDebugMode counts (its `c10d_collective_ops` and functional
 collectives), with the same keys: a c10d op under its own name (`dist.all_reduce` ->
@@ -19,7 +20,7 @@ from torch.distributed import distributed_c10d
 from .. import comm
 from ..comm import CommRecord
 
-__all__ = ["DirectRecord", "TORCH_KEY_KINDS", "KIND_TORCH_KEYS", "torch_key", "direct_record"]
+__all__ = ["DirectRecord", "TORCH_KEY_KINDS", "KIND_TORCH_KEYS", "torch_key", "direct_record", "in_compiled_graph"]
 
 # torch's CommDebugMode key of each collective op it counts -> our collective kind.
 TORCH_KEY_KINDS = {
@@ -96,7 +97,7 @@ def direct_record(func, args, kwargs) -> DirectRecord | None:
     if func.namespace not in _COLLECTIVE_NAMESPACES:
         return None
     key = torch_key(func)
-    if key is None or _issued_by_comm():
+    if key is None or _issued_by_comm() or in_compiled_graph():
         return None
     return DirectRecord(TORCH_KEY_KINDS[key], None, _group_size(func, args, kwargs), 0, 0, torch_key=key)
 
@@ -108,6 +109,24 @@ def _issued_by_comm() -> bool:
     while frame is not None:
         module = frame.f_globals.get("__name__", "")
         if module == comm.__name__ or module.startswith(comm.__name__ + "."):
+            return True
+        frame = frame.f_back
+    return False
+
+
+# The package whose runtime wrappers call every compiled graph (forward and backward, any backend that
+# compiles through AOTAutograd: aot_eager, inductor).
+_COMPILED_GRAPH_RUNNER = "torch._functorch._aot_autograd."
+
+
+def in_compiled_graph() -> bool:
+    """Whether a torch.compile graph is running (a frame of AOTAutograd's runtime is on the stack): its
+    collectives of ours record themselves, and a collective op it issues is one of them (a direct
+    collective call compiled into a graph is not told apart, and not counted). Read only under
+    CommDebugMode, for collective ops and fx graph modules, so that nothing else pays for it."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_globals.get("__name__", "").startswith(_COMPILED_GRAPH_RUNNER):
             return True
         frame = frame.f_back
     return False

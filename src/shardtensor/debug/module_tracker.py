@@ -6,7 +6,14 @@ enters a module before its own pre-hooks run, and a forward hook registered on t
 style's input and output hooks count for the module they belong to. Backward: an autograd hook on
 the module's outputs enters it when their gradient arrives, and one on its inputs leaves it when
 theirs is computed; the end of the backward pass clears what is left, and its callbacks (leaf
-gradients reduced together) count for Global's backward. Every hook is removed on exit.
+gradients reduced together) count for Global's backward. Every hook is removed on exit, but the global
+pre-hook: one function, registered on first use and kept, that passes each call to the running trackers.
+torch.compile guards a graph on the global hooks (their keys), so a hook registered per tracker would
+recompile every compiled module at each CommDebugMode; the kept one costs one recompile, once.
+
+Inside a compiled graph no module is tracked (the hooks return at once while dynamo traces them): its
+collectives count for the module that called the graph eagerly (`torch.compile(model)`'s
+OptimizedModule, or the module around a `.compile()`d one).
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.nn.modules.module import register_module_forward_pre_hook
 
 from ..dtensor import DTensor
+from .direct_collectives import in_compiled_graph
 
 __all__ = ["ModuleTracker", "ModuleInfo", "GLOBAL", "FORWARD", "BACKWARD"]
 
@@ -60,6 +68,23 @@ def _remove_last(stack: list[str], fqn: str) -> bool:
     return False
 
 
+_running: list[ModuleTracker] = []  # the trackers entered and not yet left, outermost first
+_pre_hook = None  # the handle of `_enter_forward`, once registered
+
+
+def _enter_forward(module: torch.nn.Module, inputs) -> None:
+    """The global forward pre-hook: every running tracker enters `module`."""
+    if torch.compiler.is_compiling() or not _running:
+        return
+    for tracker in _running:
+        tracker._enter_forward(module, inputs)
+
+
+def _compiled_model(module: torch.nn.Module) -> torch.nn.Module:
+    """The model a `torch.compile(model)` wrapper runs (its `_orig_mod`), else the module itself."""
+    return getattr(module, "_orig_mod", module)
+
+
 class ModuleTracker:
     """Tracks the current (module, phase) and calls `on_change(fqn, phase)` whenever it changes."""
 
@@ -87,10 +112,16 @@ class ModuleTracker:
         self._names = weakref.WeakKeyDictionary()
         self._forward, self._backward, self._in_backward = [], [], False
         self._thread = threading.get_ident()  # the rank's (`launch.simulate` runs ranks as threads)
-        self._handles = [register_module_forward_pre_hook(self._enter_forward)]
+        self._handles = []
+        global _pre_hook
+        if _pre_hook is None:
+            _pre_hook = register_module_forward_pre_hook(_enter_forward)
+        _running.append(self)
         return self
 
     def __exit__(self, *exc_info) -> None:
+        if self in _running:
+            _running.remove(self)
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -98,7 +129,9 @@ class ModuleTracker:
 
     # --- forward ------------------------------------------------------------------------------------
     def _name(self, module: torch.nn.Module) -> str:
-        """`Root.child.grandchild`, the root named by its class (as PyTorch's ModTracker does)."""
+        """`Root.child.grandchild`, the root named by its class (as PyTorch's ModTracker does);
+        `torch.compile(model)`'s wrapper (OptimizedModule) is named as the model it compiled."""
+        module = _compiled_model(module)
         if module not in self._names:
             root = type(module).__name__
             for name, submodule in module.named_modules():
@@ -108,11 +141,14 @@ class ModuleTracker:
     def _enter_forward(self, module: torch.nn.Module, inputs) -> None:
         if threading.get_ident() != self._thread:  # another simulated rank's module
             return
+        if isinstance(module, torch.fx.GraphModule) and in_compiled_graph():  # a compiled graph, run by aot_eager
+            return
         fqn = self._name(module)
         if fqn not in self.modules:
             parents = self.modules[self._forward[-1]] if self._forward else self.modules[GLOBAL]
-            parameters = tuple(module.named_parameters(recurse=False))
-            self.modules[fqn] = ModuleInfo(fqn, type(module).__name__, parents.depth + 1,
+            model = _compiled_model(module)
+            parameters = tuple(model.named_parameters(recurse=False))
+            self.modules[fqn] = ModuleInfo(fqn, type(model).__name__, parents.depth + 1,
                                            parents.parents + (parents.fqn,), parameters)
         if module not in self._hooked:  # after the module's own forward hooks (a style's output hook)
             self._handles.append(module.register_forward_hook(self._leave_forward, always_call=True))
@@ -124,6 +160,8 @@ class ModuleTracker:
         self._on_change(*self.current)
 
     def _leave_forward(self, module: torch.nn.Module, inputs, output) -> None:
+        if torch.compiler.is_compiling():  # inside a compiled module: the graph holds no tracking; its
+            return  # collectives count for the module that called it eagerly (the compiled one)
         fqn = self._name(module)
         _remove_last(self._forward, fqn)
         tensors = _tensors(output)
