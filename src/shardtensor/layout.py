@@ -20,6 +20,19 @@ from .placement import Partial, Placement, Replicate, Shard, chunk_sizes, normal
 
 __all__ = ["Layout", "chunk_sizes", "contiguous_stride", "example_size", "ShardSizes"]
 
+# Layouts derived from a layout (`with_placements` targets, `without_partial`: key (layout, placements or
+# None)) and local shapes (key (layout, coordinate)), remembered by value: a training step asks for the
+# same ones at every module boundary. Pure functions of hashable values, so never stale; emptied when full.
+_MAX_REMEMBERED = 4096
+_derived: dict[tuple, Layout] = {}
+_local_shapes: dict[tuple, tuple[int, ...]] = {}
+
+
+def _remember(key: tuple, layout: Layout) -> None:
+    if len(_derived) >= _MAX_REMEMBERED:
+        _derived.clear()
+    _derived[key] = layout
+
 # What users may pass to describe shard sizes: "chunk", or {mesh_dim: sizes along that mesh dim}.
 ShardSizes = str | Mapping[int, Sequence[int]] | None
 
@@ -257,8 +270,17 @@ class Layout:
         return index
 
     def local_shape(self, coordinate: Sequence[int]) -> tuple[int, ...]:
-        """Shape of the local shard held at a mesh coordinate."""
-        return tuple(self.pieces[dim][self.piece_index(dim, coordinate)] for dim in range(self.ndim))
+        """Shape of the local shard held at a mesh coordinate (remembered by value, as `with_placements`)."""
+        key = (self, tuple(coordinate)) if self._hash is not None else None
+        known = _local_shapes.get(key) if key is not None else None
+        if known is not None:
+            return known
+        shape = tuple(self.pieces[dim][self.piece_index(dim, coordinate)] for dim in range(self.ndim))
+        if key is not None:
+            if len(_local_shapes) >= _MAX_REMEMBERED:
+                _local_shapes.clear()
+            _local_shapes[key] = shape
+        return shape
 
     def local_offset(self, coordinate: Sequence[int]) -> tuple[int, ...]:
         """Global index of the first element of the local shard held at a mesh coordinate."""
@@ -339,22 +361,38 @@ class Layout:
         `torch.chunk` default. The same placements (no `shard_order`) give this layout itself, so a
         nested shard order that is not the default one is not "moved" to the default.
         """
-        if shard_order is None and tuple(placements) == self.placements:
+        placements = tuple(placements)
+        if shard_order is None and placements == self.placements:
             return self
+        # Parallel styles and fully_shard ask for the same targets every step: remembered by value.
+        key = (self, placements) if shard_order is None and self._hash is not None else None
+        known = _derived.get(key) if key is not None else None
+        if known is not None:
+            return known
         target = Layout.create(self.mesh_shape, placements, self.shape, shard_order=shard_order)
         pieces = tuple(
             old if old_order == new_order else new
             for old, new, old_order, new_order in zip(self.pieces, target.pieces, self.shard_order, target.shard_order)
         )
-        return Layout(self.mesh_shape, target.placements, self.shape, target.shard_order, pieces)
+        result = Layout(self.mesh_shape, target.placements, self.shape, target.shard_order, pieces)
+        if key is not None:
+            _remember(key, result)
+        return result
 
     def without_partial(self) -> Layout:
         """The same layout with every Partial made Replicate: where the reduced value lives, and
         the layout of a Partial tensor's gradient."""
-        if not self.partial_mesh_dims():
-            return self
-        placements = tuple(Replicate() if isinstance(p, Partial) else p for p in self.placements)
-        return Layout(self.mesh_shape, placements, self.shape, self.shard_order, self.pieces)
+        key = (self, None) if self._hash is not None else None
+        known = _derived.get(key) if key is not None else None
+        if known is not None:
+            return known
+        result = self
+        if self.partial_mesh_dims():
+            placements = tuple(Replicate() if isinstance(p, Partial) else p for p in self.placements)
+            result = Layout(self.mesh_shape, placements, self.shape, self.shard_order, self.pieces)
+        if key is not None:
+            _remember(key, result)
+        return result
 
     def operand_of(self, value: torch.Tensor, coordinate: Sequence[int] | None) -> torch.Tensor:
         """The local tensor at `coordinate` of this layout, from `value`, that coordinate's shard of

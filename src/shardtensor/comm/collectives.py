@@ -223,8 +223,8 @@ def reduce_scatter(tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: MeshDims, *
     local = tensor.to(torch.uint8) if tensor.dtype == torch.bool else tensor
     pieces = local.split(sizes, dim)
     me = peers.coordinate
-    output = torch.empty(pieces[me].shape, dtype=local.dtype, device=local.device)
-    if _equal(sizes):
+    if _equal(sizes) and not (peers.reduces_by_exchange and not c10d.tracing()):
+        output = torch.empty(pieces[me].shape, dtype=local.dtype, device=local.device)
         record = _record_on("reduce_scatter", peers, _nbytes(local) - _nbytes(output),
                             (peers.size - 1) * _nbytes(output))
         if dim == 0 and peers.in_coordinate_order:
@@ -243,7 +243,8 @@ _LOCAL_REDUCTIONS = {"sum": torch.add, "avg": torch.add, "product": torch.mul, "
 
 
 def _reduce_scatter_uneven(tensor: torch.Tensor, pieces: Sequence[torch.Tensor], op: str, peers: _Peers, async_op: bool):
-    """Unequal pieces: one all_to_all sends piece c to coordinate c, then this rank reduces what arrived.
+    """Unequal pieces (and even ones on gloo): one all_to_all sends piece c to coordinate c, then this rank
+    reduces what arrived, in coordinate order after its own piece.
 
     Moves exactly the ideal bytes ((n-1) pieces of this rank's size) and is several times faster
     on gloo than its list reduce_scatter, which reduces piece by piece with a collective each.
@@ -257,10 +258,11 @@ def _reduce_scatter_uneven(tensor: torch.Tensor, pieces: Sequence[torch.Tensor],
 
     def finish() -> torch.Tensor:
         arrived = received()
-        output = own.clone(memory_format=torch.contiguous_format)
+        output = None
         for c in range(peers.size):
-            if c != me:
-                combine(output, arrived[c], out=output)
+            if c != me:  # the first combination makes the output (no copy of this rank's piece first)
+                output = combine(own, arrived[c]) if output is None else combine(output, arrived[c], out=output)
+        output = output.contiguous()
         if op == "avg":
             output.div_(peers.size)
         return output.to(torch.bool) if tensor.dtype == torch.bool else output

@@ -39,6 +39,10 @@ class _Peers:
     # Several mesh dims without a group over their flattened ranks: the peers of each mesh dim, in the
     # order given (coordinate = parts[0].coordinate * parts[1].size * ... + parts[-1].coordinate).
     parts: tuple[_Peers, ...] = ()
+    # gloo's even reduce_scatter reduces the whole tensor (twice the ideal bytes, and more CPU in its threads
+    # than an all_to_all of the pieces and a local reduction, measured in bench/README.md "The demo's step"):
+    # the collectives reduce by exchange on gloo groups.
+    reduces_by_exchange: bool = False
 
     @property
     def in_coordinate_order(self) -> bool:
@@ -77,7 +81,8 @@ def _make_peers(mesh_dim, ranks: tuple[int, ...], coordinate: int, group, names)
     else:
         group_rank = tuple(dist.get_group_rank(group, rank) for rank in ranks)
     group_order = tuple(sorted(range(len(ranks)), key=lambda position: group_rank[position]))
-    return _Peers(mesh_dim, len(ranks), coordinate, ranks, group_order, group_rank, group, names)
+    reduces_by_exchange = group is not None and dist.get_backend(group) == "gloo"
+    return _Peers(mesh_dim, len(ranks), coordinate, ranks, group_order, group_rank, group, names, (), reduces_by_exchange)
 
 
 def _names(mesh: DeviceMesh, indices: tuple[int, ...]) -> tuple[str, ...] | None:
