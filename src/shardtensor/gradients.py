@@ -39,13 +39,14 @@ import collections
 import functools
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from .rank_state import per_rank_contents
 from .redistribute import is_relabel, redistribute_local_tensor
 from .redistribute.buckets import reduce_in_buckets, reduction_only
 from .spec import DTensorSpec, contiguous_stride
 
-__all__ = ["watch_leaves", "watch_leaf"]
+__all__ = ["watch_leaves", "watch_leaf", "watch_graph_input"]
 
 _grad_enabled = torch.is_grad_enabled
 _compiling = torch.compiler.is_compiling  # True while dynamo traces and while AOTAutograd traces its graph
@@ -79,18 +80,32 @@ def watch_leaves(dtensor_class: type, args: tuple, kwargs: dict) -> None:
 def watch_leaf(dtensor) -> None:
     """Hook `dtensor` (once) if it is a leaf that requires grad, so its gradient is re-laid to its layout.
 
-    Not while compiling: a traced graph's leaves are stand-ins, and a compiled backward returns each
-    gradient in the layout its ops produced (docs/compile.md)."""
+    Not while compiling: a traced graph's leaves are fake stand-ins of the real ones, which
+    `watch_graph_input` hooks when dynamo takes them as the graph's inputs (docs/compile.md)."""
     if _compiling():
         return
     if dtensor.requires_grad and dtensor.is_leaf and not dtensor.__dict__.get("_gradient_watched"):
-        dtensor._gradient_watched = True
-        with torch._C.DisableTorchFunctionSubclass():  # registering is itself a torch function
-            # The hook holds the leaf itself, not a weak reference: `Module._apply` (`module.double()`) swaps a
-            # traceable subclass's parameters with `torch.utils.swap_tensors`, which refuses weakly referenced
-            # tensors. The cycle (leaf -> its hooks -> leaf) is freed by Python's garbage collector.
-            dtensor.register_hook(functools.partial(_before_accumulating, dtensor))
-            dtensor.register_post_accumulate_grad_hook(_on_accumulated)
+        _hook(dtensor)
+
+
+def watch_graph_input(dtensor) -> None:
+    """Hook `dtensor` (once) if it is a real leaf that requires grad: `__tensor_flatten__` calls this on
+    every DTensor that dynamo makes a graph input of (a compiled module's parameters) or checks a graph's
+    guards against (the parameters of another module reusing that graph), so a parameter used only inside
+    compiled code gets eager mode's hooks, and its compiled gradient is re-laid and bucketed the same way."""
+    if dtensor.requires_grad and dtensor.is_leaf and not dtensor.__dict__.get("_gradient_watched"):
+        if not is_fake(dtensor._local_tensor):  # AOTAutograd's fake or functional stand-ins have no backward
+            _hook(dtensor)
+
+
+def _hook(dtensor) -> None:
+    dtensor._gradient_watched = True
+    with torch._C.DisableTorchFunctionSubclass():  # registering is itself a torch function
+        # The hook holds the leaf itself, not a weak reference: `Module._apply` (`module.double()`) swaps a
+        # traceable subclass's parameters with `torch.utils.swap_tensors`, which refuses weakly referenced
+        # tensors. The cycle (leaf -> its hooks -> leaf) is freed by Python's garbage collector.
+        dtensor.register_hook(functools.partial(_before_accumulating, dtensor))
+        dtensor.register_post_accumulate_grad_hook(_on_accumulated)
 
 
 def _before_accumulating(leaf, incoming):
