@@ -10,9 +10,10 @@ Our decision: **gradients are reduced during backward, together.** Every leaf DT
 function records autograd history for (`watch_leaves`), or that `to_local()`, `redistribute()` or
 `full_tensor()` is called on with grad enabled (`watch_leaf`: a Replicate weight read with
 `grad_placements=[Partial()]` gets a Partial gradient, a Partial leaf read through `redistribute` a
-Replicate one, and no torch function may ever see them), gets a post-accumulate-grad hook. A gradient
-whose layout differs from its leaf's is set aside, and when the backward pass ends (an autograd
-engine callback) all of them are re-laid at once:
+Replicate one, and no torch function may ever see them), or that a compiled graph reads
+(`watch_graph_input`, called by `__tensor_flatten__`: inside a graph torch functions see fake
+stand-ins), gets a post-accumulate-grad hook. A gradient whose layout differs from its leaf's is set
+aside, and when the backward pass ends (an autograd engine callback) all of them are re-laid at once:
 
 - gradients that differ from their leaf only by Partial mesh dims (Replicate leaf, Partial
   gradient) are reduced in one all_reduce per (mesh, mesh dims, reduce ops, dtype), flattened into
@@ -89,11 +90,12 @@ def watch_leaf(dtensor) -> None:
 
 
 def watch_graph_input(dtensor) -> None:
-    """Hook `dtensor` (once) if it is a real leaf that requires grad: `__tensor_flatten__` calls this on
-    every DTensor that dynamo makes a graph input of (a compiled module's parameters) or checks a graph's
-    guards against (the parameters of another module reusing that graph), so a parameter used only inside
-    compiled code gets eager mode's hooks, and its compiled gradient is re-laid and bucketed the same way."""
-    if dtensor.requires_grad and dtensor.is_leaf and not dtensor.__dict__.get("_gradient_watched"):
+    """Hook `dtensor`, which requires grad, (once) if it is a real leaf: `__tensor_flatten__` calls this
+    on every DTensor that dynamo makes a graph input of (a compiled module's parameters) or checks a
+    graph's guards against (the parameters of another module reusing that graph), so a parameter used
+    only inside compiled code gets eager mode's hooks, and its compiled gradient is re-laid and bucketed
+    the same way. On every compiled call: a hooked parameter costs one dict lookup here."""
+    if not dtensor.__dict__.get("_gradient_watched") and dtensor.is_leaf:
         if not is_fake(dtensor._local_tensor):  # AOTAutograd's fake or functional stand-ins have no backward
             _hook(dtensor)
 
