@@ -101,6 +101,7 @@ def watch_graph_input(dtensor) -> None:
 
 
 def _hook(dtensor) -> None:
+    """Mark `dtensor` hooked and register its two gradient hooks (before and after accumulation)."""
     dtensor._gradient_watched = True
     with torch._C.DisableTorchFunctionSubclass():  # registering is itself a torch function
         # The hook holds the leaf itself, not a weak reference: `Module._apply` (`module.double()`) swaps a

@@ -7,7 +7,8 @@ guarded on it (`__metadata_guard__`: all but the sizes dynamo's own size guards 
 every DTensor with the same metadata. `__tensor_unflatten__` rebuilds a
 DTensor around a traced (fake or functional) local tensor, its layout taking the traced global size (SymInts
 under dynamic shapes, `Layout.with_shape`); the dispatch layer then runs on it as in eager mode, with `comm`
-issuing functional collectives (docs/compile.md).
+issuing functional collectives (docs/compile.md). Flattening a real leaf that requires grad hooks
+its gradient as eager mode's first use would (`gradients.watch_graph_input`).
 """
 
 from __future__ import annotations
