@@ -15,7 +15,7 @@ from spmd import spmd
 from test_compile import _collectives, _fresh_counter, _graph_breaks, _train_tp_mlp
 from torch.testing import assert_close
 
-from shardtensor import Replicate, Shard, distribute_tensor
+from shardtensor import Replicate, Shard, comm, distribute_tensor
 from shardtensor.demo.model import GPT, Block, GPTConfig, tensor_parallel_plan
 from shardtensor.parallel import ColwiseParallel, PrepareModuleOutput, RowwiseParallel, SequenceParallel, parallelize_module
 
@@ -46,16 +46,21 @@ def _frozen_key_bias(model):
     return model
 
 
-def _three_adamw_steps_as_one_device(model, reference, losses) -> None:
+def _three_adamw_steps_as_one_device(model, reference, losses, check_gradients=None) -> None:
     """Three AdamW steps of `model` (DTensor parameters) and its one-device `reference`, `losses(step)`
-    giving both losses of a step: the losses and then the parameters agree."""
+    giving both losses of a step: the losses and then the parameters agree. `check_gradients(step,
+    records)`, if given, runs after both backward passes, with the collectives `comm` issued eagerly
+    during `model`'s."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
     reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.05)
     for step in range(3):
         loss, expected = losses(step)
         assert_close(loss, expected, msg=lambda m: f"loss of step {step}: {m}")
-        loss.backward()
+        with comm.observe() as records:
+            loss.backward()
         expected.backward()
+        if check_gradients is not None:
+            check_gradients(step, records)
         for each in (optimizer, reference_optimizer):
             each.step()
             each.zero_grad()
@@ -67,7 +72,13 @@ def _three_adamw_steps_as_one_device(model, reference, losses) -> None:
 def test_sequence_parallel_block_compiles_in_one_graph(mesh):
     """The demo's block under TP + SP (a sequence of 7 over 2 ranks: uneven shards) compiled with
     fullgraph=True: one graph whose forward has the 4 collectives of Megatron SP (gather the sequence
-    before attention and the MLP, reduce-scatter after each), losses and parameters as one device."""
+    before attention and the MLP, reduce-scatter after each), losses and parameters as one device.
+
+    Every gradient is laid out as eager mode lays it (the same block run eagerly beside it), which is its
+    parameter's layout: the LayerNorms' Replicate weights and biases get Partial gradients from the
+    sequence-sharded stream, and the end of backward sums them in one all_reduce over "tp" in both modes
+    (`gradients.watch_graph_input` hooks the parameters dynamo takes as graph inputs). Gradients equal one
+    device's; a compiled backward issues as many collectives as eager's (its graph's plus that one)."""
     from torch._dynamo.testing import AotEagerAndRecordGraphs
 
     counter = _fresh_counter("aot_eager")
@@ -76,16 +87,37 @@ def test_sequence_parallel_block_compiles_in_one_graph(mesh):
     torch.manual_seed(0)
     block = _frozen_key_bias(Block(CONFIG)).double()
     reference = copy.deepcopy(block)
+    eager = parallelize_module(copy.deepcopy(block), mesh, _block_plan())
     parallelize_module(block, mesh, _block_plan())
     compiled = torch.compile(block, backend=counter, fullgraph=True)
     generator = torch.Generator().manual_seed(1)
+    batches = []
 
     def losses(step: int):
         x = torch.randn(2, 7, CONFIG.width, generator=generator, dtype=torch.float64)
         weights = torch.randn(2, 7, CONFIG.width, generator=generator, dtype=torch.float64)
+        batches.append((x, weights))
         return (compiled(distribute_tensor(x, mesh, [Shard(1)])).full_tensor() * weights).sum(), (reference(x) * weights).sum()
 
-    _three_adamw_steps_as_one_device(block, reference, losses)
+    def gradients_as_eager(step: int, compiled_records) -> None:
+        x, weights = batches[step]
+        eager.zero_grad()
+        eager_loss = (eager(distribute_tensor(x, mesh, [Shard(1)])).full_tensor() * weights).sum()
+        with comm.observe() as eager_records:
+            eager_loss.backward()
+        compared = [(name, parameter, twin) for (name, parameter), twin in zip(block.named_parameters(), eager.parameters())
+                    if parameter.requires_grad]
+        for (name, parameter, twin), wanted in zip(compared, (p for p in reference.parameters() if p.requires_grad)):
+            assert parameter.grad.placements == twin.grad.placements == parameter.placements, (name, parameter.grad.placements)
+            assert_close(parameter.grad.full_tensor(), wanted.grad, msg=lambda m: f"gradient of {name}: {m}")
+        assert sum(p.grad.placements != p.placements for p in eager.parameters() if p.grad is not None) == 0
+        graph_collectives = [name for name in _collectives(recorder.bw_graphs) if name != "wait_tensor"]
+        assert "all_reduce" not in graph_collectives, graph_collectives
+        kinds = [record.kind for record in compiled_records]
+        assert kinds.count("all_reduce") == [r.kind for r in eager_records].count("all_reduce") == 1, kinds
+        assert len(graph_collectives) + len(compiled_records) == len(eager_records), (graph_collectives, kinds)
+
+    _three_adamw_steps_as_one_device(block, reference, losses, gradients_as_eager)
     assert counter.frame_count == 1 and _graph_breaks() == 0, (counter.frame_count, _graph_breaks())
     assert _collectives(recorder.fw_graphs[:1]) == ["all_to_all_single", "wait_tensor", "all_to_all_single", "wait_tensor"] * 2
 

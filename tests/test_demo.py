@@ -128,6 +128,54 @@ def test_fsdp_over_tensor_parallel_trains_like_one_device_with_exact_collectives
         torch.testing.assert_close(parameter.full_tensor(), wanted, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
 
 
+@spmd(meshes=[(2, 2)], timeout=240)
+def test_replicated_data_parallel_over_compiled_blocks_trains_like_one_device(mesh):
+    """`--data-parallel ddp --compile aot_eager`: tensor parallelism over tp, each block compiled (the two
+    blocks share one graph: the second one's parameters are first met by its guards), no fully_shard.
+    Compiled backward leaves every gradient laid out like its parameter, as eager backward does (the
+    norms' Partial gradients summed in ONE all_reduce over tp at its end, none in the graph), so
+    `average_gradients` takes them as they are: one all_reduce over dp. Two AdamW steps as one device."""
+    from test_compile import _collectives, _fresh_counter, _graph_breaks
+    from torch._dynamo.testing import AotEagerAndRecordGraphs
+
+    from shardtensor.mesh import DeviceMesh
+
+    counter = _fresh_counter("aot_eager")
+    recorder = AotEagerAndRecordGraphs()
+    counter.backend = recorder
+    mesh = DeviceMesh("cpu", mesh.mesh, mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    model = _gpt()
+    reference = copy.deepcopy(model)
+    shard_model(model, mesh, "ddp", counter)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, foreach=True)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.01, foreach=True)
+    generator = torch.Generator().manual_seed(1)
+    dp = mesh.get_coordinate()[0]
+    parameters = [parameter for parameter in model.parameters() if parameter.requires_grad]
+    for step in range(2):
+        tokens, targets = torch.randint(0, CONFIG.vocab_size, (2, 4, 7), generator=generator)
+        logits = model(tokens.tensor_split(2)[dp])
+        with loss_parallel():
+            loss = F.cross_entropy(logits.flatten(0, 1), targets.tensor_split(2)[dp].flatten(0, 1))
+        with comm.observe() as backward:
+            loss.backward()
+        assert all(parameter.grad.placements == parameter.placements for parameter in parameters)
+        with comm.observe() as averaging:
+            mean = average_gradients(parameters, mesh, loss)
+        expected = forward_backward(reference, tokens, targets).item()
+        assert abs(mean - expected) < 1e-5, (step, mean, expected)
+        assert [(r.kind, r.mesh_dim_names[r.mesh_dim]) for r in backward if r.kind == "all_reduce"] == [("all_reduce", "tp")]
+        assert [(r.kind, r.mesh_dim_names[r.mesh_dim]) for r in averaging] == [("all_reduce", "dp")]
+        for each in (optimizer, reference_optimizer):
+            each.step()
+            each.zero_grad()
+    assert "all_reduce" not in _collectives(recorder.bw_graphs)
+    for (name, parameter), wanted in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(parameter.full_tensor(), wanted, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    assert counter.frame_count == 1 and _graph_breaks() == 0, (counter.frame_count, _graph_breaks())
+
+
 def test_options_check_the_mesh_against_the_ranks():
     options, size = parse_options(["--nproc", "2"])
     assert options.mesh == (1, 2) and size == 2

@@ -10,9 +10,10 @@ Our decision: **gradients are reduced during backward, together.** Every leaf DT
 function records autograd history for (`watch_leaves`), or that `to_local()`, `redistribute()` or
 `full_tensor()` is called on with grad enabled (`watch_leaf`: a Replicate weight read with
 `grad_placements=[Partial()]` gets a Partial gradient, a Partial leaf read through `redistribute` a
-Replicate one, and no torch function may ever see them), gets a post-accumulate-grad hook. A gradient
-whose layout differs from its leaf's is set aside, and when the backward pass ends (an autograd
-engine callback) all of them are re-laid at once:
+Replicate one, and no torch function may ever see them), or that a compiled graph reads
+(`watch_graph_input`, called by `__tensor_flatten__`: inside a graph torch functions see fake
+stand-ins), gets a post-accumulate-grad hook. A gradient whose layout differs from its leaf's is set
+aside, and when the backward pass ends (an autograd engine callback) all of them are re-laid at once:
 
 - gradients that differ from their leaf only by Partial mesh dims (Replicate leaf, Partial
   gradient) are reduced in one all_reduce per (mesh, mesh dims, reduce ops, dtype), flattened into
@@ -39,13 +40,14 @@ import collections
 import functools
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from .rank_state import per_rank_contents
 from .redistribute import is_relabel, redistribute_local_tensor
 from .redistribute.buckets import reduce_in_buckets, reduction_only
 from .spec import DTensorSpec, contiguous_stride
 
-__all__ = ["watch_leaves", "watch_leaf"]
+__all__ = ["watch_leaves", "watch_leaf", "watch_graph_input"]
 
 _grad_enabled = torch.is_grad_enabled
 _compiling = torch.compiler.is_compiling  # True while dynamo traces and while AOTAutograd traces its graph
@@ -79,18 +81,34 @@ def watch_leaves(dtensor_class: type, args: tuple, kwargs: dict) -> None:
 def watch_leaf(dtensor) -> None:
     """Hook `dtensor` (once) if it is a leaf that requires grad, so its gradient is re-laid to its layout.
 
-    Not while compiling: a traced graph's leaves are stand-ins, and a compiled backward returns each
-    gradient in the layout its ops produced (docs/compile.md)."""
+    Not while compiling: a traced graph's leaves are fake stand-ins of the real ones, which
+    `watch_graph_input` hooks when dynamo takes them as the graph's inputs (docs/compile.md)."""
     if _compiling():
         return
     if dtensor.requires_grad and dtensor.is_leaf and not dtensor.__dict__.get("_gradient_watched"):
-        dtensor._gradient_watched = True
-        with torch._C.DisableTorchFunctionSubclass():  # registering is itself a torch function
-            # The hook holds the leaf itself, not a weak reference: `Module._apply` (`module.double()`) swaps a
-            # traceable subclass's parameters with `torch.utils.swap_tensors`, which refuses weakly referenced
-            # tensors. The cycle (leaf -> its hooks -> leaf) is freed by Python's garbage collector.
-            dtensor.register_hook(functools.partial(_before_accumulating, dtensor))
-            dtensor.register_post_accumulate_grad_hook(_on_accumulated)
+        _hook(dtensor)
+
+
+def watch_graph_input(dtensor) -> None:
+    """Hook `dtensor`, which requires grad, (once) if it is a real leaf: `__tensor_flatten__` calls this
+    on every DTensor that dynamo makes a graph input of (a compiled module's parameters) or checks a
+    graph's guards against (the parameters of another module reusing that graph), so a parameter used
+    only inside compiled code gets eager mode's hooks, and its compiled gradient is re-laid and bucketed
+    the same way. On every compiled call: a hooked parameter costs one dict lookup here."""
+    if not dtensor.__dict__.get("_gradient_watched") and dtensor.is_leaf:
+        if not is_fake(dtensor._local_tensor):  # AOTAutograd's fake or functional stand-ins have no backward
+            _hook(dtensor)
+
+
+def _hook(dtensor) -> None:
+    """Mark `dtensor` hooked and register its two gradient hooks (before and after accumulation)."""
+    dtensor._gradient_watched = True
+    with torch._C.DisableTorchFunctionSubclass():  # registering is itself a torch function
+        # The hook holds the leaf itself, not a weak reference: `Module._apply` (`module.double()`) swaps a
+        # traceable subclass's parameters with `torch.utils.swap_tensors`, which refuses weakly referenced
+        # tensors. The cycle (leaf -> its hooks -> leaf) is freed by Python's garbage collector.
+        dtensor.register_hook(functools.partial(_before_accumulating, dtensor))
+        dtensor.register_post_accumulate_grad_hook(_on_accumulated)
 
 
 def _before_accumulating(leaf, incoming):

@@ -7,7 +7,8 @@ guarded on it (`__metadata_guard__`: all but the sizes dynamo's own size guards 
 every DTensor with the same metadata. `__tensor_unflatten__` rebuilds a
 DTensor around a traced (fake or functional) local tensor, its layout taking the traced global size (SymInts
 under dynamic shapes, `Layout.with_shape`); the dispatch layer then runs on it as in eager mode, with `comm`
-issuing functional collectives (docs/compile.md).
+issuing functional collectives (docs/compile.md). Flattening a real leaf that requires grad hooks
+its gradient as eager mode's first use would (`gradients.watch_graph_input`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .gradients import watch_graph_input
 from .layout import Layout
 from .mesh import DeviceMesh
 from .process_groups import on_new_world
@@ -62,12 +64,15 @@ class TraceableMixin:
             return ["_local_tensor"], TracedMetadata(spec.mesh, layout, spec.dtype, self.requires_grad)
         # Called on every DTensor input of every compiled call (by its guards and its runtime wrapper): a
         # dict lookup on the interned spec's identity instead of a new object.
-        key = (spec, self.requires_grad)
+        requires_grad = self.requires_grad
+        if requires_grad:  # a parameter used only inside compiled code gets its gradient hooks here
+            watch_graph_input(self)
+        key = (spec, requires_grad)
         metadata = _metadata_by_spec.get(key)
         if metadata is None:
             if len(_metadata_by_spec) >= _MAX_METADATA:
                 _metadata_by_spec.clear()
-            metadata = _metadata_by_spec[key] = TracedMetadata(spec.mesh, spec.layout, spec.dtype, self.requires_grad)
+            metadata = _metadata_by_spec[key] = TracedMetadata(spec.mesh, spec.layout, spec.dtype, requires_grad)
         return ["_local_tensor"], metadata
 
     @classmethod

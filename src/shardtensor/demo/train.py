@@ -104,15 +104,6 @@ def forward_backward(model, tokens: torch.Tensor, targets: torch.Tensor) -> torc
     return loss
 
 
-def _relay_compiled_gradients(parameters: list[torch.nn.Parameter]) -> None:
-    """A compiled backward leaves each gradient in the layout its ops produced (docs/compile.md): the
-    sequence-parallel norms' weights get Partial gradients over "tp", which eager backward would have
-    reduced. Reduce them here, so `average_gradients` finds every gradient laid out like its parameter."""
-    for parameter in parameters:
-        if parameter.grad is not None and parameter.grad.placements != parameter.placements:
-            parameter.grad = parameter.grad.redistribute(parameter.device_mesh, parameter.placements)
-
-
 def _step(optimizer: torch.optim.Optimizer) -> None:
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -195,8 +186,6 @@ def train(options: Options) -> None:
         with comm.observe() as model_records:
             loss = forward_backward(model, _dp_slice(tokens, mesh).to(device), _dp_slice(targets, mesh).to(device))
         with comm.observe() as gradient_records:
-            if options.compile is not None and not fsdp:
-                _relay_compiled_gradients(parameters)
             loss_value = mean_loss(loss, mesh) if fsdp else average_gradients(parameters, mesh, loss)
         _step(optimizer)
         elapsed = time.perf_counter() - began
