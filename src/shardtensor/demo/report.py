@@ -1,6 +1,7 @@
 """What the demo shows on rank 0: a progress bar (loss, tokens/s, the one-device loss with
---compare), then the collectives of one training step, how one weight is laid out, and a sample
-of generated text (sampled on rank 0 from a one-device copy of the trained weights)."""
+--compare) and the final loss (a mean over the last steps), then the collectives of one training step,
+how one weight is laid out, and a sample of generated text (sampled on rank 0 from a one-device copy of
+the trained weights)."""
 
 from __future__ import annotations
 
@@ -108,7 +109,7 @@ class Progress:
         self.bar.stop()
         if self.losses:
             mean = sum(self.losses) / len(self.losses)
-            self.console.print(f"final loss {mean:.4f} nats per character of the text (the mean of the last {len(self.losses)} steps' losses)")
+            self.console.print(f"final loss {mean:.4f} nats per character (the mean of the last {len(self.losses)} steps' losses)")
         self.console.print(f"model: {_global_parameters(model):,} parameters")
         if step_communication:
             self.console.print(communication_table(step_communication))
