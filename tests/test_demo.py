@@ -1,7 +1,7 @@
 """The demo: its model's tensor-parallel plan trains exactly like one device (1, 2, 4 ranks and the
 tp dim of 2x2) with the collectives of hand-written Megatron sequence parallelism, FSDP x TP (its
 default on 2x2) too, and the command itself runs (spawned ranks with --compare, and under torchrun)
-and exits 0."""
+and exits 0; its default run, as a user starts it, learns to write Python-looking code."""
 
 import collections
 import copy
@@ -184,7 +184,7 @@ def test_options_check_the_mesh_against_the_ranks():
     assert parse_options(["--data-parallel", "ddp"])[0].data_parallel == "ddp"
     assert parse_options(["--compile"])[0].compile == "inductor" and parse_options([])[0].compile is None
     assert parse_options(["--mesh", "1x4", "--compile", "aot_eager"])[0].compile == "aot_eager"
-    assert options.learning_rate == 2.5e-3 and parse_options(["--pipeline"])[0].learning_rate == 2e-3  # no schedule there
+    assert options.learning_rate == 7e-3 and parse_options(["--pipeline"])[0].learning_rate == 2e-3  # no schedule there
     assert parse_options(["--pipeline", "--lr", "1e-3"])[0].learning_rate == 1e-3
     for wrong in (["--nproc", "2", "--mesh", "2x2"], ["--mesh", "1x3"], ["--mesh", "4x1", "--batch-size", "6"],
                   ["--data-parallel", "zero"], ["--pipeline", "--compile"]):
@@ -237,6 +237,35 @@ def test_the_demo_trains_on_a_2x2_mesh_like_one_device_and_resumes_on_another_me
     assert "replicated, gradients all-reduced" in " ".join(resumed.stdout.split())
     assert "4/4" in resumed.stdout and "losses agree with one device (2 steps" in resumed.stdout
     assert "Warning" not in resumed.stderr, resumed.stderr  # saving over the checkpoint it resumed from is meant
+
+
+# The default run's final loss (the mean of its last 20 steps' losses, nats per character) must be at most
+# this: it is 1.4785 on torch 2.13.0 and 2.14.1 alike; the margin is for float rounding in other builds.
+DEFAULT_LOSS_LIMIT = 1.53
+
+
+def _printed_sample(stdout: str) -> list[str]:
+    """The lines of generated text: between the rule titled "sample" and the next bare rule."""
+    lines = stdout.splitlines()
+    start = next(index for index, line in enumerate(lines) if line.startswith("─") and " sample " in line)
+    end = next(index for index in range(start + 1, len(lines)) if set(lines[index]) == {"─"})
+    return lines[start + 1 : end]
+
+
+def test_the_default_demo_learns_to_write_python():
+    """The README's first command as a user runs it (4 spawned ranks, fully_shard x TP on 2x2, default
+    flags): exit 0, nothing on stderr, a final loss of about 1.5 nats per character or less, and a sample
+    that reads as Python: indented lines, `def `, `self.`, `return`, and quotes paired on nearly every line."""
+    finished = _run([sys.executable, "-m", "shardtensor.demo"], timeout=900)
+    assert finished.stderr == "", finished.stderr
+    loss = float(re.search(r"final loss ([0-9.]+) nats per character", finished.stdout).group(1))
+    assert loss <= DEFAULT_LOSS_LIMIT, finished.stdout
+    sample = _printed_sample(finished.stdout)
+    text = "\n".join(sample)
+    assert len(sample) >= 5 and all(word in text for word in ("def ", "self.", "return")), text
+    assert sum(line.startswith("    ") for line in sample) >= 0.8 * len(sample), text
+    paired = [line for line in sample if line.count("'") % 2 == 0 and line.count('"') % 2 == 0]
+    assert len(paired) >= 0.9 * len(sample), text
 
 
 def test_the_learning_rate_warms_up_then_decays_along_a_cosine():

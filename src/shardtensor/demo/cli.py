@@ -52,7 +52,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="how the dp mesh dim holds the parameters: fsdp shards them (fully_shard, the default), "
                              "ddp replicates them and all-reduces the gradients")
     parser.add_argument("--steps", type=int, default=None, help=f"training steps (default {defaults.steps}; {PipelineOptions.steps} with --pipeline)")
-    parser.add_argument("--batch-size", type=int, default=defaults.batch_size, help="global batch (sequences per step)")
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help=f"global batch, sequences per step (default {defaults.batch_size}; {PipelineOptions.batch_size} with --pipeline)")
     parser.add_argument("--block-size", type=int, default=defaults.block_size, help="characters per sequence")
     parser.add_argument("--layers", type=int, default=defaults.layers)
     parser.add_argument("--heads", type=int, default=defaults.heads)
@@ -87,6 +88,7 @@ def _pipeline_options(parser: argparse.ArgumentParser, arguments, world_size: in
     if len(mesh) != 3:
         parser.error(f"--pipeline takes --mesh PPxDPxTP (e.g. 2x2x2), got {'x'.join(map(str, mesh))}")
     pp, dp, tp = mesh
+    batch_size = PipelineOptions.batch_size if arguments.batch_size is None else arguments.batch_size
     size = world_size or arguments.nproc or pp * dp * tp
     if pp * dp * tp != size:
         parser.error(f"--mesh {pp}x{dp}x{tp} needs {pp * dp * tp} ranks, but there are {size}")
@@ -94,8 +96,8 @@ def _pipeline_options(parser: argparse.ArgumentParser, arguments, world_size: in
         parser.error(f"--heads {arguments.heads} must divide --width {arguments.width} and be a multiple of the {tp} tensor-parallel ranks")
     if arguments.layers < pp:
         parser.error(f"--layers {arguments.layers}: each of the {pp} pipeline stages needs at least one block")
-    if arguments.microbatches < 1 or arguments.batch_size % (dp * arguments.microbatches):
-        parser.error(f"--batch-size {arguments.batch_size} must split into {dp} data-parallel shares of "
+    if arguments.microbatches < 1 or batch_size % (dp * arguments.microbatches):
+        parser.error(f"--batch-size {batch_size} must split into {dp} data-parallel shares of "
                      f"--microbatches {arguments.microbatches} equal microbatches")
     if arguments.data is not None and not os.path.isfile(arguments.data):
         parser.error(f"--data {arguments.data}: no such file")
@@ -104,7 +106,7 @@ def _pipeline_options(parser: argparse.ArgumentParser, arguments, world_size: in
     if arguments.checkpoint is not None or arguments.data_parallel != "fsdp":
         parser.error("--pipeline runs fully_shard on dp and saves no checkpoint: leave out --checkpoint and --data-parallel")
     options = PipelineOptions(
-        mesh=mesh, steps=PipelineOptions.steps if arguments.steps is None else arguments.steps, batch_size=arguments.batch_size, block_size=arguments.block_size,
+        mesh=mesh, steps=PipelineOptions.steps if arguments.steps is None else arguments.steps, batch_size=batch_size, block_size=arguments.block_size,
         layers=arguments.layers, heads=arguments.heads, width=arguments.width,
         learning_rate=PipelineOptions.learning_rate if arguments.lr is None else arguments.lr,
         seed=arguments.seed, data=arguments.data, compare=arguments.compare, sample_length=arguments.sample_length,
@@ -145,10 +147,11 @@ def parse_options(argv=None, world_size: int | None = None) -> tuple[Options, in
         parser.error(f"--warmup-steps must be 0 or more, got {arguments.warmup_steps}")
     if arguments.data is not None and not os.path.isfile(arguments.data):
         parser.error(f"--data {arguments.data}: no such file")
-    if arguments.batch_size % mesh[0]:
-        parser.error(f"--batch-size {arguments.batch_size} must divide over the {mesh[0]} data-parallel ranks")
+    batch_size = Options.batch_size if arguments.batch_size is None else arguments.batch_size
+    if batch_size % mesh[0]:
+        parser.error(f"--batch-size {batch_size} must divide over the {mesh[0]} data-parallel ranks")
     options = Options(
-        mesh=mesh, data_parallel=arguments.data_parallel, steps=Options.steps if arguments.steps is None else arguments.steps, batch_size=arguments.batch_size, block_size=arguments.block_size,
+        mesh=mesh, data_parallel=arguments.data_parallel, steps=Options.steps if arguments.steps is None else arguments.steps, batch_size=batch_size, block_size=arguments.block_size,
         layers=arguments.layers, heads=arguments.heads, width=arguments.width,
         learning_rate=Options.learning_rate if arguments.lr is None else arguments.lr, warmup_steps=arguments.warmup_steps,
         seed=arguments.seed, data=arguments.data, checkpoint=arguments.checkpoint, compare=arguments.compare,

@@ -94,7 +94,8 @@ def print_forecast(arguments) -> int:
     """`--forecast`: the demo's model from the flags, grown to fit the mesh, forecast and printed."""
     if arguments.data_parallel != "fsdp":
         raise SystemExit("--forecast models the demo with --data-parallel fsdp (the default)")
-    flags = Options(batch_size=arguments.batch_size, block_size=arguments.block_size, layers=arguments.layers,
+    batch_size = Options.batch_size if arguments.batch_size is None else arguments.batch_size
+    flags = Options(batch_size=batch_size, block_size=arguments.block_size, layers=arguments.layers,
                     heads=arguments.heads, width=arguments.width, seed=arguments.seed)
     options = fit_options(flags, arguments.forecast)
     print(f"demo GPT: {options.layers} layers, {options.heads} heads, width {options.width}, "

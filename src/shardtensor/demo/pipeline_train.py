@@ -39,6 +39,7 @@ class PipelineOptions(Options):
     schedule: str = "1f1b"  # one of pipeline.SCHEDULES
     microbatches: int = 2  # per dp rank's batch and step
     steps: int = 80  # a short run: eight processes share the cores of a small machine
+    batch_size: int = 32
     learning_rate: float = 2e-3  # constant: this loop has no warmup or decay (the 2-D loop's peak is higher)
 
 

@@ -1,6 +1,7 @@
 """What the demo shows on rank 0: a progress bar (loss, tokens/s, the one-device loss with
---compare), then the collectives of one training step, how one weight is laid out, and a sample
-of generated text (sampled on rank 0 from a one-device copy of the trained weights)."""
+--compare) and the final loss (a mean over the last steps), then the collectives of one training step,
+how one weight is laid out, and a sample of generated text (sampled on rank 0 from a one-device copy of
+the trained weights)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ __all__ = ["Progress", "generate", "print_loss_agreement", "LOSS_TOLERANCE"]
 
 # Losses of the parallel and the one-device run differ only by float32 rounding (sums in another order).
 LOSS_TOLERANCE = 1e-3
+# The final loss shown is the mean of this many last steps' losses: one step's loss is one batch's, noisy.
+FINAL_LOSS_STEPS = 20
 TEMPERATURE = 0.5  # below 1: the likelier characters, so the sample reads more like the code it learnt
 
 
@@ -75,6 +78,7 @@ class Progress:
     def __init__(self, options, corpus: Corpus, start: int):
         self.console = Console()
         self.differences: list[float] = []
+        self.losses: collections.deque[float] = collections.deque(maxlen=FINAL_LOSS_STEPS)
         self.options = options
         self.console.print(
             f"[bold]shardtensor demo[/bold]: a GPT trained on {corpus.tokens.numel():,} characters of "
@@ -98,10 +102,14 @@ class Progress:
         if reference_loss is not None:
             status += f"  one device {reference_loss:.4f}"
             self.differences.append(abs(loss - reference_loss))
+        self.losses.append(loss)
         self.bar.update(self.task, advance=1, status=status)
 
     def finish(self, step_communication, model, sample: str) -> None:
         self.bar.stop()
+        if self.losses:
+            mean = sum(self.losses) / len(self.losses)
+            self.console.print(f"final loss {mean:.4f} nats per character (the mean of the last {len(self.losses)} steps' losses)")
         self.console.print(f"model: {_global_parameters(model):,} parameters")
         if step_communication:
             self.console.print(communication_table(step_communication))
