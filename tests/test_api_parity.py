@@ -42,12 +42,29 @@ ALLOWED_MISSING = {
 }
 
 # torch version (major, minor) -> the names it adds that shardtensor lacks, with their reasons. torch 2.14 also
-# adds the factories `linspace` and `logspace`, which shardtensor has (on every torch version).
+# adds the factories `linspace` and `logspace`, and 2.15 `FSDPModule.set_keep_unsharded_storage`, which
+# shardtensor has (on every torch version).
 ALLOWED_MISSING_SINCE = {
     (2, 14): {
         "torch.distributed.tensor.experimental.local_map(spmd_types)":
             "annotates the local tensors for the type checker of the separate `spmd_types` package and runs it; "
             "shardtensor has no such checker integration",
+    },
+    (2, 15): {
+        "torch.distributed.device_mesh.DeviceMesh.abort":
+            "aborts the root mesh's process groups when a rank died (NCCL fault recovery); shardtensor's groups are "
+            "shared per rank set by every mesh of the world (process_groups), so it has no per-mesh abort; "
+            "torch.distributed.destroy_process_group ends them all",
+        "torch.distributed.fsdp.FSDPModule.set_manual_backward_finalization":
+            "defers the end of backward (reduce-scatter waits, resharding) to finalize_backward, for pipeline "
+            "schedules that reduce gradients as a separate action; here every backward finishes its reductions "
+            "and reshards in the end-of-backward callback (as set_is_last_backward(True) does), with no manual mode",
+        "torch.distributed.fsdp.FSDPModule.finalize_backward": "see set_manual_backward_finalization",
+        "torch.distributed.fsdp.GradientReductionHandle": "finalize_backward(async_op=True)'s handle: see "
+            "set_manual_backward_finalization",
+        "torch.distributed.fsdp.MixedPrecisionPolicy.param_dtype_override_fn":
+            "keeps some parameters in their own dtype while the others are gathered in param_dtype; a unit here "
+            "gathers one flat buffer of one dtype: shard such parameters in their own fully_shard call",
     },
 }
 

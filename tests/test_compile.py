@@ -308,6 +308,10 @@ def _mlp_on_changing_shapes(mesh, shapes, *, hidden: int, mark_dim: int | None =
             assert_close(out, expected)
             out.square().sum().backward()
         expected.square().sum().backward()
+        # The layout RowwiseParallel leaves on its local output, returned by the graph, holds this call's sizes
+        # (torch 2.15 raised NameError for the trace's symbol; 2.13 and 2.14 kept it as a stale SymInt).
+        tagged_shape = out._shardtensor_layout[2]
+        assert tagged_shape == (*shape, 8) and all(type(size) is int for size in tagged_shape), tagged_shape
         for (name, parameter), wanted in zip(model.named_parameters(), reference.parameters()):
             assert_close(parameter.grad.full_tensor(), wanted.grad, msg=lambda m: f"{name} at {shape}: {m}")
         model.zero_grad()

@@ -8,7 +8,7 @@ from test_fsdp import Model, _assert_same_parameters, _batches, _kinds, _local_b
 from torch import nn
 from torch.testing import assert_close
 
-from shardtensor import comm
+from shardtensor import DTensor, comm
 from shardtensor.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
 
 
@@ -178,3 +178,34 @@ def test_methods_that_only_accept_what_is_always_true_here(mesh):
         renamed.set_is_last_backward(1)
     with pytest.raises(NotImplementedError, match="only True is supported"):
         renamed.set_reduce_scatter_unused_params(False)
+
+
+@spmd(meshes=[(2,)])
+def test_keep_unsharded_storage_keeps_data_pointers_and_trains_like_one_device(mesh):
+    """`set_keep_unsharded_storage(True)` (torch 2.15's name): every forward gathers into the same storage (the
+    unsharded parameters' data pointers do not change between steps), outside forward the modules show the
+    sharded parameters as before, and two AdamW steps equal one device's."""
+    batches = _batches(2)
+    reference = _train_reference(_model(), batches)
+    sharded = _shard(_model(), mesh)
+    sharded.set_keep_unsharded_storage(True)
+    freed = _shard(_model(), mesh)  # the default, for comparison: resharding frees the storage
+    gathered = {id(sharded): [], id(freed): []}
+    for model in (sharded, freed):
+        model.blocks[0].register_forward_pre_hook(
+            lambda module, args, key=id(model): gathered[key].append(list(module.parameters())))
+    optimizer = torch.optim.AdamW(sharded.parameters(), lr=0.01)
+    for index in range(len(batches)):
+        inputs, target = _local_inputs(mesh, index)
+        _loss(sharded(inputs), target).backward()
+        _loss(freed(inputs), target).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        assert all(isinstance(parameter, DTensor) for parameter in sharded.blocks[0].parameters())
+        assert all(tensor.untyped_storage().nbytes() > 0 for tensor in gathered[id(sharded)][-1])
+        assert all(tensor.untyped_storage().nbytes() == 0 for tensor in gathered[id(freed)][-1])
+    first, second = ([tensor.data_ptr() for tensor in step] for step in gathered[id(sharded)])
+    assert first == second
+    _assert_same_parameters(sharded, reference)
+    with pytest.raises(TypeError, match="takes a bool"):
+        sharded.set_keep_unsharded_storage(1)

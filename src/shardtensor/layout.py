@@ -481,4 +481,4 @@ class Layout:
 # torch.compile holds a layout as an opaque value (compared with `==`, hashed, written into a graph's code
 # by `__fx_repr__`), as it holds placements: a parallel style's Python reads a traced DTensor's layout
 # (`parallel.layouts`). Its fields are read directly; its methods run on the real layout while tracing.
-register_graph_constant(Layout, members={"local_shape": MemberType.USE_REAL})
+register_graph_constant(Layout, members={"local_shape": MemberType.USE_REAL, "explicit_pieces": MemberType.USE_REAL})

@@ -78,7 +78,7 @@ class Placement:
         return repr(self), {type(self).__name__: type(self), "inf": math.inf}
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, weakref_slot=True)
 class Shard(Placement):
     """Tensor dim `dim` is split across the mesh dim; sizes follow `torch.chunk` unless given."""
 
@@ -109,7 +109,7 @@ class Shard(Placement):
         return f"Shard(dim={self.dim})"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, weakref_slot=True)
 class Replicate(Placement):
     """Every rank along the mesh dim holds the whole tensor dim."""
 
@@ -123,7 +123,7 @@ class Replicate(Placement):
         return "Replicate()"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, weakref_slot=True)
 class Partial(Placement):
     """Each rank holds an operand; the value is their reduction (`reduce_op`) over the mesh dim.
 
@@ -333,7 +333,8 @@ def normalize_placements(placements: Sequence[Placement], ndim: int, mesh_ndim: 
     return tuple(normalized)
 
 
-# torch.compile holds placements in a graph as opaque values: compared with `==` (guards), hashed, and
+# torch.compile holds placements in a graph as opaque values: compared with `==` (guards), hashed, kept in a
+# weak dictionary by torch 2.15's tracer (hence the weakref slots; a graph may return them), and
 # written into the graph's code by `__fx_repr__`.
 for _placement_class in (Shard, Replicate, Partial, NormPartial):
     register_graph_constant(_placement_class)

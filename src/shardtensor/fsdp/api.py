@@ -102,6 +102,14 @@ class FSDPModule:
         for module in self._fsdp_modules(recurse):
             module._fsdp_unit.reshard_after_backward = reshard_after_backward
 
+    def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:
+        """With True, resharding keeps the unsharded parameters' storage (it is gathered into again, so its data
+        pointers stay the same, as CUDA graph capture needs) at the cost of holding it; False frees it (default)."""
+        if not isinstance(keep, bool):
+            raise TypeError(f"set_keep_unsharded_storage takes a bool, got {keep!r}")
+        for module in self._fsdp_modules(recurse):
+            module._fsdp_unit.keep_unsharded_storage = keep
+
     def set_modules_to_forward_prefetch(self, modules: Sequence[FSDPModule]) -> None:
         """Gather these units asynchronously when this one's forward starts (instead of the next one run)."""
         self._fsdp_unit.forward_prefetch = [_unit_of(module, "set_modules_to_forward_prefetch") for module in modules]

@@ -66,6 +66,7 @@ class ParameterUnit:
         self.requires_all_reduce = True  # HSDP: False keeps the reduce-scatter's output for the next backward
         self.partial_reduce_output: torch.Tensor | None = None
         self.unshard_in_backward = True
+        self.keep_unsharded_storage = False  # reshard keeps the unsharded buffer's storage (stable data pointers)
         self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
         self.gradient_divide_factor: float | None = None
         self.coordinate = mesh.get_local_rank(self.shard_mesh_dim)
@@ -277,7 +278,7 @@ class ParameterUnit:
             self.post_forward.keep()
         elif self.post_forward is not None:
             self.post_forward.drop()
-        if self._gathered_state == "gathered" and self.slots:
+        if self._gathered_state == "gathered" and self.slots and not self.keep_unsharded_storage:
             self._free(self._unsharded)
         self._gathered_state = "kept" if keep else "sharded"
         self._forward_tensors = None

@@ -72,18 +72,35 @@ def _tag_mismatch_error(where: str, given: Sequence[Placement], tag_placements, 
     )
 
 
+def _tag(value: DTensor) -> tuple:
+    """What a style's local output remembers of its DTensor: (mesh, placements, global shape, explicit pieces:
+    per tensor dim its pieces, or None where the size alone gives them). Sizes rather than a `Layout`: under
+    torch.compile the shape is the traced DTensor's, so the tag a graph sets on its output holds each call's
+    sizes (the graph returns them as values). A layout with symbolic sizes would be a constant of the graph
+    naming symbols its code does not bind (torch 2.15: NameError; 2.13 and 2.14 kept a stale SymInt)."""
+    layout = value.sharding
+    return value.device_mesh, layout.placements, tuple(value.shape), layout.explicit_pieces()
+
+
 def _tagged_layout(local: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...], where: str):
-    """The layout a style stored on `local`, if it still describes it (same shape, this mesh)."""
+    """The global shape and explicit shard sizes a style stored on `local`, if they still describe it (this
+    mesh; eagerly, also its local shape), else None."""
     tag = getattr(local, _LAYOUT_ATTRIBUTE, None)  # an attribute, not `__dict__`: torch.compile traces attributes
     if tag is None:
         return None
-    tag_mesh, layout = tag
+    tag_mesh, tag_placements, shape, explicit = tag
     coordinate = mesh.get_coordinate()
-    if tag_mesh != mesh or coordinate is None or layout.local_shape(coordinate) != tuple(local.shape):
+    if tag_mesh != mesh or coordinate is None:
         return None
-    if layout.placements != placements:
-        raise _tag_mismatch_error(where, placements, layout.placements, tag_mesh)
-    return layout
+    sizes = {mesh_dim: explicit[p.dim] for mesh_dim, p in enumerate(tag_placements)
+             if isinstance(p, Shard) and explicit[p.dim] is not None}
+    if not torch.compiler.is_compiling():  # compiled, from_local checks the local shape while tracing
+        layout = Layout.create(mesh.shape, tag_placements, shape, shard_sizes=sizes or None)
+        if layout.local_shape(coordinate) != tuple(local.shape):
+            return None
+    if tag_placements != placements:
+        raise _tag_mismatch_error(where, placements, tag_placements, tag_mesh)
+    return shape, sizes
 
 
 def _layout_of_view(view: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...]):
@@ -141,12 +158,14 @@ def to_dtensor(
     if not isinstance(value, torch.Tensor):
         return value
     placements = normalize_placements(placements, value.ndim, mesh.ndim)
-    layout = _tagged_layout(value, mesh, placements, where)
-    if layout is None and value._base is not None:
+    tagged = _tagged_layout(value, mesh, placements, where)
+    if tagged is None and value._base is not None:
         layout = _layout_of_view(value, mesh, placements)
-    if layout is not None:
-        sizes = {mesh_dim: layout.pieces[p.dim] for mesh_dim, p in enumerate(placements) if isinstance(p, Shard)}
-        return DTensor.from_local(value, mesh, placements, shape=layout.shape, shard_sizes=sizes or None)
+        if layout is not None:
+            tagged = layout.shape, {mesh_dim: layout.pieces[p.dim] for mesh_dim, p in enumerate(placements) if isinstance(p, Shard)}
+    if tagged is not None:
+        shape, sizes = tagged
+        return DTensor.from_local(value, mesh, placements, shape=shape, shard_sizes=sizes or None)
     shape = list(value.shape)
     known = {dim % max(value.ndim, 1): size for dim, size in (known_sizes or {}).items()}
     for placement in placements:
@@ -194,7 +213,7 @@ def to_output(value, placements: Sequence[Placement] | None, use_local_output: b
     if not use_local_output:
         return value
     local = value.to_local()
-    setattr(local, _LAYOUT_ATTRIBUTE, (value.device_mesh, value.sharding))
+    setattr(local, _LAYOUT_ATTRIBUTE, _tag(value))
     base = local._base  # what a view of `local` (q_proj(x).view(..., heads, head_dim)) has as its base
     if base is not None and base.numel() == local.numel() and not torch.compiler.is_compiling():
         setattr(base, _BASE_LAYOUT_ATTRIBUTE, (value.device_mesh, value.sharding))
