@@ -324,7 +324,8 @@ def test_redistributions_of_every_kind_name_the_device_of_what_they_make(mesh):
         torch.testing.assert_close(result.full_tensor(), expected)
     assert torch.equal(scattered, full.split([4, 1])[mesh.get_rank()]) and shapes == [(4, 6), (1, 6)]
     receiving = {("comm/collectives.py", "scatter")} if mesh.get_rank() != 0 else set()  # its receive buffer
-    expected_sites = {("comm/objects.py", "_gather_objects"), ("comm/collectives.py", "reduce_scatter")} | receiving
+    # (reduce_scatter's own output buffer is made on nccl only: over gloo it runs as an exchange, `comm.peers`)
+    expected_sites = {("comm/objects.py", "_gather_objects")} | receiving
     _assert_every_call_names_a_device(calls, expected_sites)
 
 
