@@ -28,10 +28,12 @@ _derived: dict[tuple, Layout] = {}
 _local_shapes: dict[tuple, tuple[int, ...]] = {}
 
 
-def _remember(key: tuple, layout: Layout) -> None:
-    if len(_derived) >= _MAX_REMEMBERED:
-        _derived.clear()
-    _derived[key] = layout
+def _remember(store: dict, key: tuple, value):
+    """Put `value` in `store` under `key` (emptying a full store first) and return it."""
+    if len(store) >= _MAX_REMEMBERED:
+        store.clear()
+    store[key] = value
+    return value
 
 # What users may pass to describe shard sizes: "chunk", or {mesh_dim: sizes along that mesh dim}.
 ShardSizes = str | Mapping[int, Sequence[int]] | None
@@ -276,11 +278,7 @@ class Layout:
         if known is not None:
             return known
         shape = tuple(self.pieces[dim][self.piece_index(dim, coordinate)] for dim in range(self.ndim))
-        if key is not None:
-            if len(_local_shapes) >= _MAX_REMEMBERED:
-                _local_shapes.clear()
-            _local_shapes[key] = shape
-        return shape
+        return shape if key is None else _remember(_local_shapes, key, shape)
 
     def local_offset(self, coordinate: Sequence[int]) -> tuple[int, ...]:
         """Global index of the first element of the local shard held at a mesh coordinate."""
@@ -375,9 +373,7 @@ class Layout:
             for old, new, old_order, new_order in zip(self.pieces, target.pieces, self.shard_order, target.shard_order)
         )
         result = Layout(self.mesh_shape, target.placements, self.shape, target.shard_order, pieces)
-        if key is not None:
-            _remember(key, result)
-        return result
+        return result if key is None else _remember(_derived, key, result)
 
     def without_partial(self) -> Layout:
         """The same layout with every Partial made Replicate: where the reduced value lives, and
@@ -390,9 +386,7 @@ class Layout:
         if self.partial_mesh_dims():
             placements = tuple(Replicate() if isinstance(p, Partial) else p for p in self.placements)
             result = Layout(self.mesh_shape, placements, self.shape, self.shard_order, self.pieces)
-        if key is not None:
-            _remember(key, result)
-        return result
+        return result if key is None else _remember(_derived, key, result)
 
     def operand_of(self, value: torch.Tensor, coordinate: Sequence[int] | None) -> torch.Tensor:
         """The local tensor at `coordinate` of this layout, from `value`, that coordinate's shard of
