@@ -5,6 +5,7 @@ equal one device; no graph break. docs/compile.md says what compiles; tests/test
 smaller programs and the helpers used here.
 """
 
+import collections
 import copy
 import dataclasses
 
@@ -128,7 +129,8 @@ def test_fully_shard_over_tp_sp_with_compiled_blocks_in_torchtitans_form(mesh):
     """torchtitan's recipe on the demo's GPT: TP + SP on "tp" with local tensors between the styles,
     each block `.compile()`d (fullgraph), then fully_shard per block and at the root over "dp". The
     residual sums reach the norms as plain tensors: inside the graph, from_local assumes equal shards
-    and checks every rank's shape. Losses and parameters after 3 AdamW steps as one device."""
+    and checks every rank's shape. Losses and parameters after 3 AdamW steps as one device; each step's
+    collectives (the compiling one too) are recorded as an eager copy's, in order, with mesh dims and bytes."""
     from shardtensor.demo.train import forward_backward, mean_loss
     from shardtensor.fsdp import fully_shard
     from shardtensor.mesh import DeviceMesh
@@ -137,22 +139,34 @@ def test_fully_shard_over_tp_sp_with_compiled_blocks_in_torchtitans_form(mesh):
     mesh = DeviceMesh("cpu", mesh.mesh, mesh_dim_names=("dp", "tp"))
     torch.manual_seed(0)
     model = _frozen_key_bias(GPT(dataclasses.replace(CONFIG, layers=1)))  # one block: one compile to pay for
-    reference = copy.deepcopy(model)
-    parallelize_module(model, mesh["tp"], _torchtitan_plan())
-    for block in model.blocks:
-        block.compile(backend=counter, fullgraph=True)
-        fully_shard(block, mesh=mesh["dp"])
-    fully_shard(model, mesh=mesh["dp"])
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
-    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.01)
+    reference, eager = copy.deepcopy(model), copy.deepcopy(model)
+    for each in (model, eager):
+        parallelize_module(each, mesh["tp"], _torchtitan_plan())
+        for block in each.blocks:
+            if each is model:
+                block.compile(backend=counter, fullgraph=True)
+            fully_shard(block, mesh=mesh["dp"])
+        fully_shard(each, mesh=mesh["dp"])
+    optimizers = [torch.optim.AdamW(each.parameters(), lr=0.01) for each in (model, eager, reference)]
     generator = torch.Generator().manual_seed(1)
     dp = mesh.get_coordinate()[0]
+
+    def observed_step(each, tokens, targets):  # the step's loss and its collectives (kind, mesh dims, bytes)
+        with comm.observe() as records:
+            loss = mean_loss(forward_backward(each, tokens.tensor_split(2)[dp], targets.tensor_split(2)[dp]), mesh)
+        return loss, [(r.kind, r.mesh_dim_names, r.bytes_sent, r.bytes_received) for r in records]
+
     for step in range(3):
         tokens, targets = torch.randint(0, CONFIG.vocab_size, (2, 4, 8), generator=generator)
-        loss = mean_loss(forward_backward(model, tokens.tensor_split(2)[dp], targets.tensor_split(2)[dp]), mesh)
+        loss, records = observed_step(model, tokens, targets)
+        eager_loss, eager_records = observed_step(eager, tokens, targets)
         expected = forward_backward(reference, tokens, targets).item()
-        assert abs(loss - expected) < 1e-5, (step, loss, expected)
-        for each in (optimizer, reference_optimizer):
+        assert abs(loss - expected) < 1e-5 and abs(eager_loss - expected) < 1e-5, (step, loss, eager_loss, expected)
+        assert records == eager_records, step  # the compiled block's collectives count as eager's, each step
+        assert collections.Counter((kind, dims) for kind, dims, _, _ in records) == {
+            ("all_gather", ("tp",)): 10, ("reduce_scatter", ("tp",)): 7, ("all_reduce", ("tp",)): 5,  # styles and loss
+            ("all_gather", ("dp",)): 3, ("reduce_scatter", ("dp",)): 2, ("all_reduce", ("dp",)): 1}, step  # fully_shard, mean_loss
+        for each in optimizers:
             each.step()
             each.zero_grad()
     for (name, parameter), wanted in zip(model.named_parameters(), reference.parameters()):
