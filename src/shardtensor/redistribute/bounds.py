@@ -168,6 +168,9 @@ def missing_between(mesh_shape: tuple[int, ...], held_order, held_cut, wanted_or
         held_index = 0
         for mesh_dim in held_dims:
             held_index = held_index * mesh_shape[mesh_dim] + coordinate[mesh_dim]
+        if not wanted_dims:  # the wanted piece is the whole dim
+            kept *= held_pieces[held_index]
+            continue
         start = sum(wanted_pieces[:index]) if index else 0
         held_start = sum(held_pieces[:held_index]) if held_index else 0
         end, held_end = start + length, held_start + held_pieces[held_index]

@@ -125,7 +125,14 @@ def _exchange_step(before: Layout, after: Layout, itemsize: int, cost_model: Cos
 
 def _exchange_allowed(state: Layout, target: Layout) -> bool:
     """An exchange moves elements, not operands: neither side may hold Partial mesh dims."""
-    return math.prod(state.mesh_shape) > 1 and not state.partial_mesh_dims() and not target.partial_mesh_dims()
+    return math.prod(state.mesh_shape) > 1 and not _has_partial(state) and not _has_partial(target)
+
+
+def _has_partial(layout: Layout) -> bool:
+    for placement in layout.placements:
+        if isinstance(placement, Partial):
+            return True
+    return False
 
 
 # ---- search --------------------------------------------------------------------------------------
@@ -282,7 +289,7 @@ def _cheapest_step_onto(source: Layout, target: Layout, neighbors, itemsize: int
         if mesh_dim is None and best is not None and best.collective in (ALL_GATHER, ALL_TO_ALL) and (
                 cost_model.latency_of(best.collective) <= cost_model.latency_of(EXCHANGE)):
             continue  # the exchange moves the same bytes (the most missing) and starts no sooner
-        if after == target:
+        if after is target or after == target:
             step = _step_between(source, after, mesh_dim, itemsize, cost_model)
             if best is None or step.cost_us < best.cost_us:
                 best = step
@@ -371,17 +378,19 @@ def _beyond(upper: float, bound: float) -> bool:
 @functools.lru_cache(maxsize=4096)
 def _cached_plan(source: Layout, target: Layout, itemsize: int, cost_model: CostModel) -> Plan:
     _check(source, target)
+    if source == target:  # nothing to move (the search would pop the source as the target)
+        return _logged(Plan(source, target, itemsize, (), lower_bound_bytes(source, target, itemsize)))
     estimate = _remaining_cost(source, target, itemsize, cost_model)
-    onto = _steps_onto(source, target, cost_model.flattened_groups) if source != target else ()
+    onto = _steps_onto(source, target, cost_model.flattened_groups)
     direct = _cheapest_step_onto(source, target, onto, itemsize, cost_model)
     if direct is not None and _at_most(direct.cost_us, estimate):  # no plan is cheaper: the search would return it too
         return _logged(Plan(source, target, itemsize, (direct,), lower_bound_bytes(source, target, itemsize)))
-    two = _collective_then_local_step(source, target, direct, estimate, itemsize, cost_model) if source != target else None
+    two = _collective_then_local_step(source, target, direct, estimate, itemsize, cost_model)
     if two is not None:
         return _logged(Plan(source, target, itemsize, two, lower_bound_bytes(source, target, itemsize)))
     # a plan known to reach the target (the cheapest single step) bounds the search: a neighbour whose
     # lower bound is not below it would pop after the target, so it is not priced (`_priced_out`)
-    upper = direct.cost_us if direct is not None and not source.partial_mesh_dims() and not target.partial_mesh_dims() else None
+    upper = direct.cost_us if direct is not None and not _has_partial(source) and not _has_partial(target) else None
     witness = coordinate_of(source.mesh_shape, busiest_rank(source, target)) if upper is not None else ()
     best = {source: 0.0}
     arrival: dict[Layout, Step] = {}
@@ -392,7 +401,7 @@ def _cached_plan(source: Layout, target: Layout, itemsize: int, cost_model: Cost
     expanded = 0
     while frontier:
         _, _, cost, _, state = heapq.heappop(frontier)
-        if state == target:
+        if state is target:  # the search pushes the target itself
             break
         if cost > best[state]:
             continue
@@ -413,12 +422,12 @@ def _cached_plan(source: Layout, target: Layout, itemsize: int, cost_model: Cost
             else:
                 step = _step_between(state, after, mesh_dim, itemsize, cost_model)
             new_cost = cost + step.cost_us
-            if new_cost < best.get(step.after, math.inf):
-                best[step.after] = new_cost
-                arrival[step.after] = step
+            if new_cost < best.get(after, math.inf):
+                best[after] = new_cost
+                arrival[after] = step
                 # nothing remains at the target (the estimate there is 0)
-                estimate = new_cost if step.after == target else new_cost + _remaining_cost(step.after, target, itemsize, cost_model)
-                heapq.heappush(frontier, (estimate, step.after != target, new_cost, next(counter), step.after))
+                estimate = new_cost if lands else new_cost + _remaining_cost(after, target, itemsize, cost_model)
+                heapq.heappush(frontier, (estimate, not lands, new_cost, next(counter), after))
     if target not in best:
         raise _plan_error(
             source, target, "the target is unreachable",
