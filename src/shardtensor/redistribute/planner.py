@@ -36,8 +36,9 @@ rank that finishes last). Sizes are exact per rank, uneven and empty pieces incl
 runs an exact shortest path (A* with an admissible heuristic: latency plus missing bytes) and caches per
 (source, target, itemsize, cost model); each plan carries `bounds.lower_bound_bytes` to print itself against.
 Shortcuts before the search (one step at the estimate, a collective then a local step) and, in it, neighbours
-dropped unpriced when one rank's bytes show they cannot beat a known single step, return the search's plan
-(tests/test_planner.py compares them with the search without them).
+dropped unpriced (and unbuilt: `moves.neighbors` gives each move's placements, shard order and pieces) when
+one rank's bytes show they cannot beat a known single step, return the search's plan (tests/test_planner.py
+compares them with the search without them).
 """
 
 from __future__ import annotations
