@@ -13,7 +13,7 @@ import math
 from ..layout import Layout
 from ..placement import Partial
 
-__all__ = ["boxes", "overlap", "most_missing", "missing_at", "busiest_rank", "coordinate_of", "shard_shapes", "lower_bound_bytes"]
+__all__ = ["boxes", "overlap", "most_missing", "missing_at", "missing_between", "busiest_rank", "coordinate_of", "shard_shapes", "lower_bound_bytes"]
 
 
 @functools.lru_cache(maxsize=4096)
@@ -106,8 +106,9 @@ def _most_missing(held: Layout, wanted: Layout) -> tuple[int, int]:
     mesh_shape = wanted.mesh_shape
     if math.prod(mesh_shape) <= _PER_COORDINATE_RANKS:
         most = busiest = 0
+        held_order, held_cut, wanted_order, wanted_cut = held.shard_order, held.pieces, wanted.shard_order, wanted.pieces
         for index, coordinate in enumerate(itertools.product(*map(range, mesh_shape))):
-            missing = missing_at(held, wanted, coordinate)
+            missing = missing_between(mesh_shape, held_order, held_cut, wanted_order, wanted_cut, coordinate)
             if missing > most:
                 most, busiest = missing, index
         return most, busiest
@@ -147,22 +148,31 @@ def _most_missing(held: Layout, wanted: Layout) -> tuple[int, int]:
 def missing_at(held: Layout, wanted: Layout, coordinate: tuple[int, ...]) -> int:
     """Elements of the `wanted` shard at one mesh coordinate that the `held` shard there lacks: one
     rank's term of `most_missing`, so never above it (and cheaper: no per-coordinate tables)."""
-    mesh_shape = wanted.mesh_shape
+    return missing_between(wanted.mesh_shape, held.shard_order, held.pieces, wanted.shard_order, wanted.pieces, coordinate)
+
+
+def missing_between(mesh_shape: tuple[int, ...], held_order, held_cut, wanted_order, wanted_cut,
+                    coordinate: tuple[int, ...]) -> int:
+    """`missing_at` from the two layouts' shard orders and pieces alone: the planner prices a move out
+    with it before building the layout the move leads to."""
     wanted_numel = kept = 1
-    for wanted_order, wanted_pieces, held_order, held_pieces in zip(
-            wanted.shard_order, wanted.pieces, held.shard_order, held.pieces):
+    for wanted_dims, wanted_pieces, held_dims, held_pieces in zip(wanted_order, wanted_cut, held_order, held_cut):
         index = 0
-        for mesh_dim in wanted_order:
+        for mesh_dim in wanted_dims:
             index = index * mesh_shape[mesh_dim] + coordinate[mesh_dim]
         length = wanted_pieces[index]
         wanted_numel *= length
-        if held_order == wanted_order and held_pieces == wanted_pieces:
-            kept *= length
+        if not held_dims or (held_dims == wanted_dims and held_pieces == wanted_pieces):
+            kept *= length  # the held piece is the whole dim, or the wanted piece itself
             continue
         held_index = 0
-        for mesh_dim in held_order:
+        for mesh_dim in held_dims:
             held_index = held_index * mesh_shape[mesh_dim] + coordinate[mesh_dim]
-        start, held_start = sum(wanted_pieces[:index]), sum(held_pieces[:held_index])
+        if not wanted_dims:  # the wanted piece is the whole dim
+            kept *= held_pieces[held_index]
+            continue
+        start = sum(wanted_pieces[:index]) if index else 0
+        held_start = sum(held_pieces[:held_index]) if held_index else 0
         end, held_end = start + length, held_start + held_pieces[held_index]
         common = (end if end < held_end else held_end) - (start if start > held_start else held_start)
         kept *= common if common > 0 else 0

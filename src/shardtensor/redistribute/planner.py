@@ -36,8 +36,9 @@ rank that finishes last). Sizes are exact per rank, uneven and empty pieces incl
 runs an exact shortest path (A* with an admissible heuristic: latency plus missing bytes) and caches per
 (source, target, itemsize, cost model); each plan carries `bounds.lower_bound_bytes` to print itself against.
 Shortcuts before the search (one step at the estimate, a collective then a local step) and, in it, neighbours
-dropped unpriced when one rank's bytes show they cannot beat a known single step, return the search's plan
-(tests/test_planner.py compares them with the search without them).
+dropped unpriced (and unbuilt: `moves.neighbors` gives each move's placements, shard order and pieces) when
+one rank's bytes show they cannot beat a known single step, return the search's plan (tests/test_planner.py
+compares them with the search without them).
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ from dataclasses import replace
 
 from ..layout import Layout
 from ..placement import Partial, Placement, Replicate, Shard
-from .bounds import busiest_rank, coordinate_of, lower_bound_bytes, missing_at, most_missing, shard_shapes
+from .bounds import busiest_rank, coordinate_of, lower_bound_bytes, missing_at, missing_between, most_missing, shard_shapes
+from .moves import flattened_gathers, flattened_reductions, gathered_is, moves, neighbors
 from .steps import (
     ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, DEFAULT_COST_MODEL, EXCHANGE, LOCAL_STEPS, MAKE_PARTIAL, PER_MESH_DIM_COST_MODEL,
     REDUCE_SCATTER, RELABEL, SLICE, CostModel, Plan, Step, received_bytes,
@@ -124,156 +126,17 @@ def _exchange_step(before: Layout, after: Layout, itemsize: int, cost_model: Cos
 
 def _exchange_allowed(state: Layout, target: Layout) -> bool:
     """An exchange moves elements, not operands: neither side may hold Partial mesh dims."""
-    return math.prod(state.mesh_shape) > 1 and not state.partial_mesh_dims() and not target.partial_mesh_dims()
+    return math.prod(state.mesh_shape) > 1 and not _has_partial(state) and not _has_partial(target)
+
+
+def _has_partial(layout: Layout) -> bool:
+    for placement in layout.placements:
+        if isinstance(placement, Partial):
+            return True
+    return False
 
 
 # ---- search --------------------------------------------------------------------------------------
-
-
-def _target_pieces(state: Layout, target: Layout, mesh_dim: int, dim: int) -> tuple[int, ...] | None:
-    """The pieces of `dim` after `mesh_dim` newly splits it, when that split is one the target has.
-
-    When the resulting shard order of `dim` is a prefix of the target's, the new pieces are the
-    target's pieces grouped to that depth, provided they refine the current (outer) pieces.
-    """
-    order = tuple(other for other in state.shard_order[dim] if other != mesh_dim) + (mesh_dim,)
-    target_order = target.shard_order[dim]
-    if target_order[: len(order)] != order:
-        return None
-    inner = math.prod(target.mesh_shape[m] for m in target_order[len(order):])
-    final = target.pieces[dim]
-    grouped = final if inner == 1 else tuple(sum(final[i : i + inner]) for i in range(0, len(final), inner))
-    parts = state.mesh_shape[mesh_dim]
-    outer_order = order[:-1]
-    outer = _group_to_depth(state, dim, outer_order)
-    if tuple(sum(grouped[i : i + parts]) for i in range(0, len(grouped), parts)) != outer:
-        return None
-    return grouped
-
-
-def _group_to_depth(state: Layout, dim: int, order: tuple[int, ...]) -> tuple[int, ...]:
-    """Pieces of `dim` when only the mesh dims `order` (a prefix of its shard order) split it."""
-    current = state.shard_order[dim]
-    pieces = state.pieces[dim]
-    if len(order) == len(current):
-        return pieces
-    if not order:
-        return (sum(pieces),)
-    inner = math.prod(state.mesh_shape[m] for m in current[len(order):])
-    return tuple(sum(pieces[i : i + inner]) for i in range(0, len(pieces), inner))
-
-
-def _moves(state: Layout, target: Layout, mesh_dim: int, only: Placement | None = None):
-    """Candidate (placement, pieces) moves for one mesh dim of `state`; with `only`, just those to it."""
-    current = state.placements[mesh_dim]
-    wanted = target.placements[mesh_dim]
-    is_shard = isinstance(current, Shard)
-    if is_shard and state.shard_order[current.dim][-1] != mesh_dim:
-        return
-    if not isinstance(current, Replicate) and (only is None or isinstance(only, Replicate)):
-        yield _REPLICATE, None
-    current_dim = current.dim if current.__class__ is Shard else None  # what `Shard(dim) == current` tests
-    dims = range(state.ndim) if only is None else (only.dim,) if only.__class__ is Shard else ()
-    for dim in dims:
-        pieces = _target_pieces(state, target, mesh_dim, dim)
-        if dim != current_dim:
-            yield _shard(dim), pieces
-        elif pieces is not None and pieces != state.pieces[dim]:
-            yield _shard(dim), pieces
-    if not is_shard and isinstance(current, Replicate) and isinstance(wanted, Partial):
-        yield wanted, None
-
-
-_REPLICATE = Replicate()
-
-
-@functools.lru_cache(maxsize=64)
-def _shard(dim: int) -> Shard:
-    """One `Shard(dim)` per dim: a planner step builds many and compares them."""
-    return Shard(dim)
-
-
-def _neighbors(state: Layout, target: Layout, flattened_groups: bool):
-    """(mesh dim, layout after) for every step from `state`; mesh dim None for an exchange."""
-    for mesh_dim in range(state.mesh_ndim):
-        for placement, pieces in _moves(state, target, mesh_dim):
-            yield mesh_dim, state.transition(mesh_dim, placement, pieces=pieces)
-    if flattened_groups:
-        yield from _flattened_reductions(state, target)
-        yield from _flattened_gathers(state)
-    if _exchange_allowed(state, target):
-        yield None, target
-
-
-def _flattened_reductions(state: Layout, target: Layout, landing: frozenset[int] | None = None):
-    """(mesh dims, layout after) for one reduction over two or more Partial mesh dims at once (their
-    Partials commute, or `_check` has refused the plan; a mix reduces as `flattened_partial` says).
-
-    The new shards are appended in ascending mesh-dim order, which is the row-major order of the
-    flattened sub-mesh that `comm` uses, so peer i of the reduce_scatter receives piece i. With
-    `landing` (the mesh dims where `state` and `target` differ), only the moves that can be the target.
-    """
-    moving = [
-        mesh_dim for mesh_dim, placement in enumerate(state.placements)
-        if isinstance(placement, Partial) and state.mesh_shape[mesh_dim] > 1 and target.placements[mesh_dim] != placement
-    ]
-    for count in range(2, len(moving) + 1):
-        for mesh_dims in itertools.combinations(moving, count):
-            wanted = {target.placements[mesh_dim] for mesh_dim in mesh_dims}
-            if landing is not None and (set(mesh_dims) != landing or len(wanted) > 1):
-                continue
-            if landing is not None and wanted == {Replicate()} and state.shard_order == target.shard_order and (
-                    state.pieces == target.pieces):  # the layout after is the target: yield it as is
-                yield mesh_dims, target
-            elif landing is None or wanted == {Replicate()}:
-                yield mesh_dims, functools.reduce(lambda layout, m: layout.transition(m, Replicate()), mesh_dims, state)
-            for dim in range(state.ndim):
-                if landing is not None and wanted != {Shard(dim)}:
-                    continue
-                after = state
-                for mesh_dim in mesh_dims:
-                    after = after.transition(mesh_dim, Shard(dim), pieces=_target_pieces(after, target, mesh_dim, dim))
-                yield mesh_dims, after
-
-
-def _flattened_gathers(state: Layout, target: Layout | None = None, landing: frozenset[int] | None = None):
-    """(mesh dims, layout after) for one all_gather over the mesh dims that shard one tensor dim
-    innermost (a suffix of its shard order, with two or more of size > 1), all made Replicate.
-
-    The mesh dims are given in shard order (outermost first): row-major over them, peer i holds
-    piece i of the pieces being merged, consecutive on the tensor dim, so the collective's
-    concatenation in peer order is the merged piece (exact sizes, uneven ones included). With
-    `landing`, only the gather over exactly those mesh dims, where `target` replicates.
-    """
-    for dim, order in enumerate(state.shard_order):
-        for start in range(len(order) - 1):
-            mesh_dims = order[start:]
-            if len([mesh_dim for mesh_dim in mesh_dims if state.mesh_shape[mesh_dim] > 1]) < 2:
-                continue
-            if landing is not None:
-                if set(mesh_dims) != landing or any(
-                        not isinstance(target.placements[mesh_dim], Replicate) for mesh_dim in mesh_dims):
-                    continue
-                if _gathered_is(state, dim, start, target):  # the layout after is the target: yield it as is
-                    yield mesh_dims, target
-                    continue
-            after = state
-            for mesh_dim in reversed(mesh_dims):  # innermost first: only it may leave the shard order
-                after = after.transition(mesh_dim, Replicate())
-            yield mesh_dims, after
-
-
-def _gathered_is(state: Layout, dim: int, start: int, target: Layout) -> bool:
-    """Whether gathering the mesh dims `state.shard_order[dim][start:]` (made Replicate) gives `target`,
-    where the target replicates them and every other mesh dim's placement is already the target's."""
-    orders, pieces = state.shard_order, state.pieces
-    if target.shard_order[:dim] != orders[:dim] or target.shard_order[dim + 1:] != orders[dim + 1:]:
-        return False
-    if target.pieces[:dim] != pieces[:dim] or target.pieces[dim + 1:] != pieces[dim + 1:]:
-        return False
-    if target.shard_order[dim] != orders[dim][:start]:
-        return False
-    return target.pieces[dim] == _group_to_depth(state, dim, orders[dim][:start])
 
 
 def _remaining_cost(state: Layout, target: Layout, itemsize: int, cost_model: CostModel) -> float:
@@ -294,14 +157,19 @@ def _remaining_cost(state: Layout, target: Layout, itemsize: int, cost_model: Co
 @functools.lru_cache(maxsize=65536)
 def _remaining_latency(state: Layout, target: Layout, cost_model: CostModel) -> tuple[float, int]:
     """The latency part of `_remaining_cost`, and how many reductions it counts."""
+    return _latency_between(state.mesh_shape, state.placements, state.shard_order, target, cost_model)
+
+
+def _latency_between(mesh_shape, placements, shard_order, target: Layout, cost_model: CostModel) -> tuple[float, int]:
+    """`_remaining_latency` from a layout's placements and shard order alone (a move not yet built)."""
     partial_moves = 0
     moving_dims = set()
-    for mesh_dim, current in enumerate(state.placements):
-        if state.mesh_shape[mesh_dim] == 1:
+    for mesh_dim, current in enumerate(placements):
+        if mesh_shape[mesh_dim] == 1:
             continue
         if isinstance(current, Partial) and current != target.placements[mesh_dim]:
             partial_moves = partial_moves + 1 if not cost_model.flattened_groups else 1
-        elif isinstance(current, Shard) and _shard_must_move(state, target, mesh_dim, current.dim):
+        elif isinstance(current, Shard) and _shard_must_move(shard_order[current.dim], target, mesh_dim, current.dim):
             moving_dims.add(current.dim)
     shard_moves = len(moving_dims)
     least = cost_model.least_latency_us
@@ -311,15 +179,15 @@ def _remaining_latency(state: Layout, target: Layout, cost_model: CostModel) -> 
     return latency, partial_moves
 
 
-def _shard_must_move(state: Layout, target: Layout, mesh_dim: int, dim: int) -> bool:
-    """Whether `mesh_dim`, which shards tensor dim `dim`, must move at least once to reach `target`.
+def _shard_must_move(order: tuple[int, ...], target: Layout, mesh_dim: int, dim: int) -> bool:
+    """Whether `mesh_dim`, which shards tensor dim `dim` in the shard order `order`, must move at least
+    once to reach `target`.
 
     Only the innermost mesh dim of a shard order can leave it, so while `mesh_dim` stays, the
     mesh dims before it (and its own position) stay too: if that prefix differs from the
     target's, `mesh_dim` has to move. This counts the nested re-orderings that placements alone
     do not show (e.g. (S0, S0) with order (0, 1) -> the same placements with order (1, 0)).
     """
-    order = state.shard_order[dim]
     depth = order.index(mesh_dim) + 1
     return order[:depth] != target.shard_order[dim][:depth]
 
@@ -394,7 +262,7 @@ def _step_between(state: Layout, after: Layout, mesh_dim, itemsize: int, cost_mo
 
 
 def _steps_onto(source: Layout, target: Layout, flattened_groups: bool, exchange: bool = True):
-    """The neighbours of `source` (as `_neighbors` gives them) that can be `target`: one mesh dim's move
+    """The neighbours of `source` (as `moves.neighbors` gives them) that can be `target`: one mesh dim's move
     to the target's placement where only that mesh dim differs, a flattened collective when several
     differ, the exchange. Cheaper than every neighbour: most moves go elsewhere."""
     differing = [mesh_dim for mesh_dim in range(source.mesh_ndim) if source.placements[mesh_dim] != target.placements[mesh_dim]]
@@ -402,15 +270,15 @@ def _steps_onto(source: Layout, target: Layout, flattened_groups: bool, exchange
         current, wanted = source.placements[mesh_dim], target.placements[mesh_dim]
         if isinstance(current, Shard) and isinstance(wanted, Replicate) and differing:  # a gather: no layout to build
             order = source.shard_order[current.dim]
-            if order[-1] == mesh_dim and _gathered_is(source, current.dim, len(order) - 1, target):
+            if order[-1] == mesh_dim and gathered_is(source, current.dim, len(order) - 1, target):
                 yield mesh_dim, target
             continue
-        for placement, pieces in _moves(source, target, mesh_dim, only=wanted):
+        for placement, pieces in moves(source, target, mesh_dim, only=wanted):
             if placement == target.placements[mesh_dim]:
                 yield mesh_dim, source.transition(mesh_dim, placement, pieces=pieces)
     if flattened_groups and len(differing) > 1:
-        yield from _flattened_reductions(source, target, frozenset(differing))
-        yield from _flattened_gathers(source, target, frozenset(differing))
+        yield from flattened_reductions(source, target, frozenset(differing))
+        yield from flattened_gathers(source, target, frozenset(differing))
     if exchange and _exchange_allowed(source, target):
         yield None, target
 
@@ -422,7 +290,7 @@ def _cheapest_step_onto(source: Layout, target: Layout, neighbors, itemsize: int
         if mesh_dim is None and best is not None and best.collective in (ALL_GATHER, ALL_TO_ALL) and (
                 cost_model.latency_of(best.collective) <= cost_model.latency_of(EXCHANGE)):
             continue  # the exchange moves the same bytes (the most missing) and starts no sooner
-        if after == target:
+        if after is target or after == target:
             step = _step_between(source, after, mesh_dim, itemsize, cost_model)
             if best is None or step.cost_us < best.cost_us:
                 best = step
@@ -470,32 +338,35 @@ def _collective_then_local_step(source: Layout, target: Layout, direct: Step | N
         first = _cheapest_step_onto(source, middle, onto_middle, itemsize, cost_model)
         if first is None or first.collective in LOCAL_STEPS:
             continue
-        onto_target = _steps_onto(middle, target, cost_model.flattened_groups, exchange=False)
-        last = _cheapest_step_onto(middle, target, onto_target, itemsize, cost_model)
-        if last is None or last.collective not in LOCAL_STEPS:
-            continue
+        # the middle is the target with `mesh_dim` made Replicate: its one step back is local (a slice, or
+        # make_partial), the cheapest step onto the target
+        last = _make_step(middle, target, mesh_dim, itemsize, cost_model)
         cost = first.cost_us + last.cost_us
         if _at_most(cost, bound) and (direct is None or cost < direct.cost_us) and (best is None or cost < best[0]):
             best = (cost, first, last)
     return best[1:] if best is not None else None
 
 
-def _priced_out(upper: float, cost: float, state: Layout, after: Layout, mesh_dim, target: Layout,
+def _priced_out(upper: float, cost: float, state: Layout, mesh_dim, placements, order, pieces, target: Layout,
                 rank: tuple[int, ...], itemsize: int, cost_model: CostModel) -> bool:
-    """Whether the step `state` -> `after` (reached at `cost`) plus the rest of any plan to `target` costs
-    at least `upper`, neither side Partial, from a lower bound cheaper than pricing: each part's latency,
-    and the elements one rank (at `rank`) receives in the step and still lacks after it. The busiest rank
-    of the whole move is the witness: a step that sends it elements it does not keep (an all_gather
-    before a slice) is priced out by them. The rest's latency is added only when the bytes fall short."""
+    """Whether the step from `state` to the layout of `placements`, `order` and `pieces` (reached at `cost`)
+    plus the rest of any plan to `target` costs at least `upper`, neither side Partial, from a lower bound
+    cheaper than pricing (and than building that layout): each part's latency, and the elements one rank
+    (at `rank`) receives in the step and still lacks after it. The busiest rank of the whole move is the
+    witness: a step that sends it elements it does not keep (an all_gather before a slice) is priced out
+    by them. The rest's latency is added only when the bytes fall short."""
     if mesh_dim is None or isinstance(mesh_dim, tuple):
         collective = ALL_GATHER
     else:
-        collective = _collective(state.placements[mesh_dim], after.placements[mesh_dim], state.mesh_shape[mesh_dim])
-    reached = cost + cost_model.step_cost(collective, missing_at(state, after, rank) * itemsize)
-    rest = missing_at(after, target, rank) * itemsize / cost_model.bytes_per_us
+        collective = _collective(state.placements[mesh_dim], placements[mesh_dim], state.mesh_shape[mesh_dim])
+    mesh_shape = state.mesh_shape
+    received = missing_between(mesh_shape, state.shard_order, state.pieces, order, pieces, rank)
+    reached = cost + cost_model.step_cost(collective, received * itemsize)
+    lacking = missing_between(mesh_shape, order, pieces, target.shard_order, target.pieces, rank)
+    rest = lacking * itemsize / cost_model.bytes_per_us
     if _beyond(upper, reached + rest):
         return True
-    latency, _ = _remaining_latency(after, target, cost_model)
+    latency, _ = _latency_between(mesh_shape, placements, order, target, cost_model)
     return _beyond(upper, reached + (latency + rest))
 
 
@@ -508,17 +379,19 @@ def _beyond(upper: float, bound: float) -> bool:
 @functools.lru_cache(maxsize=4096)
 def _cached_plan(source: Layout, target: Layout, itemsize: int, cost_model: CostModel) -> Plan:
     _check(source, target)
+    if source == target:  # nothing to move (the search would pop the source as the target)
+        return _logged(Plan(source, target, itemsize, (), lower_bound_bytes(source, target, itemsize)))
     estimate = _remaining_cost(source, target, itemsize, cost_model)
-    onto = _steps_onto(source, target, cost_model.flattened_groups) if source != target else ()
+    onto = _steps_onto(source, target, cost_model.flattened_groups)
     direct = _cheapest_step_onto(source, target, onto, itemsize, cost_model)
     if direct is not None and _at_most(direct.cost_us, estimate):  # no plan is cheaper: the search would return it too
         return _logged(Plan(source, target, itemsize, (direct,), lower_bound_bytes(source, target, itemsize)))
-    two = _collective_then_local_step(source, target, direct, estimate, itemsize, cost_model) if source != target else None
+    two = _collective_then_local_step(source, target, direct, estimate, itemsize, cost_model)
     if two is not None:
         return _logged(Plan(source, target, itemsize, two, lower_bound_bytes(source, target, itemsize)))
     # a plan known to reach the target (the cheapest single step) bounds the search: a neighbour whose
     # lower bound is not below it would pop after the target, so it is not priced (`_priced_out`)
-    upper = direct.cost_us if direct is not None and not source.partial_mesh_dims() and not target.partial_mesh_dims() else None
+    upper = direct.cost_us if direct is not None and not _has_partial(source) and not _has_partial(target) else None
     witness = coordinate_of(source.mesh_shape, busiest_rank(source, target)) if upper is not None else ()
     best = {source: 0.0}
     arrival: dict[Layout, Step] = {}
@@ -529,28 +402,33 @@ def _cached_plan(source: Layout, target: Layout, itemsize: int, cost_model: Cost
     expanded = 0
     while frontier:
         _, _, cost, _, state = heapq.heappop(frontier)
-        if state == target:
+        if state is target:  # the search pushes the target itself
             break
         if cost > best[state]:
             continue
         expanded += 1
         if expanded > _MAX_EXPANDED_STATES:
             raise _plan_error(source, target, f"search expanded {expanded} layouts", "This is a bug; please report it.")
-        neighbors = _neighbors(state, target, cost_model.flattened_groups)
-        for mesh_dim, after in neighbors:
+        exchange = _exchange_allowed(state, target)
+        for mesh_dim, placements, order, pieces in neighbors(state, target, cost_model.flattened_groups, exchange):
+            lands = pieces == target.pieces and order == target.shard_order and placements == target.placements
+            if upper is not None and not lands and _priced_out(
+                    upper, cost, state, mesh_dim, placements, order, pieces, target, witness, itemsize, cost_model):
+                continue
+            after = target if lands else Layout(state.mesh_shape, placements, state.shape, order, pieces)
             if best.get(after, math.inf) <= cost:
                 continue
-            if upper is not None and after != target and _priced_out(
-                    upper, cost, state, after, mesh_dim, target, witness, itemsize, cost_model):
-                continue
-            step = _step_between(state, after, mesh_dim, itemsize, cost_model)
+            if lands and state is source and direct is not None and direct.mesh_dim == mesh_dim:
+                step = direct  # the shortcut priced this step already
+            else:
+                step = _step_between(state, after, mesh_dim, itemsize, cost_model)
             new_cost = cost + step.cost_us
-            if new_cost < best.get(step.after, math.inf):
-                best[step.after] = new_cost
-                arrival[step.after] = step
+            if new_cost < best.get(after, math.inf):
+                best[after] = new_cost
+                arrival[after] = step
                 # nothing remains at the target (the estimate there is 0)
-                estimate = new_cost if step.after == target else new_cost + _remaining_cost(step.after, target, itemsize, cost_model)
-                heapq.heappush(frontier, (estimate, step.after != target, new_cost, next(counter), step.after))
+                estimate = new_cost if lands else new_cost + _remaining_cost(after, target, itemsize, cost_model)
+                heapq.heappush(frontier, (estimate, not lands, new_cost, next(counter), after))
     if target not in best:
         raise _plan_error(
             source, target, "the target is unreachable",
