@@ -1,12 +1,14 @@
 """Forecast benchmark: accuracy against real gloo runs, cost at scale, and first-call redistribute planning.
 
-    .venv/bin/python bench/bench_forecast.py accuracy   # item-2 table: real 2/4-rank runs vs the forecast
+    .venv/bin/python bench/bench_forecast.py accuracy [CALIBRATION.json ...]   # item-2 table: real 2/4-rank runs vs the forecast
     .venv/bin/python bench/bench_forecast.py scale      # the demo's forecast at 8x8x16 and 16x16x64
     .venv/bin/python bench/bench_forecast.py planning   # first-call plan, ours vs torch, bench_redistribute's 2x2 rows
 
 Accuracy rows run the step on real local ranks (tests/test_forecast.py's helpers: the step twice, the
 second counted) and as one fake rank here; time is the calibrated-now alpha-beta model against the
-step's collectives replayed on gloo, and the whole measured step (compute included) for reference.
+step's collectives replayed on gloo, then the stored "gloo-local" calibration's model against the same replay
+(the stored `forecast/calibrated_gloo.json`, or each calibration file given), and the whole measured step
+(compute included) for reference.
 """
 
 from __future__ import annotations
@@ -25,18 +27,21 @@ sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
 CASES = [("demo", (2, 2)), ("demo", (4, 1)), ("redistribute", (2,)), ("redistribute", (4,)), ("redistribute", (2, 2))]
 
 
-def accuracy() -> None:
+def accuracy(calibrations: list[str]) -> None:
     import spmd
     import test_forecast as helpers
     from shardtensor import launch
     from shardtensor.comm import CommRecord
-    from shardtensor.forecast import HardwareProfile, price
-    from shardtensor.forecast.profiles import cost_model
+    from shardtensor.forecast import HardwareProfile, calibrated_profile
+    from shardtensor.forecast.profiles import CALIBRATION_FILE, cost_model
 
+    paths = [Path(path) for path in calibrations] or [CALIBRATION_FILE]
+    stored = [calibrated_profile(path) for path in paths]
     forecasts = {case: helpers._forecast_records(case[1], case[0], 0) for case in CASES}
     print("| step | mesh | collectives (forecast = real) | bytes received | peak forecast / measured | "
-          "modeled comm / replayed comm | measured step |")
-    print("|---|---|---|---|---|---|---|")
+          "modeled comm / replayed comm | " + " | ".join(f"{path.name} modeled / replayed" for path in paths)
+          + " | measured step |")
+    print("|---|---|---|---|---|---|" + "---|" * len(stored) + "---|")
     for name, shape in CASES:
         with launch.LocalWorkers(math.prod(shape), timeout=600) as pool:
             records, kinds, peak, _, step_seconds = pool.run(spmd._run_body, helpers._REAL_RUN, shape,
@@ -47,12 +52,24 @@ def accuracy() -> None:
         link = cost_model(latencies, bytes_per_us)
         here = HardwareProfile("gloo-now", 4, link, link, "measured now")
         as_records = [CommRecord(k, None, g, s, r, d or None) for k, d, g, s, r in forecast_records]
-        modeled = sum(c.time_us for c in price(as_records, shape, helpers._names(shape), (0,) * len(shape), here)) * 1e-6
+        modeled = _modeled_seconds(as_records, shape, here)
+        by_stored = [_modeled_seconds(as_records, shape, profile) for profile in stored]
         equal = "yes" if forecast_records == records else "NO"
         received = sum(record[4] for record in records)
         print(f"| {name} | {'x'.join(map(str, shape))} | {len(records)} ({equal}) | {received:,} | "
               f"{forecast_peak:,} / {peak:,} ({forecast_peak / peak:.3f}) | {modeled * 1e3:.2f} / {replayed * 1e3:.2f} ms "
-              f"({modeled / replayed:.2f}x) | {step_seconds * 1e3:.1f} ms |")
+              f"({modeled / replayed:.2f}x) | "
+              + "".join(f"{seconds * 1e3:.2f} ms ({seconds / replayed:.2f}x) | " for seconds in by_stored)
+              + f"{step_seconds * 1e3:.1f} ms |")
+
+
+def _modeled_seconds(records, shape, profile) -> float:
+    """The records' communication time under `profile`, on rank 0."""
+    from test_forecast import _names
+
+    from shardtensor.forecast import price
+
+    return sum(c.time_us for c in price(records, shape, _names(shape), (0,) * len(shape), profile)) * 1e-6
 
 
 def _scale_one(shape: str) -> None:
@@ -128,5 +145,7 @@ if __name__ == "__main__":
     command = sys.argv[1] if len(sys.argv) > 1 else "accuracy"
     if command == "_scale_one":
         _scale_one(sys.argv[2])
+    elif command == "accuracy":
+        accuracy(sys.argv[2:])
     else:
-        {"accuracy": accuracy, "scale": scale, "planning": planning}[command]()
+        {"scale": scale, "planning": planning}[command]()

@@ -1,5 +1,7 @@
 """`model.to(dtype)` / `.double()` / `.to(device)` after fully_shard: the units follow the new dtype, and
-training equals the single-device model converted the same way."""
+training equals the single-device model converted the same way. Also the dtype `reduce_dtype=None` reduces in,
+against the installed torch's fully_shard (torch 2.15 changed it).
+"""
 
 import pytest
 import torch
@@ -176,3 +178,47 @@ def test_bfloat16_after_fully_shard_computes_like_the_single_device_model_in_bfl
     _loss(output, target).backward()
     for name, parameter in sharded.named_parameters():
         assert parameter.grad.dtype == torch.bfloat16 and parameter.grad.sharding == parameter.sharding, name
+
+
+TORCH_VERSION = tuple(int(part) for part in torch.__version__.split(".")[:2])
+
+
+@spmd(meshes=[(2,)])
+def test_reduce_dtype_none_reduces_in_the_dtype_the_installed_torchs_fully_shard_does(mesh):
+    """MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=None) on float32 parameters: torch >= 2.15 reduces
+    the bf16 gradients in float32 (the parameters' dtype), torch 2.13 and 2.14 in bf16 (param_dtype). Ours
+    sends that dtype, and its float32 gradients equal torch's fully_shard's and, exactly, the ranks' bf16
+    gradients (a bf16 copy of the model on each rank's batch) summed in that dtype over 2 ranks."""
+    from torch.distributed.device_mesh import init_device_mesh as torch_init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    rank, ranks = _data_parallel_rank(mesh)
+    reduce_dtype = torch.float32 if TORCH_VERSION >= (2, 15) else torch.bfloat16
+    inputs, target = _batches(1, torch.float32)[0]
+    ours, theirs = _model(torch.float32), _model(torch.float32)
+    torch_mesh = torch_init_device_mesh("cpu", (ranks,))
+    for module in (*ours.blocks, ours):
+        fully_shard(module, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    for module in (*theirs.blocks, theirs):
+        torch_fully_shard(module, mesh=torch_mesh, mp_policy=TorchMixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    local_inputs, local_target = (_local_batch(tensor, rank, ranks) for tensor in (inputs, target))
+    with comm.observe() as records:
+        _loss(ours(local_inputs).float(), local_target).backward()
+    _loss(theirs(local_inputs).float(), local_target).backward()
+    received = sum(record.bytes_received for record in records if record.kind == "reduce_scatter")
+    assert received == sum(parameter.to_local().numel() for parameter in ours.parameters()) * (ranks - 1) * reduce_dtype.itemsize
+    rank_grads = []
+    for other in range(ranks):
+        low = _model(torch.float32).to(torch.bfloat16)
+        _loss(low(_local_batch(inputs, other, ranks).bfloat16()).float(), _local_batch(target, other, ranks)).backward()
+        rank_grads.append([parameter.grad for parameter in low.parameters()])
+    differs = False
+    for (name, parameter), theirs_parameter, grads in zip(ours.named_parameters(), theirs.parameters(), zip(*rank_grads), strict=True):
+        summed = {dtype: (sum(grad.to(dtype) for grad in grads) / ranks).float() for dtype in (torch.bfloat16, torch.float32)}
+        differs |= not torch.equal(summed[torch.bfloat16], summed[torch.float32])
+        assert parameter.grad.dtype == theirs_parameter.grad.dtype == torch.float32, name
+        ours_grad, theirs_grad = parameter.grad.full_tensor(), theirs_parameter.grad.full_tensor()
+        assert_close(ours_grad, summed[reduce_dtype], rtol=0, atol=0, msg=lambda message, name=name: f"{name}: {message}")
+        assert_close(ours_grad, theirs_grad, rtol=0, atol=0, msg=lambda message, name=name: f"{name} vs torch: {message}")
+    assert differs  # the two dtypes give different gradients here, so the comparisons above tell them apart

@@ -8,14 +8,19 @@ import torch
 
 __all__ = ["MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy"]
 
+# torch 2.15 changed what reduce_dtype=None means for FSDP2: gradients are reduced in the parameters' own
+# dtype, no longer in param_dtype (its MixedPrecisionPolicy docstring, "versionchanged:: 2.15").
+_NONE_REDUCES_IN_PARAMETER_DTYPE = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 15)
+
 
 @dataclass(frozen=True, slots=True)
 class MixedPrecisionPolicy:
     """Dtypes of one FSDP unit: sharded parameters keep their dtype, the gathered ones use `param_dtype`.
 
     `param_dtype`: the dtype parameters are all-gathered in and the forward/backward compute in
-    (None: the parameters' own). `reduce_dtype`: the dtype gradients are summed in across ranks
-    (None: `param_dtype`). `output_dtype`: floating outputs of the module's forward are cast to it
+    (None: the parameters' own). `reduce_dtype`: the dtype gradients are summed in across ranks (None:
+    as the installed torch's FSDP2 does, the parameters' own dtype on torch >= 2.15, `param_dtype` before;
+    `reduce_dtype_for`). `output_dtype`: floating outputs of the module's forward are cast to it
     (None: left alone). `cast_forward_inputs`: floating inputs of the forward are cast to
     `param_dtype`.
 
@@ -35,6 +40,15 @@ class MixedPrecisionPolicy:
                     f"MixedPrecisionPolicy({name}={value!r}): give a floating torch.dtype "
                     f"(torch.bfloat16, torch.float16, torch.float32, ...) or None to keep the parameters' dtype"
                 )
+
+
+def reduce_dtype_for(policy: MixedPrecisionPolicy, parameter_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a unit of `parameter_dtype` parameters reduces its gradients in under `policy`."""
+    if policy.reduce_dtype is not None:
+        return policy.reduce_dtype
+    if _NONE_REDUCES_IN_PARAMETER_DTYPE:
+        return parameter_dtype
+    return policy.param_dtype or parameter_dtype
 
 
 @dataclass(frozen=True, slots=True)

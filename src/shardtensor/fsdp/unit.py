@@ -22,7 +22,7 @@ from ..dtensor import DTensor
 from ..mesh import DeviceMesh
 from ..placement import Placement
 from ..spec import contiguous_stride
-from .policies import MixedPrecisionPolicy
+from .policies import MixedPrecisionPolicy, reduce_dtype_for
 from .post_forward import PostForwardShard, reshard_after_forward_choice
 from .reduction import Reduction, gradient_dtensors, local_gradients, pack_gradients
 from .slots import ParameterSlot, cut_parameters, managed_parameters, unit_error
@@ -136,7 +136,7 @@ class ParameterUnit:
     def _set_dtypes(self, parameter_dtype: torch.dtype) -> None:
         self.parameter_dtype = parameter_dtype
         self.compute_dtype = self.mp_policy.param_dtype or parameter_dtype
-        self.reduce_dtype = self.mp_policy.reduce_dtype or self.compute_dtype
+        self.reduce_dtype = reduce_dtype_for(self.mp_policy, parameter_dtype)
 
     def _build_buffers(self, total: int) -> None:
         device = self.sharded_parameters[0].device if self.sharded_parameters else torch.device(self.mesh.device_type)
