@@ -18,14 +18,16 @@ import torch
 from .graph_constants import MemberType, register_graph_constant
 from .placement import Partial, Placement, Replicate, Shard, chunk_sizes, normalize_placements
 
-__all__ = ["Layout", "chunk_sizes", "contiguous_stride", "example_size", "ShardSizes"]
+__all__ = ["Layout", "chunk_sizes", "contiguous_stride", "example_size", "piece_index", "ShardSizes"]
 
 # Layouts derived from a layout (`with_placements` targets, `without_partial`: key (layout, placements or
-# None)) and local shapes (key (layout, coordinate)), remembered by value: a training step asks for the
-# same ones at every module boundary. Pure functions of hashable values, so never stale; emptied when full.
+# None)), local shapes (key (layout, coordinate)) and explicit pieces (key: the layout), remembered by value:
+# a training step asks for the same ones at every module boundary. Pure functions of hashable values, so
+# never stale; emptied when full.
 _MAX_REMEMBERED = 4096
 _derived: dict[tuple, Layout] = {}
 _local_shapes: dict[tuple, tuple[int, ...]] = {}
+_explicit_pieces: dict[Layout, tuple[tuple[int, ...] | None, ...]] = {}
 
 
 def _remember(store: dict, key: tuple, value):
@@ -61,6 +63,15 @@ def example_size(size: int | torch.SymInt) -> int:
     from torch.fx.experimental.symbolic_shapes import optimization_hint
 
     return optimization_hint(size, fallback=8192)
+
+
+def piece_index(mesh_shape: Sequence[int], order: Sequence[int], coordinate: Sequence[int]) -> int:
+    """Index, among a tensor dim's pieces, of the piece held at a mesh coordinate, the dim being cut by the
+    mesh dims `order` (its shard order, outermost first): the coordinates along them, read as one number."""
+    index = 0
+    for mesh_dim in order:
+        index = index * mesh_shape[mesh_dim] + coordinate[mesh_dim]
+    return index
 
 
 def _default_pieces(size: int, split_counts: Sequence[int]) -> tuple[int, ...]:
@@ -266,10 +277,7 @@ class Layout:
 
     def piece_index(self, dim: int, coordinate: Sequence[int]) -> int:
         """Index into `pieces[dim]` of the piece held at a mesh coordinate."""
-        index = 0
-        for mesh_dim in self.shard_order[dim]:
-            index = index * self.mesh_shape[mesh_dim] + coordinate[mesh_dim]
-        return index
+        return piece_index(self.mesh_shape, self.shard_order[dim], coordinate)
 
     def local_shape(self, coordinate: Sequence[int]) -> tuple[int, ...]:
         """Shape of the local shard held at a mesh coordinate (remembered by value, as `with_placements`)."""
@@ -302,11 +310,16 @@ class Layout:
 
     def explicit_pieces(self) -> tuple[tuple[int, ...] | None, ...]:
         """Per tensor dim, its pieces when the dim's size alone does not give them (explicit uneven
-        sizes), else None (one piece when not sharded, `torch.chunk` pieces when sharded)."""
-        return tuple(
+        sizes), else None (one piece when not sharded, `torch.chunk` pieces when sharded). Remembered by value,
+        as `local_shape`: a parallel style's boundary reads them on every call."""
+        known = _explicit_pieces.get(self) if self._hash is not None else None
+        if known is not None:
+            return known
+        explicit = tuple(
             None if pieces == _default_pieces(size, [self.mesh_shape[m] for m in order]) else pieces
             for size, pieces, order in zip(self.shape, self.pieces, self.shard_order)
         )
+        return explicit if self._hash is None else _remember(_explicit_pieces, self, explicit)
 
     def has_default_shard_order(self) -> bool:
         return all(list(order) == sorted(order) for order in self.shard_order)

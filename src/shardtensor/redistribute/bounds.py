@@ -10,7 +10,7 @@ import functools
 import itertools
 import math
 
-from ..layout import Layout
+from ..layout import Layout, piece_index
 from ..placement import Partial
 
 __all__ = ["boxes", "overlap", "most_missing", "missing_at", "busiest_rank", "coordinate_of", "shard_shapes", "lower_bound_bytes"]
@@ -151,17 +151,13 @@ def missing_at(held: Layout, wanted: Layout, coordinate: tuple[int, ...]) -> int
     wanted_numel = kept = 1
     for wanted_order, wanted_pieces, held_order, held_pieces in zip(
             wanted.shard_order, wanted.pieces, held.shard_order, held.pieces):
-        index = 0
-        for mesh_dim in wanted_order:
-            index = index * mesh_shape[mesh_dim] + coordinate[mesh_dim]
+        index = piece_index(mesh_shape, wanted_order, coordinate)
         length = wanted_pieces[index]
         wanted_numel *= length
         if held_order == wanted_order and held_pieces == wanted_pieces:
             kept *= length
             continue
-        held_index = 0
-        for mesh_dim in held_order:
-            held_index = held_index * mesh_shape[mesh_dim] + coordinate[mesh_dim]
+        held_index = piece_index(mesh_shape, held_order, coordinate)
         start, held_start = sum(wanted_pieces[:index]), sum(held_pieces[:held_index])
         end, held_end = start + length, held_start + held_pieces[held_index]
         common = (end if end < held_end else held_end) - (start if start > held_start else held_start)
