@@ -8,12 +8,11 @@
 grad, so forward and backward each hold one all_reduce, and every call crosses the styles' boundaries
 (a local output tagged with its layout, local inputs read back as DTensors). Rank 0 runs under callgrind
 with instrumentation on around `SHORT` and then `LONG` calls (`optimizer_instructions.py`'s toggling); the
-difference is per call, all of rank 0's threads included, independent of the machine's load.
+difference is per call, for rank 0's main thread (independent of the machine's load) and all its threads.
 """
 
 from __future__ import annotations
 
-import itertools
 import os
 import socket
 import subprocess
@@ -40,10 +39,11 @@ def _rank_main(rank: int, port: int, out: str | None) -> None:
         model(x).sum().backward()
 
     if out is not None:
-        from optimizer_instructions import per_call_instructions
+        from optimizer_instructions import per_call_instructions_by_thread
 
-        per_call = per_call_instructions(forward_backward, SHORT, LONG, out, itertools.count(1))
-        print(f"TP MLP forward+backward, 2 ranks (rank 0): {per_call / 1e3:.1f} K instructions per call", flush=True)
+        main_thread, every_thread = per_call_instructions_by_thread(forward_backward, 3, SHORT, LONG, out)
+        print(f"TP MLP forward+backward, 2 ranks (rank 0), K instructions per call: main thread {main_thread / 1e3:.1f}, "
+              f"all threads {every_thread / 1e3:.1f}", flush=True)
     else:
         for _ in range(3 + SHORT + LONG):
             forward_backward()
@@ -62,7 +62,7 @@ def main() -> None:
     environment = dict(os.environ, PYTHONPATH=os.pathsep.join([bench, os.environ.get("PYTHONPATH", "")]))
     out = f"/tmp/tp_mlp.{os.getpid()}.cg"
     commands = [
-        ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}",
+        ["valgrind", "--tool=callgrind", "--instr-atstart=no", "--separate-threads=yes", f"--callgrind-out-file={out}",
          sys.executable, os.path.abspath(__file__), "0", str(port), out],
         [sys.executable, os.path.abspath(__file__), "1", str(port)],
     ]

@@ -18,7 +18,7 @@ import torch
 from .graph_constants import MemberType, register_graph_constant
 from .placement import Partial, Placement, Replicate, Shard, chunk_sizes, normalize_placements
 
-__all__ = ["Layout", "chunk_sizes", "contiguous_stride", "example_size", "piece_index", "ShardSizes"]
+__all__ = ["Layout", "chunk_sizes", "contiguous_stride", "example_size", "ShardSizes"]
 
 # Layouts derived from a layout (`with_placements` targets, `without_partial`: key (layout, placements or
 # None)), local shapes (key (layout, coordinate)) and explicit pieces (key: the layout), remembered by value:
@@ -63,15 +63,6 @@ def example_size(size: int | torch.SymInt) -> int:
     from torch.fx.experimental.symbolic_shapes import optimization_hint
 
     return optimization_hint(size, fallback=8192)
-
-
-def piece_index(mesh_shape: Sequence[int], order: Sequence[int], coordinate: Sequence[int]) -> int:
-    """Index, among a tensor dim's pieces, of the piece held at a mesh coordinate, the dim being cut by the
-    mesh dims `order` (its shard order, outermost first): the coordinates along them, read as one number."""
-    index = 0
-    for mesh_dim in order:
-        index = index * mesh_shape[mesh_dim] + coordinate[mesh_dim]
-    return index
 
 
 def _default_pieces(size: int, split_counts: Sequence[int]) -> tuple[int, ...]:
@@ -277,7 +268,10 @@ class Layout:
 
     def piece_index(self, dim: int, coordinate: Sequence[int]) -> int:
         """Index into `pieces[dim]` of the piece held at a mesh coordinate."""
-        return piece_index(self.mesh_shape, self.shard_order[dim], coordinate)
+        index = 0
+        for mesh_dim in self.shard_order[dim]:
+            index = index * self.mesh_shape[mesh_dim] + coordinate[mesh_dim]
+        return index
 
     def local_shape(self, coordinate: Sequence[int]) -> tuple[int, ...]:
         """Shape of the local shard held at a mesh coordinate (remembered by value, as `with_placements`)."""

@@ -10,7 +10,7 @@ import functools
 import itertools
 import math
 
-from ..layout import Layout, piece_index
+from ..layout import Layout
 from ..placement import Partial
 
 __all__ = ["boxes", "overlap", "most_missing", "missing_at", "busiest_rank", "coordinate_of", "shard_shapes", "lower_bound_bytes"]
@@ -146,18 +146,25 @@ def _most_missing(held: Layout, wanted: Layout) -> tuple[int, int]:
 
 def missing_at(held: Layout, wanted: Layout, coordinate: tuple[int, ...]) -> int:
     """Elements of the `wanted` shard at one mesh coordinate that the `held` shard there lacks: one
-    rank's term of `most_missing`, so never above it (and cheaper: no per-coordinate tables)."""
+    rank's term of `most_missing`, so never above it (and cheaper: no per-coordinate tables).
+
+    The piece indices are `Layout.piece_index` written inline: `most_missing` calls this for every
+    coordinate of a small mesh, and a call per tensor dim cost 2.4% of a first plan's instructions on 2x2."""
     mesh_shape = wanted.mesh_shape
     wanted_numel = kept = 1
     for wanted_order, wanted_pieces, held_order, held_pieces in zip(
             wanted.shard_order, wanted.pieces, held.shard_order, held.pieces):
-        index = piece_index(mesh_shape, wanted_order, coordinate)
+        index = 0
+        for mesh_dim in wanted_order:
+            index = index * mesh_shape[mesh_dim] + coordinate[mesh_dim]
         length = wanted_pieces[index]
         wanted_numel *= length
         if held_order == wanted_order and held_pieces == wanted_pieces:
             kept *= length
             continue
-        held_index = piece_index(mesh_shape, held_order, coordinate)
+        held_index = 0
+        for mesh_dim in held_order:
+            held_index = held_index * mesh_shape[mesh_dim] + coordinate[mesh_dim]
         start, held_start = sum(wanted_pieces[:index]), sum(held_pieces[:held_index])
         end, held_end = start + length, held_start + held_pieces[held_index]
         common = (end if end < held_end else held_end) - (start if start > held_start else held_start)
