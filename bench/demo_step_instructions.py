@@ -1,14 +1,15 @@
 """Instructions and CPU time per training step of the demo (fully_shard over "dp" x TP+SP over "tp", 2x2).
 
     .venv/bin/python bench/demo_step_instructions.py                 # CPU ms per step per rank (process, main thread)
-    .venv/bin/python bench/demo_step_instructions.py --callgrind     # plus rank 0's instructions per step
+    .venv/bin/python bench/demo_step_instructions.py --callgrind     # plus rank 0's instructions per step (main thread, all)
 
-The demo's own model, plan, batch (32 x 64 split over "dp") and AdamW(foreach=True), four gloo ranks
+The demo's own model, plan, batch (64 x 64 split over "dp") and AdamW(foreach=True), four gloo ranks
 started here as processes. Each rank reports the median over the measured steps of its process CPU time
 (every thread: gloo's too) and its main thread's, and the collectives of one step. With `--callgrind`,
 rank 0 runs under callgrind with instrumentation off except around `SHORT` and then `LONG` steps
-(toggled by `callgrind_control`, as `optimizer_instructions.py` does); the difference is per step, all
-of rank 0's threads included, independent of the machine's load (the kernel's time is not counted).
+(toggled by `callgrind_control`, as `optimizer_instructions.py` does); the difference is per step, for
+rank 0's main thread (independent of the machine's load) and for all its threads (gloo's poll while they wait
+for the other ranks: that part grows with the load). The kernel's time is not counted.
 """
 
 from __future__ import annotations
@@ -52,11 +53,12 @@ def _rank_main(rank: int, port: int, steps: int, out: str | None) -> None:
         _step(optimizer)
         return len(records)
 
-    if out is not None:  # rank 0 under callgrind: SHORT steps, then LONG steps, each phase dumped
-        from optimizer_instructions import per_call_instructions
+    if out is not None:  # rank 0 under callgrind: SHORT steps, then LONG steps, each phase dumped per thread
+        from optimizer_instructions import per_call_instructions_by_thread
 
-        per_step = per_call_instructions(step, SHORT, LONG, out, itertools.count(1))
-        print(f"instructions per step (rank 0): {per_step / 1e6:.1f} M", flush=True)
+        main_thread, every_thread = per_call_instructions_by_thread(step, WARM, SHORT, LONG, out)
+        print(f"instructions per step (rank 0): main thread {main_thread / 1e6:.1f} M, all threads "
+              f"{every_thread / 1e6:.1f} M", flush=True)
     else:
         process, thread, collectives = [], [], 0
         for index in range(steps):
@@ -93,7 +95,8 @@ def main() -> None:
         command = [sys.executable, os.path.abspath(__file__), "--rank", str(rank), "--port", str(port), "--steps", str(steps)]
         if rank == 0 and arguments.callgrind:
             out = f"/tmp/demo_step.{os.getpid()}.cg"
-            command = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}",
+            command = ["valgrind", "--tool=callgrind", "--instr-atstart=no", "--separate-threads=yes",
+                       f"--callgrind-out-file={out}",
                        *command, "--out", out]
         processes.append(subprocess.Popen(command, env=environment,
                                           stderr=subprocess.DEVNULL if rank == 0 and arguments.callgrind else None))

@@ -13,6 +13,7 @@ out), but they show where a Python-level overhead goes and do not depend on the 
 
 from __future__ import annotations
 
+import glob
 import itertools
 import os
 import subprocess
@@ -51,6 +52,26 @@ def per_call_instructions(function, short: int, long: int, out: str, dumps) -> f
         _control("--dump")
         counts.append(_instructions(f"{out}.{next(dumps)}"))
     return (counts[1] - counts[0]) / (long - short)
+
+
+def per_call_instructions_by_thread(function, warm: int, short: int, long: int, out: str) -> tuple[float, float]:
+    """Instructions per call of `function` by the main thread and by all threads, for a process run under
+    callgrind with `--separate-threads=yes` (dumps `OUT.N-TT`, thread 01 the main one): gloo's threads wait
+    for the other ranks, and how long they poll depends on the machine's load, so the main thread's count
+    is the one that load does not move."""
+    for _ in range(warm):
+        function()
+    counts = []
+    for dump, calls in enumerate((short, long), start=1):
+        _control("--instr=on")
+        for _ in range(calls):
+            function()
+        _control("--instr=off")
+        _control("--dump")
+        per_thread = {path.rsplit("-", 1)[1]: _instructions(path) for path in glob.glob(f"{out}.{dump}-*")}
+        counts.append((per_thread["01"], sum(per_thread.values())))
+    (main_short, all_short), (main_long, all_long) = counts
+    return (main_long - main_short) / (long - short), (all_long - all_short) / (long - short)
 
 
 def one_rank_world(library_name: str):

@@ -240,3 +240,32 @@ def test_local_tensors_between_styles_keep_their_layout_when_compiled(mesh):
     rows = 4 - mesh.get_coordinate()[0]  # a sequence of 7 over 2 ranks: 4 and 3 rows
     with pytest.raises(RuntimeError, match="inside a torch.compile graph: the graph was traced for the local shapes"):
         torch.compile(norm, backend="aot_eager", fullgraph=True)(torch.randn(2, rows, 4))
+
+
+@pytest.mark.parametrize("compiled_part", ["cut", "down"])
+@spmd(meshes=[(2,)], timeout=180)
+def test_a_layout_tag_crosses_between_eager_and_compiled_styles(mesh, compiled_part):
+    """A style's local output is tagged in one form eagerly (its layout) and in another inside a graph (its
+    sizes as values); each side reads the other's. "cut" compiled: its graph tags the local output, which eager
+    RowwiseParallel reads (no size learnt with an all_gather). "down" compiled: its graph reads the tag eager
+    code wrote, shards of 8 and 2 columns (the 5 and 5 of its in_features would fail its in-graph shape
+    check). Outputs as one device. (Forward only, and the compiled frames not counted: with one module of the
+    three compiled, backward fails in AOT's tangent of the uneven local tensor, and dynamo recompiles, as on
+    main before the tag's eager form.)"""
+    counter = _fresh_counter("aot_eager")
+    torch.manual_seed(0)
+    model = _CutMLP()
+    reference = copy.deepcopy(model)
+    parallelize_module(model, mesh, {
+        "up": ColwiseParallel(use_local_output=False),
+        "cut": PrepareModuleOutput(output_layouts=Shard(-1), desired_output_layouts=Shard(-1)),
+        "down": RowwiseParallel(),
+    })
+    getattr(model, compiled_part).compile(backend=counter, fullgraph=True)
+    for step in range(3):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        with comm.observe() as records:
+            out = model(x)
+        assert "all_gather" not in [record.kind for record in records], records
+        assert_close(out, reference(x), msg=lambda m: f"step {step}: {m}")
+    assert _graph_breaks() == 0, _graph_breaks()

@@ -21,11 +21,13 @@ from .placement import Partial, Placement, Replicate, Shard, chunk_sizes, normal
 __all__ = ["Layout", "chunk_sizes", "contiguous_stride", "example_size", "ShardSizes"]
 
 # Layouts derived from a layout (`with_placements` targets, `without_partial`: key (layout, placements or
-# None)) and local shapes (key (layout, coordinate)), remembered by value: a training step asks for the
-# same ones at every module boundary. Pure functions of hashable values, so never stale; emptied when full.
+# None)), local shapes (key (layout, coordinate)) and explicit pieces (key: the layout), remembered by value:
+# a training step asks for the same ones at every module boundary. Pure functions of hashable values, so
+# never stale; emptied when full.
 _MAX_REMEMBERED = 4096
 _derived: dict[tuple, Layout] = {}
 _local_shapes: dict[tuple, tuple[int, ...]] = {}
+_explicit_pieces: dict[Layout, tuple[tuple[int, ...] | None, ...]] = {}
 
 
 def _remember(store: dict, key: tuple, value):
@@ -302,11 +304,16 @@ class Layout:
 
     def explicit_pieces(self) -> tuple[tuple[int, ...] | None, ...]:
         """Per tensor dim, its pieces when the dim's size alone does not give them (explicit uneven
-        sizes), else None (one piece when not sharded, `torch.chunk` pieces when sharded)."""
-        return tuple(
+        sizes), else None (one piece when not sharded, `torch.chunk` pieces when sharded). Remembered by value,
+        as `local_shape`: a parallel style's boundary reads them on every call."""
+        known = _explicit_pieces.get(self) if self._hash is not None else None
+        if known is not None:
+            return known
+        explicit = tuple(
             None if pieces == _default_pieces(size, [self.mesh_shape[m] for m in order]) else pieces
             for size, pieces, order in zip(self.shape, self.pieces, self.shard_order)
         )
+        return explicit if self._hash is None else _remember(_explicit_pieces, self, explicit)
 
     def has_default_shard_order(self) -> bool:
         return all(list(order) == sorted(order) for order in self.shard_order)

@@ -7,8 +7,9 @@ compiler can order and overlap, and no in-place c10d call the compiled program c
 Each function returns (result, c10d work): eagerly the buffer it was given, written in place; traced,
 the functional collective's new tensor in the buffer's shape (the buffer is not written, so a graph
 holds no copy into it and drops a buffer nothing else reads), and None for the work, whose wait is in
-the graph. Each takes the collective's `record`: traced, it goes into the graph beside the functional
-collective (`records._emit`), to be recorded whenever the graph runs; eagerly the caller recorded it.
+the graph. Each takes the collective's `record` (`wire._record_on`), which also says which of the two to
+run: traced, a record, left in the graph beside the functional collective (`records._emit`) to be recorded
+whenever the graph runs; eagerly None, the caller having recorded it (so a collective asks `tracing()` once).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def _landed(buffer: torch.Tensor, result: torch.Tensor) -> tuple[torch.Tensor, N
 def all_gather_single(output: torch.Tensor, local: torch.Tensor, group, size: int, async_op: bool,
                       record: CommRecord | None):
     """Every group rank's flat `local`, in group-rank order, into the flat `output`."""
-    if tracing():
+    if record is not None:
         _emit(record, local)
         return _landed(output, _functional.all_gather_into_tensor(local, size, group.group_name))
     return output, _all_gather_single(output, local, group=group, async_op=async_op)
@@ -60,7 +61,7 @@ def all_gather_single(output: torch.Tensor, local: torch.Tensor, group, size: in
 
 def all_reduce(buffer: torch.Tensor, reduce_op: str, group, async_op: bool, record: CommRecord | None):
     """`buffer` reduced over the group (in place when eager)."""
-    if tracing():
+    if record is not None:
         _emit(record, buffer)
         return _landed(buffer, _functional.all_reduce(buffer, reduce_op, group.group_name))
     return buffer, dist.all_reduce(buffer, op=REDUCE_OPS[reduce_op], group=group, async_op=async_op)
@@ -69,7 +70,7 @@ def all_reduce(buffer: torch.Tensor, reduce_op: str, group, async_op: bool, reco
 def reduce_scatter_single(output: torch.Tensor, stacked: torch.Tensor, reduce_op: str, group, size: int,
                           async_op: bool, record: CommRecord | None):
     """This group rank's equal part of the flat `stacked` reduced over the group, into the flat `output`."""
-    if tracing():
+    if record is not None:
         _emit(record, stacked)
         return _landed(output, _functional.reduce_scatter_tensor(stacked, reduce_op, size, group.group_name))
     return output, _reduce_scatter_single(output, stacked, op=REDUCE_OPS[reduce_op], group=group, async_op=async_op)
@@ -78,7 +79,7 @@ def reduce_scatter_single(output: torch.Tensor, stacked: torch.Tensor, reduce_op
 def all_to_all_single(received: torch.Tensor, sent: torch.Tensor, output_splits: Sequence[int],
                       input_splits: Sequence[int], group, async_op: bool, record: CommRecord | None):
     """Part i of the flat `sent` (input_splits[i] elements) to group rank i; what arrives into `received`."""
-    if tracing():
+    if record is not None:
         _emit(record, sent)
         return _landed(received, _functional.all_to_all_single(sent, list(output_splits), list(input_splits),
                                                                group.group_name))
@@ -88,7 +89,7 @@ def all_to_all_single(received: torch.Tensor, sent: torch.Tensor, output_splits:
 
 def broadcast(buffer: torch.Tensor, source_rank: int, group, async_op: bool, record: CommRecord | None):
     """Global rank `source_rank`'s `buffer` on every rank of the group (in place when eager)."""
-    if tracing():
+    if record is not None:
         _emit(record, buffer)
         source = dist.get_group_rank(group, source_rank)
         return _landed(buffer, _functional.broadcast(buffer, source, group.group_name))

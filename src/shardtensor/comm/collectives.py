@@ -51,9 +51,10 @@ def all_gather(tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: MeshDims, *, di
     if collective_check.enabled:
         collective_check.agree("all_gather", peers, tensor, (dim, tuple(sizes), tuple(_with_size(tensor.shape, dim, 0))))
     local = _wire(tensor).contiguous()
+    traced = c10d.tracing()
     if _equal(sizes):
         others = peers.size - 1
-        record = _record_on("all_gather", peers, _nbytes(local) * others, _nbytes(local) * others)
+        record = _record_on("all_gather", peers, _nbytes(local) * others, _nbytes(local) * others, traced)
         output, work = c10d.all_gather_single(local.new_empty(peers.size * local.numel()), local.reshape(-1),
                                               peers.group, peers.size, async_op, record)
 
@@ -67,7 +68,7 @@ def all_gather(tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: MeshDims, *, di
         return _complete(work, finish_even, async_op)
     send = [None if c == peers.coordinate else local for c in range(peers.size)]
     shapes = [None if c == peers.coordinate else _with_size(local.shape, dim, sizes[c]) for c in range(peers.size)]
-    work, received = _exchange(send, shapes, local, peers, async_op, "all_gather")
+    work, received = _exchange(send, shapes, local, peers, async_op, "all_gather", traced)
 
     def finish_uneven() -> torch.Tensor:
         pieces = received()
@@ -103,7 +104,7 @@ def all_gather_into(output: torch.Tensor, tensor: torch.Tensor, mesh: DeviceMesh
     local = _wire(tensor).contiguous()
     wire_output = _wire(output)
     record = _record_on("all_gather", peers, _nbytes(local) * (peers.size - 1),
-                        (sum(sizes) - sizes[peers.coordinate]) * local.element_size())
+                        (sum(sizes) - sizes[peers.coordinate]) * local.element_size(), c10d.tracing())
     target = wire_output if peers.in_coordinate_order else torch.empty_like(wire_output)
     group_sizes = [sizes[c] for c in peers.group_order]
     if len(set(sizes)) == 1 and not peers.parts:
@@ -170,7 +171,7 @@ def all_to_all(tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: MeshDims, *, sp
     receive_shape = _with_size(local.shape, split_dim, split_sizes[me])
     send = [None if c == me else pieces[c] for c in range(peers.size)]
     shapes = [None if c == me else _with_size(receive_shape, concat_dim, concat_sizes[c]) for c in range(peers.size)]
-    work, received = _exchange(send, shapes, local, peers, async_op, "all_to_all")
+    work, received = _exchange(send, shapes, local, peers, async_op, "all_to_all", c10d.tracing())
 
     def finish() -> torch.Tensor:
         arrived = received()
@@ -192,14 +193,15 @@ def all_reduce(tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: MeshDims, *, re
         return _identity(tensor, async_op)
     if collective_check.enabled:
         collective_check.agree("all_reduce", peers, tensor, (tuple(tensor.shape), op))
+    traced = c10d.tracing()
     if tensor.dtype == torch.bool:
         buffer = tensor.to(torch.uint8, memory_format=torch.contiguous_format)
-    elif c10d.tracing():  # a functional all_reduce writes no buffer: no copy to protect the input
+    elif traced:  # a functional all_reduce writes no buffer: no copy to protect the input
         buffer = tensor.contiguous()
     else:
         buffer = tensor.clone(memory_format=torch.contiguous_format)
     traffic = 2 * (peers.size - 1) * _nbytes(buffer) // peers.size
-    record = _record_on("all_reduce", peers, traffic, traffic)
+    record = _record_on("all_reduce", peers, traffic, traffic, traced)
     buffer, work = c10d.all_reduce(buffer, op, peers.group, async_op, record)
     return _complete(work, lambda: buffer.to(torch.bool) if tensor.dtype == torch.bool else buffer, async_op)
 
@@ -223,10 +225,11 @@ def reduce_scatter(tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: MeshDims, *
     local = tensor.to(torch.uint8) if tensor.dtype == torch.bool else tensor
     pieces = local.split(sizes, dim)
     me = peers.coordinate
-    if _equal(sizes) and not (peers.reduces_by_exchange and not c10d.tracing()):
+    traced = c10d.tracing()
+    if _equal(sizes) and (traced or not peers.reduces_by_exchange):
         output = torch.empty(pieces[me].shape, dtype=local.dtype, device=local.device)
         record = _record_on("reduce_scatter", peers, _nbytes(local) - _nbytes(output),
-                            (peers.size - 1) * _nbytes(output))
+                            (peers.size - 1) * _nbytes(output), traced)
         if dim == 0 and peers.in_coordinate_order:
             stacked = local.contiguous()
         else:
@@ -235,14 +238,15 @@ def reduce_scatter(tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: MeshDims, *
                                                    async_op, record)
         output = reduced.view(output.shape)
     else:
-        return _reduce_scatter_uneven(tensor, pieces, op, peers, async_op)
+        return _reduce_scatter_uneven(tensor, pieces, op, peers, async_op, traced)
     return _complete(work, lambda: output.to(torch.bool) if tensor.dtype == torch.bool else output, async_op)
 
 
 _LOCAL_REDUCTIONS = {"sum": torch.add, "avg": torch.add, "product": torch.mul, "max": torch.maximum, "min": torch.minimum}
 
 
-def _reduce_scatter_uneven(tensor: torch.Tensor, pieces: Sequence[torch.Tensor], op: str, peers: _Peers, async_op: bool):
+def _reduce_scatter_uneven(tensor: torch.Tensor, pieces: Sequence[torch.Tensor], op: str, peers: _Peers, async_op: bool,
+                           traced: bool):
     """Unequal pieces (and even ones on gloo): one all_to_all sends piece c to coordinate c, then this rank
     reduces what arrived, in coordinate order after its own piece.
 
@@ -253,7 +257,7 @@ def _reduce_scatter_uneven(tensor: torch.Tensor, pieces: Sequence[torch.Tensor],
     own = pieces[me]
     send = [None if c == me else pieces[c] for c in range(peers.size)]
     shapes = [None if c == me else own.shape for c in range(peers.size)]
-    work, received = _exchange(send, shapes, own, peers, async_op, "reduce_scatter")
+    work, received = _exchange(send, shapes, own, peers, async_op, "reduce_scatter", traced)
     combine = _LOCAL_REDUCTIONS[op]
 
     def finish() -> torch.Tensor:
@@ -281,12 +285,13 @@ def broadcast(tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: MeshDims, *, src
         return _identity(_broadcast_per_mesh_dim(tensor, mesh, peers, src), async_op)
     if collective_check.enabled:
         collective_check.agree("broadcast", peers, tensor, (tuple(tensor.shape), src))
+    traced = c10d.tracing()
     if peers.coordinate == src:
         buffer = tensor.clone(memory_format=torch.contiguous_format)
-        record = _record_on("broadcast", peers, _nbytes(buffer) * (peers.size - 1), 0)
+        record = _record_on("broadcast", peers, _nbytes(buffer) * (peers.size - 1), 0, traced)
     else:
         buffer = torch.empty_like(tensor, memory_format=torch.contiguous_format)
-        record = _record_on("broadcast", peers, 0, _nbytes(buffer))
+        record = _record_on("broadcast", peers, 0, _nbytes(buffer), traced)
     wired, work = c10d.broadcast(_wire(buffer), peers.ranks[src], peers.group, async_op, record)
     return _complete(work, lambda: _unwire(wired, tensor.dtype), async_op)
 
@@ -319,7 +324,7 @@ def scatter(pieces: Sequence[torch.Tensor] | None, mesh: DeviceMesh, mesh_dim: M
     c10d.refuse_point_to_point("scatter")
     if me != src:
         buffer = torch.empty(shape, dtype=dtype, device=mesh.device_type)
-        _record_on("scatter", peers, 0, _nbytes(buffer))
+        _record_on("scatter", peers, 0, _nbytes(buffer), False)  # not traced: refused above
         work = dist.irecv(_wire(buffer), src=peers.ranks[src], group=peers.group) if buffer.numel() else None
         if work is not None and not async_op:
             work.wait()
@@ -338,7 +343,7 @@ def scatter(pieces: Sequence[torch.Tensor] | None, mesh: DeviceMesh, mesh_dim: M
             works.append(work)
         else:
             work.wait()
-    _record_on("scatter", peers, sent_bytes, 0)
+    _record_on("scatter", peers, sent_bytes, 0, False)
     return _complete(works, lambda: pieces[me], async_op)
 
 
@@ -425,7 +430,7 @@ def _all_to_all_per_mesh_dim(tensor, mesh, peers: _Peers, split_dim: int, split_
         if collective_check.enabled:
             others = _with_size(_with_size(tensor.shape, split_dim, 0), concat_dim, 0)
             collective_check.agree("all_to_all", part, local, (split_dim, concat_dim, tuple(others)))
-        _, received = _exchange(send, receive, local, part, False, "all_to_all")
+        _, received = _exchange(send, receive, local, part, False, "all_to_all", c10d.tracing())
         for position, message in enumerate(received()):
             if message is not None:
                 pieces = message.split([numel[source][target] for source, target in expected[position]])

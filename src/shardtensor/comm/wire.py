@@ -54,19 +54,20 @@ def _reduce_op(function: str, reduce_op: str, dtype: torch.dtype) -> str:
     return reduce_op
 
 
-def _record_on(kind: str, peers: _Peers, bytes_sent: int, bytes_received: int) -> CommRecord | None:
-    """Record a collective along `peers` now (eager: returns None), or return its record while tracing, for
-    the c10d call to leave in the graph (`c10d`), which then records it on every run."""
-    if c10d.tracing():
+def _record_on(kind: str, peers: _Peers, bytes_sent: int, bytes_received: int, traced: bool) -> CommRecord | None:
+    """Record a collective along `peers` now (eager: returns None), or return its record while `traced`
+    (`c10d.tracing()`, asked once by the collective), for the c10d call to leave in the graph (`c10d`), which
+    then records it on every run."""
+    if traced:
         return CommRecord(kind, peers.mesh_dim, peers.size, bytes_sent, bytes_received, peers.mesh_dim_names)
     _record(kind, peers.mesh_dim, peers.size, bytes_sent, bytes_received, peers.mesh_dim_names)
     return None
 
 
 def _exchange(send: Sequence[torch.Tensor | None], receive_shapes: Sequence[Sequence[int] | None],
-              template: torch.Tensor, peers: _Peers, async_op: bool, kind: str):
+              template: torch.Tensor, peers: _Peers, async_op: bool, kind: str, traced: bool):
     """One `all_to_all_single`: send[c] goes to coordinate c, a tensor of receive_shapes[c] comes back,
-    recorded as a collective of `kind` with the bytes it moves.
+    recorded as a collective of `kind` with the bytes it moves (`traced`: `c10d.tracing()`).
 
     None entries move nothing. Returns (c10d work, function giving the received tensors in
     coordinate order).
@@ -74,7 +75,7 @@ def _exchange(send: Sequence[torch.Tensor | None], receive_shapes: Sequence[Sequ
     input_splits = [0 if send[c] is None else send[c].numel() for c in peers.group_order]
     output_splits = [0 if receive_shapes[c] is None else math.prod(receive_shapes[c]) for c in peers.group_order]
     element_size = template.element_size()
-    record = _record_on(kind, peers, sum(input_splits) * element_size, sum(output_splits) * element_size)
+    record = _record_on(kind, peers, sum(input_splits) * element_size, sum(output_splits) * element_size, traced)
     flat = [send[c].reshape(-1) for c in peers.group_order if send[c] is not None]
     send_buffer = torch.cat(flat) if flat else template.new_empty(0)
     receive_buffer = template.new_empty(sum(output_splits))

@@ -31,7 +31,7 @@ from ..placement import Partial, Placement, Shard, normalize_placements
 
 __all__ = ["check_tp_mesh", "redistribute_to", "to_dtensor", "to_output"]
 
-# Set on the plain tensor a style returns: (mesh, layout) of the DTensor it was the local shard of.
+# Set on the plain tensor a style returns: what it knows of the DTensor it was the local shard of (`_tag`).
 _LAYOUT_ATTRIBUTE = "_shardtensor_layout"
 # Set on that tensor's base, for views of it (read only by `_layout_of_view`, which checks it fits the view).
 _BASE_LAYOUT_ATTRIBUTE = "_shardtensor_base_layout"
@@ -73,11 +73,14 @@ def _tag_mismatch_error(where: str, given: Sequence[Placement], tag_placements, 
 
 
 def _tag(value: DTensor) -> tuple:
-    """What a style's local output remembers of its DTensor: (mesh, placements, global shape, explicit pieces:
-    per tensor dim its pieces, or None where the size alone gives them). Sizes rather than a `Layout`: under
-    torch.compile the shape is the traced DTensor's, so the tag a graph sets on its output holds each call's
-    sizes (the graph returns them as values). A layout with symbolic sizes would be a constant of the graph
-    naming symbols its code does not bind (torch 2.15: NameError; 2.13 and 2.14 kept a stale SymInt)."""
+    """What a style's local output remembers of its DTensor. Eagerly (mesh, layout): the reader checks the
+    local shape against the layout's remembered one and builds nothing. While torch.compile traces, (mesh,
+    placements, global shape, explicit pieces: per tensor dim its pieces, or None where the size alone gives
+    them): the tag a graph sets on its output then holds each call's sizes (the graph returns them as values),
+    where a layout with symbolic sizes would be a constant of the graph naming symbols its code does not bind
+    (torch 2.15: NameError; 2.13 and 2.14 kept a stale SymInt)."""
+    if not torch.compiler.is_compiling():
+        return value.device_mesh, value.sharding
     layout = value.sharding
     return value.device_mesh, layout.placements, tuple(value.shape), layout.explicit_pieces()
 
@@ -88,18 +91,24 @@ def _tagged_layout(local: torch.Tensor, mesh: DeviceMesh, placements: tuple[Plac
     tag = getattr(local, _LAYOUT_ATTRIBUTE, None)  # an attribute, not `__dict__`: torch.compile traces attributes
     if tag is None:
         return None
-    tag_mesh, tag_placements, shape, explicit = tag
     coordinate = mesh.get_coordinate()
-    if tag_mesh != mesh or coordinate is None:
+    if tag[0] != mesh or coordinate is None:
         return None
+    if len(tag) == 2:  # written eagerly: the DTensor's layout
+        layout = tag[1]
+        tag_placements, shape, explicit = layout.placements, layout.shape, layout.explicit_pieces()
+    else:  # written by a compiled graph: its sizes, as values
+        _, tag_placements, shape, explicit = tag
+        layout = None
     sizes = {mesh_dim: explicit[p.dim] for mesh_dim, p in enumerate(tag_placements)
              if isinstance(p, Shard) and explicit[p.dim] is not None}
     if not torch.compiler.is_compiling():  # compiled, from_local checks the local shape while tracing
-        layout = Layout.create(mesh.shape, tag_placements, shape, shard_sizes=sizes or None)
+        if layout is None:
+            layout = Layout.create(mesh.shape, tag_placements, shape, shard_sizes=sizes or None)
         if layout.local_shape(coordinate) != tuple(local.shape):
             return None
     if tag_placements != placements:
-        raise _tag_mismatch_error(where, placements, tag_placements, tag_mesh)
+        raise _tag_mismatch_error(where, placements, tag_placements, tag[0])
     return shape, sizes
 
 

@@ -154,7 +154,8 @@ def missing_at(held: Layout, wanted: Layout, coordinate: tuple[int, ...]) -> int
 def missing_between(mesh_shape: tuple[int, ...], held_order, held_cut, wanted_order, wanted_cut,
                     coordinate: tuple[int, ...]) -> int:
     """`missing_at` from the two layouts' shard orders and pieces alone: the planner prices a move out
-    with it before building the layout the move leads to."""
+    with it before building the layout the move leads to. The piece indices are `Layout.piece_index`
+    written inline: a call per tensor dim cost 2.4% of a first plan's instructions on 2x2."""
     wanted_numel = kept = 1
     for wanted_dims, wanted_pieces, held_dims, held_pieces in zip(wanted_order, wanted_cut, held_order, held_cut):
         index = 0
