@@ -210,14 +210,9 @@ class _CutMLP(torch.nn.Module):
         return self.down(self.cut(torch.relu(self.up(x))))
 
 
-@spmd(meshes=[(2,)], timeout=180)
-def test_local_tensors_between_styles_keep_their_layout_when_compiled(mesh):
-    """A local tensor returned by a style carries its DTensor's exact layout to the next style inside a
-    compiled graph too (shards of 8 and 2 columns reach RowwiseParallel, whose in_features alone would
-    give 5 and 5): 3 AdamW steps as one device. A plain tensor a style cannot know the layout of (not
-    straight out of a style) is read as equal shards and checked in the graph: uneven shards raise
-    on every rank, naming the fix."""
-    counter = _fresh_counter("aot_eager")
+def _parallel_cut_mlp(mesh):
+    """`_CutMLP` under Colwise (DTensor output), the cut (local output of 8 and 2 columns), Rowwise; and a
+    one-device copy."""
     torch.manual_seed(0)
     model = _CutMLP()
     reference = copy.deepcopy(model)
@@ -226,6 +221,18 @@ def test_local_tensors_between_styles_keep_their_layout_when_compiled(mesh):
         "cut": PrepareModuleOutput(output_layouts=Shard(-1), desired_output_layouts=Shard(-1)),
         "down": RowwiseParallel(),
     })
+    return model, reference
+
+
+@spmd(meshes=[(2,)], timeout=180)
+def test_local_tensors_between_styles_keep_their_layout_when_compiled(mesh):
+    """A local tensor returned by a style carries its DTensor's exact layout to the next style inside a
+    compiled graph too (shards of 8 and 2 columns reach RowwiseParallel, whose in_features alone would
+    give 5 and 5): 3 AdamW steps as one device. A plain tensor a style cannot know the layout of (not
+    straight out of a style) is read as equal shards and checked in the graph: uneven shards raise
+    on every rank, naming the fix."""
+    counter = _fresh_counter("aot_eager")
+    model, reference = _parallel_cut_mlp(mesh)
     compiled = torch.compile(model, backend=counter, fullgraph=True)
 
     def losses(step: int):
@@ -253,14 +260,7 @@ def test_a_layout_tag_crosses_between_eager_and_compiled_styles(mesh, compiled_p
     three compiled, backward fails in AOT's tangent of the uneven local tensor, and dynamo recompiles, as on
     main before the tag's eager form.)"""
     counter = _fresh_counter("aot_eager")
-    torch.manual_seed(0)
-    model = _CutMLP()
-    reference = copy.deepcopy(model)
-    parallelize_module(model, mesh, {
-        "up": ColwiseParallel(use_local_output=False),
-        "cut": PrepareModuleOutput(output_layouts=Shard(-1), desired_output_layouts=Shard(-1)),
-        "down": RowwiseParallel(),
-    })
+    model, reference = _parallel_cut_mlp(mesh)
     getattr(model, compiled_part).compile(backend=counter, fullgraph=True)
     for step in range(3):
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
