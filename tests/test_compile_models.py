@@ -256,16 +256,25 @@ def test_a_layout_tag_crosses_between_eager_and_compiled_styles(mesh, compiled_p
     sizes as values); each side reads the other's. "cut" compiled: its graph tags the local output, which eager
     RowwiseParallel reads (no size learnt with an all_gather). "down" compiled: its graph reads the tag eager
     code wrote, shards of 8 and 2 columns (the 5 and 5 of its in_features would fail its in-graph shape
-    check). Outputs as one device. (Forward only, and the compiled frames not counted: with one module of the
-    three compiled, backward fails in AOT's tangent of the uneven local tensor, and dynamo recompiles, as on
-    main before the tag's eager form.)"""
+    check), and the gradient eager code gets back for them (shards of 5 and 5, from the weight's layout) is
+    moved to 8 and 2 for the backward of the input hook's graph. Outputs and gradients as one device over 3
+    calls; the frames are compiled on the first call only (torch 2.13 compiles a module's hooks and forward
+    as frames of their own: "cut" 2, "down" 3; torch 2.14: 2 and 1)."""
     counter = _fresh_counter("aot_eager")
     model, reference = _parallel_cut_mlp(mesh)
     getattr(model, compiled_part).compile(backend=counter, fullgraph=True)
     for step in range(3):
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        model.zero_grad(), reference.zero_grad()
         with comm.observe() as records:
             out = model(x)
         assert "all_gather" not in [record.kind for record in records], records
         assert_close(out, reference(x), msg=lambda m: f"step {step}: {m}")
+        out.square().sum().backward()
+        reference(x).square().sum().backward()
+        for (name, parameter), expected in zip(model.named_parameters(), reference.parameters()):
+            assert_close(parameter.grad.full_tensor(), expected.grad, msg=lambda m: f"step {step}, {name}.grad: {m}")
+        if step == 0:
+            frames = counter.frame_count
+    assert counter.frame_count == frames <= 3, (frames, counter.frame_count)  # no recompilation after the first call
     assert _graph_breaks() == 0, _graph_breaks()

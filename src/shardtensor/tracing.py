@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .autograd import Redistribute
 from .gradients import watch_graph_input
 from .layout import Layout
 from .mesh import DeviceMesh
@@ -104,9 +105,17 @@ class TraceableMixin:
         return self.redistribute(self._spec.mesh, layout.without_partial().placements)
 
     def __coerce_same_metadata_as_tangent__(self, metadata: TracedMetadata, expected_type=None):
-        """This gradient in the layout the compiled backward was traced with (None: not possible)."""
+        """This gradient in the layout the compiled backward was traced with (None: not possible): its exact
+        pieces too, as eager `FromLocal.backward` gives them (a gradient of shards 5 and 5 reaching a graph
+        traced for 8 and 2). A traced layout of another global shape (a dynamic size) gives its placements."""
         if expected_type is not None:
             return None
-        if metadata.mesh != self._spec.mesh:
+        spec = self._spec
+        if metadata.mesh != spec.mesh:
             return None
-        return self.redistribute(metadata.mesh, metadata.layout.placements)
+        target = metadata.layout
+        if target.shape != spec.layout.shape:
+            target = spec.layout.with_placements(target.placements)
+        if target == spec.layout:
+            return self
+        return Redistribute.apply(self, spec.mesh, target, False)
