@@ -24,6 +24,9 @@ from shardtensor.layout import Layout
 from shardtensor.placement import Partial, Shard
 from shardtensor.random import BLOCK_SIZE
 
+# The installed torch's (major, minor): tests whose expectation follows a torch version compare with it.
+TORCH_VERSION = tuple(int(part) for part in torch.__version__.split(".")[:2])
+
 # How plain torch combines the operands of a Partial(reduce_op), stacked along dim 0.
 _COMBINE = {
     "sum": lambda stacked: stacked.sum(0),

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-from helpers import torch_mesh
+from helpers import TORCH_VERSION, torch_mesh
 from spmd import spmd
 
 import shardtensor
@@ -19,7 +19,7 @@ from shardtensor.debug.comm_mode import CommCounts, DirectRecord
 ONE_D = [(1,), (2,), (4,)]
 # torch 2.15's all_gather_object gathers its pickled objects with all_gather_into_tensor (c10d's
 # `_allgather_base_`); earlier versions with all_gather (`allgather_`).
-_OBJECT_GATHER_KEY = "c10d._allgather_base_" if tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 15) else "c10d.allgather_"
+_OBJECT_GATHER_KEY = "c10d._allgather_base_" if TORCH_VERSION >= (2, 15) else "c10d.allgather_"
 
 
 def _torch_mode():

@@ -5,6 +5,7 @@ against the installed torch's fully_shard (torch 2.15 changed it).
 
 import pytest
 import torch
+from helpers import TORCH_VERSION
 from spmd import spmd
 from test_fsdp import (
     _batches,
@@ -178,9 +179,6 @@ def test_bfloat16_after_fully_shard_computes_like_the_single_device_model_in_bfl
     _loss(output, target).backward()
     for name, parameter in sharded.named_parameters():
         assert parameter.grad.dtype == torch.bfloat16 and parameter.grad.sharding == parameter.sharding, name
-
-
-TORCH_VERSION = tuple(int(part) for part in torch.__version__.split(".")[:2])
 
 
 @spmd(meshes=[(2,)])
